@@ -1,0 +1,47 @@
+# colossal_lab: the two commands are `make book` (the main job) and `make test`.
+# Both create .venv from requirements.txt first when it is missing or stale.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PYTHON ?= python3
+
+.PHONY: book test lint execute gpu-results wheelhouse clean
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+## book: build the HTML book from the committed (GPU-executed) notebook outputs
+book: $(VENV)/.installed
+	$(VENV)/bin/jupyter-book build --all . -W --keep-going
+	@echo "open _build/html/index.html"
+
+## test: unit tests, every notebook executed on this machine (nbval), lint, book build
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --nbval-lax --nbval-current-env book/
+	$(VENV)/bin/ruff check colossal_lab tests
+	$(MAKE) book
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check colossal_lab tests
+
+## execute: re-run every notebook in place (on a GPU node: fresh measurements)
+execute:
+	$(PYTHON) -m colossal_lab execute book/*.ipynb
+
+## gpu-results: run every benchmark and save results/<gpu>/*.json
+gpu-results:
+	$(PYTHON) -m colossal_lab env --save
+	$(PYTHON) -m colossal_lab bench fused_norm
+	$(PYTHON) -m colossal_lab bench flash_attention
+	$(PYTHON) -m colossal_lab bench baseline
+
+## wheelhouse: download wheels for an offline GPU node (Python 3.12, x86-64)
+wheelhouse: $(VENV)/.installed
+	$(PY) -m colossal_lab wheelhouse --dest .whl --python 3.12
+
+clean:
+	rm -rf _build

@@ -1,0 +1,122 @@
+"""Timing that is right on a GPU and usable on a CPU.
+
+GPU work is asynchronous: a host clock around a launch measures the launch, not the
+kernel. On CUDA we time with `triton.testing.do_bench` (CUDA events, L2 flushed between
+runs, warm-up first) for kernels, and with CUDA events around whole iterations for
+training steps. On a CPU we use `time.perf_counter`. Every figure is a median of many
+runs with its spread, never one run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median and spread of repeated runs, in milliseconds."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    n: int
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: how noisy the measurement was."""
+        return (self.p90_ms - self.p10_ms) / self.median_ms if self.median_ms else 0.0
+
+    def __str__(self) -> str:
+        return f"{self.median_ms:.3f} ms (p10 {self.p10_ms:.3f}, p90 {self.p90_ms:.3f}, n={self.n})"
+
+
+def _summary(times_ms: list[float]) -> Timing:
+    if not times_ms:
+        raise ValueError("no timings")
+    s = sorted(times_ms)
+    q = statistics.quantiles(s, n=10) if len(s) > 1 else [s[0]] * 9
+    return Timing(statistics.median(s), q[0], q[-1], len(s))
+
+
+def _on_cuda(device: torch.device | str | None) -> bool:
+    if device is None:
+        return torch.cuda.is_available()
+    return torch.device(device).type == "cuda"
+
+
+def time_fn(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,
+            cpu_warmup: int = 2, cpu_reps: int = 10, device=None) -> Timing:
+    """Time a short call (a kernel, an op, a fwd+bwd). GPU: `do_bench`; CPU: a loop."""
+    if _on_cuda(device):
+        from triton.testing import do_bench
+
+        times = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+        return _summary(list(times))
+    for _ in range(cpu_warmup):
+        fn()
+    times = []
+    for _ in range(cpu_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return _summary(times)
+
+
+def time_iterations(step: Callable[[int], object], *, warmup: int = 3, iters: int = 10,
+                    device=None, on_step: Callable[[int, float], None] | None = None
+                    ) -> Timing:
+    """Time whole iterations (a training step) one by one; `step(i)` does iteration i.
+
+    CUDA events bracket each iteration so each time is the GPU time of that step
+    (synchronising after each). `on_step(i, ms)` is called after each timed step.
+    """
+    cuda = _on_cuda(device)
+    for i in range(warmup):
+        step(i)
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for i in range(warmup, warmup + iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(i)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            step(i)
+            ms = (time.perf_counter() - t0) * 1e3
+        times.append(ms)
+        if on_step is not None:
+            on_step(i, ms)
+    return _summary(times)
+
+
+def peak_memory_gib(device=None) -> float | None:
+    """Peak allocated memory since the last reset, in GiB (None on CPU)."""
+    if not _on_cuda(device):
+        return None
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def reset_peak_memory(device=None) -> None:
+    if _on_cuda(device):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def tflops(flops: float, ms: float) -> float:
+    """FLOPs done in `ms` milliseconds, as TFLOP/s."""
+    return flops / (ms * 1e-3) / 1e12
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    """Bytes moved in `ms` milliseconds, as GB/s (10^9)."""
+    return nbytes / (ms * 1e-3) / 1e9

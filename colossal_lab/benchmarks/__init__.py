@@ -1,0 +1,21 @@
+"""GPU benchmarks, one module per experiment. Each has `run(quick=False) -> rows` and
+`main(argv)`, which saves `results/<gpu>/<name>.json` with provenance.
+
+`python -m colossal_lab bench NAME [--quick]` runs one. Providers are compared side by
+side in one process (one run, ratios), never across runs.
+"""
+
+import importlib
+
+BENCHMARKS = {
+    "baseline": "colossal_lab.benchmarks.baseline",
+    "flash_attention": "colossal_lab.benchmarks.flash_attention",
+    "fused_norm": "colossal_lab.benchmarks.fused_norm",
+}
+
+
+def get(name: str):
+    try:
+        return importlib.import_module(BENCHMARKS[name])
+    except KeyError:
+        raise ValueError(f"unknown benchmark {name!r}; choose from {sorted(BENCHMARKS)}") from None

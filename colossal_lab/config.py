@@ -1,0 +1,172 @@
+"""Model configurations, named presets, and the `Switches` that pick each fast path.
+
+`ModelConfig` describes a LLaMA-family decoder; its field names follow Hugging Face's
+`LlamaConfig` so a config converts both ways. `Switches` mirrors the argument names of
+ColossalAI's `HybridParallelPlugin` where ColossalAI has them, so a ColossalAI user
+recognises them; where our switch is not what ColossalAI's flag does, it has its own
+honest name (see chapter 03 on fused projections).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Union
+
+Backend = Union[bool, str]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A LLaMA decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU."""
+
+    vocab_size: int = 32000
+    """Token embedding rows; the output head has the same number of columns."""
+    hidden_size: int = 4096
+    """Width of the residual stream (d_model)."""
+    intermediate_size: int = 11008
+    """Width of the SwiGLU feed-forward layer."""
+    num_hidden_layers: int = 32
+    """Number of transformer blocks (L)."""
+    num_attention_heads: int = 32
+    """Query heads (Hq)."""
+    num_key_value_heads: int = 32
+    """Key/value heads (Hkv); Hq must be a multiple. Hkv < Hq is grouped-query attention."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the rotary table is built for."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon inside every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding frequencies."""
+    tie_word_embeddings: bool = False
+    """Share the embedding matrix with the output head (LLaMA does not)."""
+    initializer_range: float = 0.02
+    """Std of the normal initialisation of every linear and embedding weight."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            ok = [d for d in range(1, self.num_attention_heads + 1)
+                  if self.num_attention_heads % d == 0]
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                f"num_attention_heads={self.num_attention_heads}; choose one of {ok}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_hf(self):
+        """The equivalent `transformers.LlamaConfig` (no bias, SiLU, no rope scaling)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.initializer_range,
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+        )
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "ModelConfig":
+        names = [f.name for f in dataclasses.fields(cls)]
+        kwargs = {n: getattr(hf_config, n) for n in names if hasattr(hf_config, n)}
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]
+        return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------- presets
+
+
+def tiny() -> ModelConfig:
+    """A few-second CPU model for tests and CI: odd widths on purpose, GQA 4:2."""
+    return ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=172,
+                       num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=256)
+
+
+def llama_1b() -> ModelConfig:
+    """TinyLlama-1.1B's shape: 22 layers, d=2048, GQA 32:4."""
+    return ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                       num_hidden_layers=22, num_attention_heads=32,
+                       num_key_value_heads=4, max_position_embeddings=4096)
+
+
+def llama_7b() -> ModelConfig:
+    """LLaMA-2-7B's shape: 32 layers, d=4096, 32 heads, no GQA (6.74B parameters)."""
+    return ModelConfig()
+
+
+def llama_7b_8l() -> ModelConfig:
+    """LLaMA-7B's layer shape with 8 layers (1.88B): the chapters' one-GPU workhorse."""
+    return llama_7b().replace(num_hidden_layers=8)
+
+
+PRESETS = {"tiny": tiny, "1b": llama_1b, "llama-7b-8l": llama_7b_8l, "llama-7b": llama_7b}
+
+
+def preset(name: str) -> ModelConfig:
+    """Look up a preset by name (`tiny`, `1b`, `llama-7b-8l`, `llama-7b`)."""
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+# ---------------------------------------------------------------------------- switches
+
+PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The throughput switches. `False` is the naive reference, `True` the best backend
+    available on this device, and a string names a backend."""
+
+    enable_flash_attention: Backend = False
+    """Attention kernel: False = materialised scores; or "sdpa", "sdpa-flash", "cudnn",
+    "triton" (ours), "flash_attn"."""
+    enable_fused_normalization: Backend = False
+    """RMSNorm kernel: False = eager PyTorch ops; or "torch", "compile", "triton",
+    "liger", "apex"."""
+    enable_fused_projections: bool = False
+    """One GEMM for q/k/v and one for gate/up. Not ColossalAI's `enable_jit_fused`,
+    which fuses bias+GeLU and bias+dropout+add (chapter 03)."""
+    precision: str = "bf16"
+    """One of "fp32", "bf16" (autocast), "bf16-pure", "fp16", "fp8"."""
+    gradient_checkpoint_config: object = None
+    """None for no recomputation, or a `GradientCheckpointConfig` (chapter 04)."""
+    extra: dict = field(default_factory=dict)
+    """Backend-specific knobs that have no ColossalAI counterpart."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}; choose one of {PRECISIONS}")
+
+    def replace(self, **changes) -> "Switches":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def naive(cls, precision: str = "fp32") -> "Switches":
+        """Every switch off: what the seed chapter starts from."""
+        return cls(precision=precision)

@@ -1,0 +1,80 @@
+"""Helpers for the book's notebooks: show library code, print tables, execute notebooks.
+
+Notebooks never copy library code: `show_source(obj)` displays the real thing, so the
+book and the library cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from pathlib import Path
+
+
+def show_source(obj, lines: tuple[int, int] | None = None):
+    """Display the source of a library function or class (syntax-highlighted)."""
+    from IPython.display import Code
+
+    src = inspect.getsource(obj)
+    if lines:
+        src = "\n".join(src.splitlines()[lines[0]:lines[1]])
+    return Code(src, language="python")
+
+
+def _fmt(v, spec: str | None) -> str:
+    if v is None:
+        return "–"
+    if spec and isinstance(v, (int, float)):
+        return format(v, spec)
+    return str(v)
+
+
+def table(rows: list[dict], columns: dict[str, str | None], *, headers: dict | None = None):
+    """A Markdown table of `rows`; `columns` maps a row key to a format spec
+    (e.g. {"setup": None, "tokens_per_s": ",.0f", "mfu": ".1%"})."""
+    from IPython.display import Markdown
+
+    headers = headers or {}
+    head = [headers.get(c, c) for c in columns]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        if "error" in r:
+            cells = [_fmt(r.get(c), None) if i == 0 else "" for i, c in enumerate(columns)]
+            cells[-1] = f"failed: {r['error'][:60]}"
+        else:
+            cells = [_fmt(r.get(c), spec) for c, spec in columns.items()]
+        out.append("| " + " | ".join(cells) + " |")
+    return Markdown("\n".join(out))
+
+
+def execute(paths: list[str | Path], timeout: int = 1800, kernel: str = "python3") -> None:
+    """Execute notebooks in place (each in its own folder), keeping their outputs: how
+    the committed notebooks are refreshed on a GPU node."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    for p in map(Path, paths):
+        nb = nbformat.read(p, as_version=4)
+        t0 = time.perf_counter()
+        print(f"executing {p} ...", flush=True)
+        client = NotebookClient(nb, timeout=timeout, kernel_name=kernel,
+                                resources={"metadata": {"path": str(p.parent)}})
+        try:
+            client.execute()
+        finally:
+            nbformat.write(nb, p)  # keep what ran, even on failure: nothing lost
+        print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Execute notebooks in place.")
+    ap.add_argument("paths", nargs="+")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
+    a = ap.parse_args(argv)
+    execute(a.paths, a.timeout)
+
+
+if __name__ == "__main__":
+    main()

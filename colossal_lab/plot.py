@@ -1,0 +1,78 @@
+"""The book's shared charts. Every chapter ends on `mfu_delta`: what a switch buys."""
+
+from __future__ import annotations
+
+import matplotlib
+import matplotlib.pyplot as plt
+import matplotlib.ticker
+
+BLUE, ORANGE, GREY = "#3b6ea8", "#e08a2c", "#9a9a9a"
+
+
+def mfu_delta(rows: list[dict], *, baseline: str | None = None, key: str = "setup",
+              label: str = "label", title: str | None = None, peak_note: str | None = None,
+              ax=None):
+    """Horizontal bars of MFU per setup — the seed's 6N formula and the attention-aware
+    one side by side — with tokens/s and the speed-up over `baseline` written on each.
+
+    `rows`: result rows with `tokens_per_s`, `mfu`, `mfu_attn` (rows with an `error`
+    are drawn as a grey "failed" line so the reader sees what did not run)."""
+    rows = list(rows)
+    base = next((r for r in rows if r.get(key) == baseline and "error" not in r), None)
+    names = [r.get(label) or r.get(key) for r in rows]
+    n = len(rows)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.55 * n + 1.4))
+    y = range(n)[::-1]
+    h = 0.38
+    xmax = max([r.get("mfu_attn", 0) for r in rows if "error" not in r] + [0.05])
+    for yi, r in zip(y, rows):
+        if "error" in r:
+            ax.text(0.002, yi, f"failed: {r['error'][:60]}", va="center", color=GREY,
+                    fontsize=8)
+            continue
+        ax.barh(yi + h / 2, r["mfu"], h, color=BLUE, label="MFU (6N)" if yi == n - 1 else None)
+        ax.barh(yi - h / 2, r["mfu_attn"], h, color=ORANGE,
+                label="MFU (6N + attention)" if yi == n - 1 else None)
+        note = f"{r['mfu_attn']:.1%}  {r['tokens_per_s']:,.0f} tok/s"
+        if base is not None and r is not base:
+            note += f"  ×{r['tokens_per_s'] / base['tokens_per_s']:.2f}"
+        ax.text(r["mfu_attn"] + xmax * 0.01, yi - h / 2, note, va="center", fontsize=8)
+    ax.set_yticks(list(y))
+    ax.set_yticklabels(names, fontsize=9)
+    ax.set_xlim(0, xmax * 1.45)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.set_xlabel("MFU" + (f" ({peak_note})" if peak_note else ""))
+    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    if title:
+        ax.set_title(title, fontsize=11)
+    ax.spines[["top", "right"]].set_visible(False)
+    plt.tight_layout()
+    return ax
+
+
+def grouped_bars(categories: list[str], series: dict[str, list[float]], *, ylabel: str,
+                 title: str | None = None, ceiling: float | None = None,
+                 ceiling_label: str = "measured ceiling", ax=None):
+    """Bars per category for several providers (e.g. TFLOP/s per sequence length)."""
+    import numpy as np
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 4))
+    x = np.arange(len(categories))
+    w = 0.8 / max(len(series), 1)
+    for i, (name, vals) in enumerate(series.items()):
+        ax.bar(x + (i - (len(series) - 1) / 2) * w, vals, w, label=name)
+    if ceiling:
+        ax.axhline(ceiling, color=GREY, ls="--", lw=1)
+        ax.text(len(categories) - 0.5, ceiling, ceiling_label, ha="right", va="bottom",
+                fontsize=8, color=GREY)
+    ax.set_xticks(x)
+    ax.set_xticklabels(categories)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=11)
+    ax.legend(fontsize=8, frameon=False, ncol=min(len(series), 4))
+    ax.spines[["top", "right"]].set_visible(False)
+    plt.tight_layout()
+    return ax

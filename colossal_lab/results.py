@@ -1,0 +1,173 @@
+"""Recorded measurements with provenance: one JSON file per experiment and GPU.
+
+Format (kept stable; the book, the CLI and users' scripts read it)::
+
+    results/<gpu-slug>/<name>.json
+    {"name": ..., "provenance": {gpu, gpu_count, driver, cuda, torch, triton, python,
+                                 git_sha, git_dirty, date, command, host_cpu},
+     "config": {...},        # the experiment's fixed parameters
+     "rows": [{...}, ...]}   # flat records: parameters, provider/setup, metrics whose
+                              # names carry their unit (_ms, _tflops, _gbps, mfu, ...)
+
+MFU values are fractions (0.46, not 46). A notebook either measures live (on a GPU) and
+saves, or loads the file recorded on the reference GPU and says so in a banner.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from colossal_lab import hardware
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+REFERENCE_GPU = "h200"
+"""The GPU whose recorded results the book shows when run without one."""
+
+
+def results_dir() -> Path:
+    """`results/` at the repository root (override with $COLOSSAL_LAB_RESULTS)."""
+    return Path(os.environ.get("COLOSSAL_LAB_RESULTS", REPO_ROOT / "results"))
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def provenance(command: str | None = None) -> dict:
+    """Where, when and with what a measurement was made."""
+    dev = hardware.detect()
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    sha = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "gpu": dev.name,
+        "gpu_count": dev.count,
+        "driver": _driver_version() if dev.kind == "cuda" else None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "git_sha": sha or "unknown",
+        "git_dirty": bool(dirty) if dirty is not None else None,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command or " ".join(shlex.quote(a) for a in sys.argv),
+        "host_cpu": platform.processor() or platform.machine(),
+    }
+
+
+@dataclass
+class Results:
+    """A loaded (or just measured) results file."""
+
+    name: str
+    provenance: dict
+    rows: list[dict]
+    config: dict = field(default_factory=dict)
+    path: Path | None = None
+    live: bool = False
+
+    def banner(self) -> str:
+        p = self.provenance
+        how = "Measured live" if self.live else "Recorded"
+        sha = (p.get("git_sha") or "?")[:10]
+        return (f"{how} on {p.get('gpu_count', 1)} x {p.get('gpu')} on {p.get('date', '?')[:10]} "
+                f"(torch {p.get('torch')}, triton {p.get('triton')}, CUDA {p.get('cuda')}, "
+                f"driver {p.get('driver')}, commit {sha}) by `{p.get('command')}`")
+
+    def where(self, **match) -> list[dict]:
+        """Rows whose fields equal every `key=value` given."""
+        return [r for r in self.rows if all(r.get(k) == v for k, v in match.items())]
+
+    def one(self, **match) -> dict:
+        rows = self.where(**match)
+        if len(rows) != 1:
+            raise LookupError(f"{len(rows)} rows of {self.name} match {match}")
+        return rows[0]
+
+
+def save_results(name: str, rows: list[dict], *, config: dict | None = None,
+                 command: str | None = None, gpu: str | None = None) -> Path:
+    """Write `results/<gpu-slug>/<name>.json` with provenance; returns the path."""
+    slug = gpu or hardware.detect().slug
+    path = results_dir() / slug / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"name": name, "provenance": provenance(command), "config": config or {},
+           "rows": rows}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+    tmp.replace(path)  # atomic: an interrupted run never leaves half a file
+    return path
+
+
+def _json_default(obj):
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"cannot store {type(obj).__name__} in a results file")
+
+
+def load_results(name: str, gpu: str | None = None) -> Results:
+    """Load `results/<gpu>/<name>.json`; `gpu=None` prefers this machine's GPU, then the
+    reference GPU."""
+    candidates = [gpu] if gpu else [hardware.detect().slug, REFERENCE_GPU]
+    for slug in candidates:
+        path = results_dir() / slug / f"{name}.json"
+        if path.exists():
+            doc = json.loads(path.read_text())
+            return Results(doc["name"], doc["provenance"], doc["rows"],
+                           doc.get("config", {}), path)
+    raise FileNotFoundError(
+        f"no recorded results {name!r} for {candidates} under {results_dir()}; "
+        f"run the benchmark on a GPU first (python -m colossal_lab bench {name})")
+
+
+def measure_or_load(name: str, measure: Callable[[], list[dict]], *,
+                    config: dict | None = None, command: str | None = None) -> Results:
+    """On a GPU: run `measure()`, save, and return it (with $COLOSSAL_LAB_REUSE=1, load
+    this GPU's recorded file instead when there is one). Without a GPU: load the
+    reference GPU's recorded file.
+    Either way print where the numbers come from."""
+    reuse = os.environ.get("COLOSSAL_LAB_REUSE") == "1"
+    here = hardware.detect().slug
+    recorded_here = (results_dir() / here / f"{name}.json").exists()
+    if torch.cuda.is_available() and not (reuse and recorded_here):
+        rows = measure()
+        path = save_results(name, rows, config=config, command=command)
+        res = load_results(name, gpu=path.parent.name)
+        res.live = True
+    else:
+        res = load_results(name)
+    print(res.banner())
+    return res

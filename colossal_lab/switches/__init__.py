@@ -1,0 +1,1 @@
+"""One module per throughput switch: reference, dispatch, autograd wiring, module."""

@@ -1,0 +1,238 @@
+"""Compose config → model → switches → a training loop that reports MFU honestly.
+
+`train()` is the loop a reader runs (real text, a progress bar with loss, tokens/s, both
+MFUs and peak memory); `measure_step()` is the same step timed for the benchmarks. Both
+use `make_step`, so what is measured is what is trained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from colossal_lab import bench, hardware, mfu
+from colossal_lab.config import ModelConfig, Switches
+from colossal_lab.model import build_model
+
+LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def our_loss(model, input_ids, labels):
+    """Our model takes already-shifted labels and returns the mean cross-entropy."""
+    return model(input_ids, labels)
+
+
+def hf_loss(model, input_ids, labels):
+    """Hugging Face models shift `labels` themselves: pass the inputs as labels."""
+    return model(input_ids=input_ids, labels=input_ids).loss
+
+
+def autocast(precision: str, device: torch.device):
+    """The autocast context for `precision` (fp32 and bf16-pure need none)."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision in ("fp32", "bf16-pure"):
+        return contextlib.nullcontext()
+    raise NotImplementedError(
+        f"precision={precision!r} lands with chapter 06; use 'fp32' or 'bf16' for now")
+
+
+def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.1):
+    """AdamW, the fused CUDA kernel when the parameters are on a GPU."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    on_cuda = params[0].is_cuda
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
+                             fused=on_cuda or None)
+
+
+def make_step(model, optimizer, precision: str, loss_fn: LossFn = our_loss,
+              micro_batches: int = 1, clip: float | None = 1.0):
+    """A function `step(input_ids, labels) -> loss tensor` doing forward, backward over
+    `micro_batches` slices of the batch (gradient accumulation) and the optimizer step."""
+    device = next(model.parameters()).device
+
+    def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), device=device)
+        for ids, lab in zip(input_ids.chunk(micro_batches), labels.chunk(micro_batches)):
+            with autocast(precision, device):
+                loss = loss_fn(model, ids, lab) / micro_batches
+            loss.backward()
+            total += loss.detach()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    return step
+
+
+@dataclass
+class StepMeasurement:
+    """One setup's throughput: a row of a results file."""
+
+    setup: str
+    preset: str
+    batch: int
+    seq_len: int
+    micro_batch: int
+    step_ms: float
+    step_ms_p10: float
+    step_ms_p90: float
+    tokens_per_s: float
+    mfu: float
+    mfu_attn: float
+    hfu: float
+    peak_mem_gib: float | None
+    n_params: int
+    peak_tflops: float
+    achieved_tflops: float
+    steps_timed: int
+    extra: dict = field(default_factory=dict)
+
+    def row(self) -> dict:
+        d = asdict(self)
+        d.update(d.pop("extra"))
+        return d
+
+
+def measure_step(step: Callable, batches: Iterator, *, cfg: ModelConfig, setup: str,
+                 preset: str, batch: int, seq_len: int, micro_batch: int | None = None,
+                 warmup: int = 3, iters: int = 10, peak_tflops: float | None = None,
+                 recompute_fraction: float = 0.0, progress: bool = True,
+                 extra: dict | None = None) -> StepMeasurement:
+    """Time `iters` steps after `warmup` (each bracketed by CUDA events) and turn the
+    median into tokens/s, MFU (6N), MFU (+attention) and HFU."""
+    dev = hardware.detect()
+    peak = peak_tflops or dev.peak_tflops("bf16")
+    if peak is None:  # CPU or unknown GPU: MFU against the measured matmul ceiling
+        peak = hardware.measure_matmul_tflops(dtype=torch.float32)
+    data = list(_take(batches, warmup + iters))
+    bench.reset_peak_memory()
+    bar = _progress(warmup + iters, setup, progress)
+
+    def one(i):
+        loss = step(*data[i])
+        bar.update(1)
+        return loss
+
+    timing = bench.time_iterations(one, warmup=warmup, iters=iters)
+    bar.close()
+    stats = mfu.step_stats(cfg, batch=batch, seq_len=seq_len,
+                           step_time_s=timing.median_ms / 1e3, peak_tflops=peak,
+                           recompute_fraction=recompute_fraction)
+    return StepMeasurement(
+        setup=setup, preset=preset, batch=batch, seq_len=seq_len,
+        micro_batch=micro_batch or batch, step_ms=timing.median_ms,
+        step_ms_p10=timing.p10_ms, step_ms_p90=timing.p90_ms,
+        tokens_per_s=stats.tokens_per_s, mfu=stats.mfu, mfu_attn=stats.mfu_attn,
+        hfu=stats.hfu, peak_mem_gib=bench.peak_memory_gib(), n_params=stats.n_params,
+        peak_tflops=peak, achieved_tflops=stats.achieved_tflops, steps_timed=timing.n,
+        extra=extra or {})
+
+
+def _take(it: Iterator, n: int):
+    for _ in range(n):
+        yield next(it)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False)
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]
+    val_loss: float | None
+    stats: mfu.StepStats | None
+    peak_mem_gib: float | None
+    seconds: float
+
+
+def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
+          seq_len: int = 256, steps: int = 100, lr: float = 3e-4, micro_batch: int | None = None,
+          data: str = "corpus", vocab_size: int | None = None, max_files: int | None = None,
+          seed: int = 0, device=None, progress: bool = True, log_every: int = 10,
+          eval_batches: int = 4) -> TrainResult:
+    """Train `cfg` on the real-text corpus (`data="corpus"`) or random tokens
+    (`data="random"`), with a progress bar showing loss, tokens/s, MFU and memory."""
+    from colossal_lab import data as data_mod
+
+    switches = switches or Switches()
+    torch.manual_seed(seed)
+    device = torch.device(device) if device else hardware.default_device()
+    micro = micro_batch or batch
+    if batch % micro:
+        raise ValueError(f"micro_batch={micro} must divide batch={batch}")
+    if seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"seq_len={seq_len} > max_position_embeddings="
+                         f"{cfg.max_position_embeddings}; raise it in the config")
+    vocab = vocab_size or cfg.vocab_size
+    if vocab > cfg.vocab_size:
+        raise ValueError(f"tokenizer vocab {vocab} > model vocab {cfg.vocab_size}")
+    if data == "corpus":
+        train_seqs = data_mod.packed_sequences("train", seq_len, vocab, max_files=max_files)
+        val_seqs = data_mod.packed_sequences("val", seq_len, vocab, max_files=max_files)
+        batches = data_mod.batches(train_seqs, batch, seed=seed, device=device)
+    elif data == "random":
+        val_seqs = None
+        batches = data_mod.random_batches(vocab, batch, seq_len, seed=seed, device=device)
+    else:
+        raise ValueError(f"data={data!r}; choose 'corpus' or 'random'")
+
+    model = build_model(cfg, switches, device)
+    opt = make_optimizer(model, lr)
+    step = make_step(model, opt, switches.precision, micro_batches=batch // micro)
+    dev = hardware.detect()
+    peak = dev.peak_tflops("bf16") or hardware.measure_matmul_tflops(dtype=torch.float32)
+    bench.reset_peak_memory()
+
+    from tqdm import tqdm
+
+    losses, stats = [], None
+    t_start = time.perf_counter()
+    bar = tqdm(range(steps), desc=f"train {cfg.num_hidden_layers}L", disable=not progress,
+               mininterval=5.0)
+    window_t, window_steps = time.perf_counter(), 0
+    for i in bar:
+        ids, labels = next(batches)
+        loss = step(ids, labels)
+        window_steps += 1
+        if (i + 1) % log_every == 0 or i + 1 == steps:
+            losses_now = loss.item()  # syncs: the window's time is complete
+            dt = (time.perf_counter() - window_t) / window_steps
+            stats = mfu.step_stats(cfg, batch=batch, seq_len=seq_len, step_time_s=dt,
+                                   peak_tflops=peak)
+            mem = bench.peak_memory_gib()
+            bar.set_postfix(loss=f"{losses_now:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
+                            mfu=f"{stats.mfu:.1%}", mfu_attn=f"{stats.mfu_attn:.1%}",
+                            mem=f"{mem:.1f}G" if mem else "-")
+            window_t, window_steps = time.perf_counter(), 0
+        losses.append(loss)
+    losses = [x.item() for x in losses]
+    val = evaluate(model, val_seqs, batch, switches.precision, eval_batches) \
+        if val_seqs is not None else None
+    return TrainResult(losses, val, stats, bench.peak_memory_gib(),
+                       time.perf_counter() - t_start)
+
+
+@torch.no_grad()
+def evaluate(model, seqs: torch.Tensor, batch: int, precision: str, max_batches: int) -> float:
+    """Mean validation loss over the first `max_batches` batches of `seqs`."""
+    device = next(model.parameters()).device
+    model.eval()
+    total, n = 0.0, 0
+    for i in range(0, min(len(seqs), batch * max_batches), batch):
+        chunk = seqs[i:i + batch].to(device)
+        with autocast(precision, device):
+            total += model(chunk[:, :-1], chunk[:, 1:]).item()
+        n += 1
+    model.train()
+    return total / max(n, 1) if n else math.nan

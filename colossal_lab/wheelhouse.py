@@ -1,0 +1,75 @@
+"""Prepare an offline wheelhouse for a GPU node that cannot reach the internet.
+
+Real clusters are often offline. On a connected machine, `python -m colossal_lab
+wheelhouse` downloads binary wheels for the *node's* Python and platform (not this
+machine's) of what the book needs beyond a CUDA PyTorch image: the Jupyter kernel stack
+to execute notebooks and Liger-Kernel (a provider in the benchmarks). Copy the folder
+over, then on the node make a virtual environment that sees the image's packages, so pip
+installs only what is missing:
+
+    python -m venv --system-site-packages /tmp/cl
+    /tmp/cl/bin/pip install --no-index --find-links .whl nbclient nbformat ipykernel liger-kernel
+
+torch, triton and the CUDA libraries are never downloaded: the node's image has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+# Executing notebooks (nbclient + a kernel), with their whole dependency trees.
+NOTEBOOK_PACKAGES = ["nbclient", "nbformat", "ipykernel"]
+# Pulled without dependencies: their own needs (torch, triton, transformers) are on the node.
+NO_DEPS_PACKAGES = ["liger-kernel"]
+# Never worth carrying: the node's image has them, and several are gigabytes.
+SKIP_PREFIXES = ("torch", "triton", "nvidia", "numpy", "setuptools", "pip", "wheel")
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_24_x86_64",
+             "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]
+
+
+def _pip_download(dest: Path, python: str, packages: list[str], no_deps: bool) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "--only-binary=:all:",
+           "--python-version", python, "--implementation", "cp", "-d", str(dest)]
+    for plat in PLATFORMS:
+        cmd += ["--platform", plat]
+    if no_deps:
+        cmd.append("--no-deps")
+    subprocess.run(cmd + packages, check=True)
+
+
+def build(dest: str | Path = ".whl", python: str = "3.12", extra: list[str] | None = None
+          ) -> list[Path]:
+    """Download the wheels into `dest`; returns the wheels kept."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    _pip_download(dest, python, NOTEBOOK_PACKAGES, no_deps=False)
+    _pip_download(dest, python, NO_DEPS_PACKAGES + list(extra or []), no_deps=True)
+    kept = []
+    for whl in sorted(dest.glob("*.whl")):
+        if whl.name.lower().startswith(SKIP_PREFIXES):
+            whl.unlink()
+        else:
+            kept.append(whl)
+    return kept
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Download wheels for an offline GPU node.")
+    p.add_argument("--dest", default=".whl", help="folder for the wheels (default .whl)")
+    p.add_argument("--python", default="3.12", help="the node's Python version")
+    p.add_argument("--extra", nargs="*", default=[], help="more packages, without deps")
+    a = p.parse_args(argv)
+    kept = build(a.dest, a.python, a.extra)
+    size = sum(w.stat().st_size for w in kept) / 2**20
+    print(f"{len(kept)} wheels, {size:.1f} MiB in {a.dest}")
+    wanted = " ".join(NOTEBOOK_PACKAGES + NO_DEPS_PACKAGES + list(a.extra))
+    print("on the node: python -m venv --system-site-packages /tmp/cl && "
+          f"/tmp/cl/bin/pip install --no-index --find-links {a.dest} {wanted}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+import json
+
+import pytest
+import torch
+
+from colossal_lab import bench, results
+
+
+def test_time_fn_and_iterations_on_cpu():
+    x = torch.randn(256, 256)
+    t = bench.time_fn(lambda: x @ x, cpu_reps=5)
+    assert t.n == 5 and 0 < t.p10_ms <= t.median_ms <= t.p90_ms
+    seen = []
+    t2 = bench.time_iterations(lambda i: x @ x, warmup=1, iters=4,
+                               on_step=lambda i, ms: seen.append(i))
+    assert t2.n == 4 and seen == [1, 2, 3, 4]
+    assert bench.tflops(2e12, 1000) == pytest.approx(2.0)
+    assert bench.gbps(4e9, 2) == pytest.approx(2000.0)
+
+
+@pytest.fixture
+def tmp_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
+    return tmp_path
+
+
+def test_save_load_round_trip(tmp_results):
+    rows = [{"provider": "triton", "seq_len": 4096, "fwd_tflops": 1.5},
+            {"provider": "naive", "seq_len": 4096, "fwd_tflops": 0.5}]
+    path = results.save_results("demo", rows, config={"dtype": torch.bfloat16},
+                                command="pytest", gpu="h200")
+    assert path == tmp_results / "h200" / "demo.json"
+    doc = json.loads(path.read_text())
+    for key in ("gpu", "gpu_count", "torch", "triton", "python", "git_sha", "date", "command"):
+        assert key in doc["provenance"], key
+    assert doc["config"]["dtype"] == "torch.bfloat16"
+    res = results.load_results("demo", gpu="h200")
+    assert res.rows == rows
+    assert res.one(provider="triton")["fwd_tflops"] == 1.5
+    assert len(res.where(seq_len=4096)) == 2
+    assert "Recorded on 1 x" in res.banner() and "by `pytest`" in res.banner()
+    with pytest.raises(LookupError):
+        res.one(seq_len=4096)
+
+
+def test_load_falls_back_to_reference_gpu(tmp_results):
+    results.save_results("demo", [{"a": 1}], gpu=results.REFERENCE_GPU)
+    assert results.load_results("demo").rows == [{"a": 1}]
+    with pytest.raises(FileNotFoundError, match="run the benchmark"):
+        results.load_results("nothing-here")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_measure_or_load_loads_without_gpu(tmp_results, capsys):
+    results.save_results("demo", [{"a": 2}], gpu=results.REFERENCE_GPU, command="bench demo")
+    res = results.measure_or_load("demo", lambda: pytest.fail("must not measure on CPU"))
+    assert res.rows == [{"a": 2}] and not res.live
+    assert "Recorded on" in capsys.readouterr().out
+
+
+def test_committed_results_have_provenance():
+    for path in sorted(results.REPO_ROOT.glob("results/*/*.json")):
+        doc = json.loads(path.read_text())
+        p = doc["provenance"]
+        for key in ("gpu", "torch", "git_sha", "date", "command"):
+            assert p.get(key), f"{path} lacks {key}"
+        assert doc["rows"], f"{path} has no rows"
+        for r in doc["rows"]:
+            for k in ("mfu", "mfu_attn", "hfu"):
+                if k in r:
+                    assert 0 < r[k] < 1, f"{path}: {k}={r[k]} is not a fraction"

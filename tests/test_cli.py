@@ -1,0 +1,39 @@
+import subprocess
+import sys
+
+import pytest
+
+from colossal_lab import benchmarks
+from colossal_lab.benchmarks import baseline
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "colossal_lab", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_env_prints_device():
+    out = run("env", "--no-measure")
+    assert out.returncode == 0, out.stderr
+    assert "device" in out.stdout and "torch" in out.stdout
+
+
+def test_train_cli_runs():
+    out = run("train", "--preset", "tiny", "--steps", "3", "--data", "random", "--batch", "2",
+              "--seq-len", "32", "--precision", "fp32", "--log-every", "1")
+    assert out.returncode == 0, out.stderr
+    assert "final loss" in out.stdout and "MFU" in out.stdout
+
+
+def test_unknown_benchmark():
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        benchmarks.get("nope")
+
+
+def test_baseline_quick_rows():
+    rows = baseline.run(quick=True)
+    assert [r["setup"] for r in rows] == ["ours-fp32-naive", "ours-bf16-naive",
+                                          "ours-bf16-sdpa", "hf-bf16-sdpa"]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < r["mfu_attn"]

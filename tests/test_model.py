@@ -1,0 +1,107 @@
+"""Our LLaMA equals Hugging Face's on the same weights, and its switches change nothing
+but speed."""
+
+import pytest
+import torch
+
+from colossal_lab.config import ModelConfig, Switches, preset, tiny
+from colossal_lab.model import build_model
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    "tiny-gqa": tiny(),
+    "mha-odd": ModelConfig(vocab_size=301, hidden_size=96, intermediate_size=250,
+                           num_hidden_layers=3, num_attention_heads=6,
+                           num_key_value_heads=6, max_position_embeddings=128),
+    "mqa-tied": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=1, tie_word_embeddings=True,
+                            rope_theta=500000.0),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("seq_len", [1, 37, 64])
+def test_logits_equal_transformers(name, seq_len):
+    cfg = CONFIGS[name]
+    hf = transformers.LlamaForCausalLM(cfg.to_hf()).eval()
+    ours = build_model(cfg, Switches.naive("fp32"), "cpu").eval()
+    ours.load_hf_state_dict(hf.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, seq_len))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        out = ours(ids)
+    assert out.shape == ref.shape == (2, seq_len, cfg.vocab_size)
+    err = (out - ref).abs().max().item()
+    assert err < 2e-5 * max(1.0, ref.abs().max().item()), err
+
+
+def test_loss_and_grads_equal_transformers():
+    cfg = tiny()
+    hf = transformers.LlamaForCausalLM(cfg.to_hf())
+    ours = build_model(cfg, Switches.naive("fp32"), "cpu")
+    ours.load_hf_state_dict(hf.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 33))
+    hf_loss = hf(input_ids=ids, labels=ids).loss
+    our_loss = ours(ids[:, :-1], ids[:, 1:])
+    assert torch.allclose(hf_loss, our_loss, atol=1e-5), (hf_loss, our_loss)
+    hf_loss.backward()
+    our_loss.backward()
+    hf_grads = dict(hf.named_parameters())
+    for k, p in ours.named_parameters():
+        assert torch.allclose(p.grad, hf_grads[k].grad, atol=1e-5, rtol=1e-4), k
+
+
+def test_state_dict_round_trip_is_exact():
+    cfg = CONFIGS["mqa-tied"]
+    a = build_model(cfg, Switches.naive("fp32"), "cpu")
+    hf = a.to_hf()
+    b = build_model(cfg, Switches(enable_flash_attention=True,
+                                  enable_fused_normalization=True), "cpu")
+    b.load_hf_state_dict(hf.state_dict())
+    for k, v in a.hf_state_dict().items():
+        assert torch.equal(v, b.hf_state_dict()[k]), k
+    assert set(a.hf_state_dict()) == {k for k in hf.state_dict() if "rotary" not in k}
+
+
+def test_from_hf_config_round_trip():
+    cfg = CONFIGS["mha-odd"]
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "sdpa-math", True])
+@pytest.mark.parametrize("norm", ["torch", True])
+def test_switches_keep_the_function(attn, norm):
+    cfg = tiny()
+    naive = build_model(cfg, Switches.naive("fp32"), "cpu")
+    fast = build_model(cfg, Switches(enable_flash_attention=attn,
+                                     enable_fused_normalization=norm, precision="fp32"), "cpu")
+    fast.load_state_dict(naive.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 40))
+    l1, l2 = naive(ids, ids), fast(ids, ids)
+    l1.backward()
+    l2.backward()
+    assert torch.allclose(l1, l2, atol=1e-5)
+    g2 = dict(fast.named_parameters())
+    for k, p in naive.named_parameters():
+        assert torch.allclose(p.grad, g2[k].grad, atol=1e-5, rtol=1e-4), k
+
+
+def test_set_switches_in_place():
+    m = build_model(tiny(), Switches.naive("fp32"), "cpu")
+    m.set_switches(Switches(enable_flash_attention="sdpa", enable_fused_normalization="torch"))
+    assert m.model.layers[0].self_attn.attention_backend == "sdpa"
+    assert m.model.norm.backend == "torch"
+
+
+def test_presets_and_bad_configs():
+    assert preset("llama-7b-8l").num_hidden_layers == 8
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("gpt-5")
+    with pytest.raises(ValueError, match="does not divide"):
+        ModelConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="not divisible"):
+        ModelConfig(hidden_size=100, num_attention_heads=3, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="precision"):
+        Switches(precision="int4")

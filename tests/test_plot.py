@@ -1,0 +1,22 @@
+import matplotlib
+
+matplotlib.use("Agg")
+
+from colossal_lab import plot  # noqa: E402
+
+
+def test_mfu_delta_draws_every_row():
+    rows = [{"setup": "a", "label": "naive", "mfu": 0.1, "mfu_attn": 0.11, "tokens_per_s": 10},
+            {"setup": "b", "label": "fast", "mfu": 0.4, "mfu_attn": 0.44, "tokens_per_s": 40},
+            {"setup": "c", "label": "broken", "error": "out of memory"}]
+    ax = plot.mfu_delta(rows, baseline="a", title="t")
+    texts = [t.get_text() for t in ax.texts]
+    assert any("×4.00" in t for t in texts)
+    assert any("out of memory" in t for t in texts)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["naive", "fast", "broken"]
+
+
+def test_grouped_bars():
+    ax = plot.grouped_bars(["1k", "2k"], {"x": [1, 2], "y": [2, 3]}, ylabel="TFLOP/s",
+                           ceiling=4)
+    assert len(ax.patches) == 4
