@@ -68,7 +68,8 @@ def provenance(command: str | None = None) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    sha = _git("rev-parse", "HEAD")
+    # a copy of the tree without .git (a remote GPU node) passes the commit explicitly
+    sha = _git("rev-parse", "HEAD") or os.environ.get("COLOSSAL_LAB_GIT_SHA")
     dirty = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "gpu": dev.name,
