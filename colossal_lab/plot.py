@@ -43,7 +43,8 @@ def mfu_delta(rows: list[dict], *, baseline: str | None = None, key: str = "setu
     ax.set_xlim(0, xmax * 1.45)
     ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.set_xlabel("MFU" + (f" ({peak_note})" if peak_note else ""))
-    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8,
+              frameon=False)
     if title:
         ax.set_title(title, fontsize=11)
     ax.spines[["top", "right"]].set_visible(False)

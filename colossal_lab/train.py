@@ -213,7 +213,7 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
             mem = bench.peak_memory_gib()
             bar.set_postfix(loss=f"{losses_now:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
                             mfu=f"{stats.mfu:.1%}", mfu_attn=f"{stats.mfu_attn:.1%}",
-                            mem=f"{mem:.1f}G" if mem else "-")
+                            mem=f"{mem:.1f}G" if mem else "-", refresh=False)
             window_t, window_steps = time.perf_counter(), 0
         losses.append(loss)
     losses = [x.item() for x in losses]
