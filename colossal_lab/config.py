@@ -61,7 +61,7 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_hf(self):
@@ -86,7 +86,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf(cls, hf_config) -> "ModelConfig":
+    def from_hf(cls, hf_config) -> ModelConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         kwargs = {n: getattr(hf_config, n) for n in names if hasattr(hf_config, n)}
         rope = getattr(hf_config, "rope_parameters", None) or {}
@@ -163,10 +163,10 @@ class Switches:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}; choose one of {PRECISIONS}")
 
-    def replace(self, **changes) -> "Switches":
+    def replace(self, **changes) -> Switches:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def naive(cls, precision: str = "fp32") -> "Switches":
+    def naive(cls, precision: str = "fp32") -> Switches:
         """Every switch off: what the seed chapter starts from."""
         return cls(precision=precision)

@@ -28,7 +28,8 @@ class Check:
     ok: bool
 
     def __str__(self) -> str:
-        lowp = f", reference in low precision {self.err_lowp:.2e}" if self.err_lowp is not None else ""
+        lowp = ("" if self.err_lowp is None
+                else f", reference in low precision {self.err_lowp:.2e}")
         verdict = "ok" if self.ok else "FAIL"
         return f"{self.name:<12} max err {self.err:.2e}{lowp}, bound {self.bound:.2e}: {verdict}"
 

@@ -74,7 +74,8 @@ def find_spec(device_name: str) -> GPUSpec | None:
     more specific rows, e.g. "H200 NVL", come first in `GPUS`)."""
     wanted = _normalise(device_name)
     for spec in GPUS:
-        if _normalise(spec.name) in wanted or _normalise(spec.name.replace("NVIDIA ", "")) in wanted:
+        short = _normalise(spec.name.replace("NVIDIA ", ""))
+        if _normalise(spec.name) in wanted or short in wanted:
             return spec
     return None
 

@@ -164,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------ switches, in place
 
-    def set_switches(self, switches: Switches) -> "LlamaForCausalLM":
+    def set_switches(self, switches: Switches) -> LlamaForCausalLM:
         """Re-point every part at the kernels `switches` picks (weights untouched)."""
         self.switches = switches
         for m in self.modules():
@@ -188,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         return self.load_state_dict(sd, strict=strict)
 
     @classmethod
-    def from_hf(cls, hf_model, switches: Switches | None = None) -> "LlamaForCausalLM":
+    def from_hf(cls, hf_model, switches: Switches | None = None) -> LlamaForCausalLM:
         """Build from a `transformers.LlamaForCausalLM` (its config and weights)."""
         model = cls(ModelConfig.from_hf(hf_model.config), switches)
         model.load_hf_state_dict(hf_model.state_dict())

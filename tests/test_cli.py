@@ -37,3 +37,19 @@ def test_baseline_quick_rows():
     for r in rows:
         assert "error" not in r, r
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < r["mfu_attn"]
+
+
+def test_isolated_setup_and_failure_row():
+    from colossal_lab.benchmarks.steps import Setup, measure_isolated
+
+    ok = measure_isolated(baseline.SETUPS[2], "tiny", 32, 2)
+    assert "error" not in ok and ok["setup"] == "ours-bf16-sdpa" and ok["tokens_per_s"] > 0
+    bad = measure_isolated(Setup("broken", "broken", impl="nonsense"), "tiny", 32, 2)
+    assert "nonsense" in bad["error"]
+
+
+def test_setup_json_round_trip():
+    from colossal_lab.benchmarks.steps import Setup
+
+    for s in baseline.SETUPS:
+        assert Setup.from_json(s.to_json()) == s

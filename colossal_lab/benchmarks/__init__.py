@@ -10,7 +10,9 @@ import importlib
 BENCHMARKS = {
     "baseline": "colossal_lab.benchmarks.baseline",
     "flash_attention": "colossal_lab.benchmarks.flash_attention",
+    "flash_attention_step": "colossal_lab.benchmarks.flash_attention_step",
     "fused_norm": "colossal_lab.benchmarks.fused_norm",
+    "fused_norm_step": "colossal_lab.benchmarks.fused_norm_step",
 }
 
 

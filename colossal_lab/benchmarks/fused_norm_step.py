@@ -1,0 +1,30 @@
+"""Chapter 02's MFU delta: only the RMSNorm kernel changes in a `llama-7b-8l` step.
+
+Switch 1 is on (the best attention backend on this device), bf16 autocast.
+
+    python -m colossal_lab bench fused_norm_step
+"""
+
+from colossal_lab.benchmarks.steps import Setup, main_for, run_chapter
+from colossal_lab.config import Switches
+
+SETUPS = tuple(
+    Setup(f"norm-{b}", label, switches=Switches(enable_flash_attention=True,
+                                                enable_fused_normalization=b))
+    for b, label in (("eager", "eager RMSNorm (PyTorch ops)"),
+                     ("torch", "F.rms_norm"),
+                     ("liger", "Liger RMSNorm"),
+                     ("triton", "ours: Triton RMSNorm + fused residual add"))
+)
+
+
+def run(quick: bool = False) -> list[dict]:
+    return run_chapter("fused_norm_step", SETUPS, quick)
+
+
+def main(argv=None):
+    main_for("fused_norm_step", SETUPS, argv)
+
+
+if __name__ == "__main__":
+    main()
