@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: book test lint execute gpu-results wheelhouse clean
+.PHONY: book test test-gpu lint execute gpu-results wheelhouse clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check colossal_lab tests
 	$(MAKE) book
 
+## test-gpu: the GPU-only tests (kernels compiled for the device, bf16 rules)
+test-gpu:
+	$(PYTHON) -m pytest -q -m gpu tests
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check colossal_lab tests
 
@@ -35,9 +39,11 @@ execute:
 ## gpu-results: run every benchmark and save results/<gpu>/*.json
 gpu-results:
 	$(PYTHON) -m colossal_lab env --save
-	$(PYTHON) -m colossal_lab bench fused_norm
-	$(PYTHON) -m colossal_lab bench flash_attention
 	$(PYTHON) -m colossal_lab bench baseline
+	$(PYTHON) -m colossal_lab bench fused_norm
+	$(PYTHON) -m colossal_lab bench fused_norm_step
+	$(PYTHON) -m colossal_lab bench flash_attention
+	$(PYTHON) -m colossal_lab bench flash_attention_step
 
 ## wheelhouse: download wheels for an offline GPU node (Python 3.12, x86-64)
 wheelhouse: $(VENV)/.installed

@@ -12,9 +12,12 @@ from pathlib import Path
 
 
 def show_source(obj, lines: tuple[int, int] | None = None):
-    """Display the source of a library function or class (syntax-highlighted)."""
+    """Display the source of a library function, class or Triton kernel."""
     from IPython.display import Code
 
+    obj = getattr(obj, "fn", obj)  # a @triton.jit kernel wraps the Python function
+    while hasattr(obj, "fn") and not inspect.isfunction(obj):
+        obj = obj.fn  # @triton.autotune / @triton.heuristics wrap the jit function
     src = inspect.getsource(obj)
     if lines:
         src = "\n".join(src.splitlines()[lines[0]:lines[1]])

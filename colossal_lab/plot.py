@@ -77,3 +77,39 @@ def grouped_bars(categories: list[str], series: dict[str, list[float]], *, ylabe
     ax.spines[["top", "right"]].set_visible(False)
     plt.tight_layout()
     return ax
+
+
+def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: str,
+           xlabel: str | None = None, title: str | None = None, logx: bool = True,
+           ceiling: float | None = None, ceiling_label: str = "measured ceiling",
+           highlight: str | None = None, ax=None):
+    """One line per `by` value of `y` against `x` (rows without `y` are skipped), e.g.
+    TFLOP/s over sequence length per attention backend."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.5, 4))
+    groups: dict = {}
+    for r in rows:
+        if r.get(y) is not None:
+            groups.setdefault(r[by], []).append((r[x], r[y]))
+    for name, pts in groups.items():
+        pts.sort()
+        lw, z = (2.6, 3) if name == highlight else (1.4, 2)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3.5, lw=lw,
+                zorder=z, label=name)
+    if ceiling:
+        ax.axhline(ceiling, color=GREY, ls="--", lw=1)
+        ax.text(ax.get_xlim()[0], ceiling, " " + ceiling_label, va="bottom", fontsize=8,
+                color=GREY)
+    if logx:
+        ax.set_xscale("log", base=2)
+        xs = sorted({r[x] for r in rows if r.get(y) is not None})
+        ax.set_xticks(xs)
+        ax.set_xticklabels([f"{v // 1024}k" if v >= 1024 else str(v) for v in xs])
+    ax.set_xlabel(xlabel or x)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=11)
+    ax.legend(fontsize=8, frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    plt.tight_layout()
+    return ax

@@ -20,3 +20,14 @@ def test_grouped_bars():
     ax = plot.grouped_bars(["1k", "2k"], {"x": [1, 2], "y": [2, 3]}, ylabel="TFLOP/s",
                            ceiling=4)
     assert len(ax.patches) == 4
+
+
+def test_series_one_line_per_provider():
+    rows = [{"provider": p, "seq_len": s, "tflops": s * k}
+            for p, k in (("a", 1), ("b", 2)) for s in (512, 1024, 4096)]
+    rows.append({"provider": "c", "seq_len": 512, "skipped": "memory"})
+    ax = plot.series(rows, x="seq_len", y="tflops", ylabel="TFLOP/s", ceiling=9000,
+                     highlight="b")
+    assert [ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")] \
+        == ["a", "b"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["512", "1k", "4k"]

@@ -1,0 +1,165 @@
+"""What the RMSNorm and LayerNorm kernels share: tiling, launch settings, the persistent
+backward grid and input checks.
+
+Both norms reduce over the last dimension H of a (rows, H) matrix, and both are
+memory-bound: per element they do a handful of FLOPs against 2 to 10 bytes of traffic.
+So the launch settings aim at one thing, keeping enough bytes in flight:
+
+- a program covers whole rows: its tile is (ROWS, BLOCK) with BLOCK =
+  next_power_of_2(H) masked down to H, so one pass over memory suffices and the row
+  statistics never leave registers;
+- each thread holds 8 to 32 contiguous elements per tensor, so a bf16 row is read with
+  16-byte vector loads (Triton vectorises when the row stride is divisible by 16, which
+  it specialises on automatically);
+- small H gets several rows per program (ROWS > 1) so a program still moves ~8 KB;
+- the backward runs a *persistent* grid of a few programs per SM that loop over row
+  tiles, each accumulating its dweight partial sum in registers and writing it once:
+  the (programs, H) fp32 partials are then summed by torch. Few programs keep that
+  buffer small (132 x 4096 x 4 B = 2 MB on an H200, against 400 MB of row traffic), and
+  no atomics make the result deterministic.
+
+The defaults below are the result of reasoning, not of a sweep on every GPU:
+`python -m colossal_lab.benchmarks.fused_norm --tune` times the alternatives on the
+card at hand; change `DEFAULTS` when it finds better ones.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from colossal_lab.kernels import INTERPRET
+
+MAX_HIDDEN = 65536
+"""Largest H a program can hold in registers as one row (64K elements)."""
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Launch heuristics, in one place so a sweep on a new GPU changes one line."""
+
+    tile_elems: int = 4096
+    """Target elements per (ROWS, BLOCK) tile: small H gets ROWS = tile_elems // BLOCK."""
+    elems_per_thread: int = 16
+    """Elements of one tensor per thread: 16 bf16 = two 16-byte loads."""
+    programs_per_sm_warps: int = 16
+    """Backward: warps per SM to fill with persistent programs (programs = this // warps,
+    at least 1). More programs hide more latency but enlarge the dweight partials."""
+    bwd_stages: int = 2
+    """Backward: `num_stages` of the row loop (1: no software pipelining; 2: Triton may
+    prefetch the next tile's loads while the current one computes)."""
+
+
+DEFAULTS = Defaults()
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one norm launch is tiled."""
+
+    block: int
+    """Columns per tile: next_power_of_2(H), masked to H."""
+    rows: int
+    """Rows per tile (ROWS)."""
+    num_warps: int
+    """Warps per program."""
+
+
+def launch_config(n_cols: int, *, rows: int | None = None,
+                  num_warps: int | None = None) -> LaunchConfig:
+    """Tile and warps for rows of `n_cols` elements; `rows`/`num_warps` override the
+    heuristic (the tuning sweep uses them)."""
+    if n_cols > MAX_HIDDEN:
+        raise ValueError(
+            f"hidden size {n_cols} > {MAX_HIDDEN}: a fused norm keeps one row in "
+            "registers; use the 'torch' backend for rows this long")
+    if n_cols < 1:
+        raise ValueError("cannot normalise rows of 0 elements")
+    block = triton.next_power_of_2(n_cols)
+    if rows is None:
+        rows = max(1, DEFAULTS.tile_elems // block)
+    if num_warps is None:
+        tile = rows * block
+        cap = 32 if tile >= 32768 else 16
+        num_warps = min(cap, max(4, tile // (32 * DEFAULTS.elems_per_thread)))
+    return LaunchConfig(block, rows, num_warps)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(n_tiles: int, num_warps: int, device: torch.device,
+                        programs_per_sm: int | None = None) -> int:
+    """Size of the backward's persistent grid: a few programs per SM (4 programs in
+    total under the interpreter, enough to exercise the loop), never more than tiles."""
+    if device.type == "cuda" and not INTERPRET:
+        if programs_per_sm is None:
+            programs_per_sm = max(1, DEFAULTS.programs_per_sm_warps // num_warps)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        programs = _sm_count(index) * programs_per_sm
+    else:
+        programs = 4
+    return max(1, min(n_tiles, programs))
+
+
+def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """(..., H) -> (rows, H) view with unit column stride (copies only when needed;
+    e.g. the expanded gradient of `y.sum()` has stride 0)."""
+    t2d = t.reshape(-1, n_cols)
+    if t2d.stride(-1) != 1 and t2d.numel() > 0:
+        t2d = t2d.contiguous()
+    return t2d
+
+
+def check_param(p: torch.Tensor | None, n_cols: int, x: torch.Tensor, name: str):
+    """A weight or bias must be (H,) on x's device; any float dtype (kernels upcast it,
+    so autocast's fp32 weights with bf16 activations need no cast)."""
+    if p is None:
+        return None
+    if p.shape != (n_cols,):
+        raise ValueError(f"{name} has shape {tuple(p.shape)}; expected ({n_cols},) to "
+                         f"match the last dimension of the input {tuple(x.shape)}")
+    if p.device != x.device:
+        raise ValueError(f"{name} is on {p.device} but the input is on {x.device}")
+    if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{name} dtype {p.dtype} must be float32, float16 or bfloat16")
+    return p.contiguous()
+
+
+def check_input(x: torch.Tensor) -> None:
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"fused norms take float32, float16 or bfloat16; got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("cannot normalise a 0-d tensor")
+
+
+@triton.jit
+def _row_tile(tile, n_rows, ROWS: tl.constexpr):
+    """Row indices (ROWS,) of row tile `tile` and their in-bounds mask. The indices are
+    int64 so `rows * stride` cannot overflow for tensors past 2^31 elements."""
+    rows = tl.arange(0, ROWS).to(tl.int64) + tile * ROWS
+    return rows, rows < n_rows
+
+
+_EMULATE_RTNE: tl.constexpr = tl.constexpr(INTERPRET)
+"""Triton's interpreter (3.x) casts fp32 to bf16 by truncation, the GPU rounds to
+nearest even; under the interpreter `_to_dtype` rounds first so that CPU tests check the
+numerics the GPU has."""
+
+
+@triton.jit
+def _to_dtype(x, dtype: tl.constexpr):
+    """fp32 `x` cast to `dtype` with round-to-nearest-even, on the GPU and under the
+    interpreter alike."""
+    if _EMULATE_RTNE:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)

@@ -1,0 +1,325 @@
+"""Fused RMSNorm, and residual-add + RMSNorm, in Triton.
+
+Math (per row x of length H; Zhang & Sennrich, "Root Mean Square Layer Normalization",
+2019)::
+
+    r  = (mean(x²) + eps)^(-1/2)          one scalar per row, saved (fp32) as `rstd`
+    x̂  = x · r
+    y  = x̂ · w
+
+Backward, from y_j = w_j x_j r and ∂r/∂x_i = -r³ x_i / H::
+
+    dx = r · (dy·w − x̂ · c),    c = mean(dy · w · x̂)       (one scalar per row)
+    dw = Σ_rows dy · x̂
+
+Fused residual add (the pre-norm block's `h = x + residual; y = norm(h)`)::
+
+    h  = x + residual          stored in the dtype of x + residual; normalised as stored
+    y  = rms_norm(h)
+    dh_total = dh_from_norm + dh_in,     dx = dresidual = dh_total
+
+where dh_in is the gradient reaching h from its other use (the next residual add).
+
+Bytes moved per element of x (N = rows·H elements; bf16 in and out; the eager column
+counted op by op by `colossal_lab.benchmarks.fused_norm.traffic_bytes`)::
+
+                          eager (rms_norm_ref)       fused (this file)
+    forward               36 N  8 kernels            4 N  read x; write y
+    backward              92 N  16 kernels           6 N  read x, dy; write dx
+    add + norm, forward   42 N  (the add: 6 N)       8 N  read x, res; write h, y
+    add + norm, backward  98 N  (dh sum: 6 N)        8 N  read dy, h, dh_in; write dh
+
+(fp32: eager 28 N / 92 N against fused 8 N / 12 N.) The weight, rstd and the dweight
+partials are O(H + rows), negligible beside these. Eager normalisation is a chain of
+element-wise kernels each of which streams the whole activation through memory, with
+fp32 intermediates twice the size of the bf16 input; the fused kernel keeps a row in
+registers between reading and writing it.
+
+Design (see `_norm_common`): forward, one program per tile of whole rows, 16-byte loads;
+backward, a persistent grid of a few programs per SM looping over row tiles, each
+accumulating Σ dy·x̂ in registers and writing one (H,) fp32 partial, summed by torch.
+
+Numerics differ from the LLaMA reference in one place: the reference rounds x̂ to x's
+dtype before multiplying by w; we multiply in fp32 and round once. The output is x's
+dtype also when w is fp32 (autocast keeps fp32 weights): the reference would promote.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from colossal_lab.kernels._norm_common import (
+    DEFAULTS,
+    LaunchConfig,
+    _row_tile,
+    _to_dtype,
+    as_rows,
+    check_input,
+    check_param,
+    launch_config,
+    persistent_programs,
+)
+
+
+@triton.jit
+def _rms_norm_forward_kernel(
+    X,  # (n_rows, n_cols) input x, row stride stride_x
+    RES,  # (n_rows, n_cols) residual, row stride stride_res (HAS_RESIDUAL only)
+    W,  # (n_cols,) weight, any float dtype (upcast)
+    Y,  # (n_rows, n_cols) output y in x's dtype (fused add: h's), contiguous
+    HOUT,  # (n_rows, n_cols) output h = x + residual, contiguous (HAS_RESIDUAL only)
+    RSTD,  # (n_rows,) fp32 output r, saved for the backward
+    stride_x,  # elements between rows of X
+    stride_res,  # elements between rows of RES
+    n_rows,  # rows
+    n_cols,  # H, the normalised length
+    eps,  # added to mean(x²) before the square root
+    HAS_RESIDUAL: tl.constexpr,  # fuse h = x + residual in front of the norm
+    ROWS: tl.constexpr,  # rows per program
+    BLOCK: tl.constexpr,  # next_power_of_2(n_cols)
+):
+    """y = x · r · w with r = (mean(x²) + eps)^-1/2, one tile of ROWS rows."""
+    rows, row_ok = _row_tile(tl.program_id(0), n_rows, ROWS)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < n_cols
+    mask = row_ok[:, None] & col_ok[None, :]
+    out_offs = rows[:, None] * n_cols + cols[None, :]
+
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)  # (ROWS, BLOCK)
+    if HAS_RESIDUAL:
+        res = tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask,
+                      other=0.0)
+        # h is rounded to its dtype, stored, and normalised *as stored*, so that the
+        # backward, which re-reads h, differentiates what the forward computed.
+        h = _to_dtype(x + res.to(tl.float32), HOUT.dtype.element_ty)
+        tl.store(HOUT + out_offs, h, mask=mask)
+        x = h.to(tl.float32)
+
+    mean_sq = tl.sum(x * x, axis=1) / n_cols  # (ROWS,)
+    rstd = tl.rsqrt(mean_sq + eps)  # (ROWS,) r
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (BLOCK,)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(Y + out_offs, _to_dtype(y, Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    DY,  # (n_rows, n_cols) gradient of y, row stride stride_dy
+    X,  # (n_rows, n_cols) what was normalised (x, or h for the fused add)
+    W,  # (n_cols,) weight
+    RSTD,  # (n_rows,) fp32 r from the forward
+    DH_IN,  # (n_rows, n_cols) gradient reaching h from elsewhere (HAS_DH_IN only)
+    DX,  # (n_rows, n_cols) output dx (dh_total for the fused add), contiguous
+    DW_PARTIAL,  # (n_programs, n_cols) fp32 output: this program's Σ dy·x̂
+    stride_dy,  # elements between rows of DY
+    stride_x,  # elements between rows of X
+    stride_dh,  # elements between rows of DH_IN
+    n_rows,  # rows
+    n_cols,  # H
+    HAS_DH_IN: tl.constexpr,  # add dh_in to dx (fused add: dh_total)
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK: tl.constexpr,  # next_power_of_2(n_cols)
+    NUM_STAGES: tl.constexpr,  # software-pipelining depth of the row loop
+):
+    """dx = r · (dy·w − x̂·c) with c = mean(dy·w·x̂); this program's share of
+    dw = Σ dy·x̂. Persistent: program p handles tiles p, p + P, p + 2P, ..."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (BLOCK,)
+    dw_acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)  # rows summed once, at the end
+    n_tiles = tl.cdiv(n_rows, ROWS)
+    for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
+        rows, row_ok = _row_tile(tile, n_rows, ROWS)
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)  # (ROWS,) r
+        x_hat = x.to(tl.float32) * rstd[:, None]
+        dy = dy.to(tl.float32)
+        wdy = dy * w[None, :]  # dy·w
+        c = tl.sum(wdy * x_hat, axis=1) / n_cols  # (ROWS,) mean(dy·w·x̂)
+        dx = rstd[:, None] * (wdy - x_hat * c[:, None])
+        if HAS_DH_IN:
+            dh_in = tl.load(DH_IN + rows[:, None] * stride_dh + cols[None, :], mask=mask,
+                            other=0.0)
+            dx += dh_in.to(tl.float32)
+        dx = _to_dtype(dx, DX.dtype.element_ty)
+        tl.store(DX + rows[:, None] * n_cols + cols[None, :], dx, mask=mask)
+        dw_acc += dy * x_hat
+    tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _forward(x2d, residual2d, w, eps, config):
+    n_rows, n_cols = x2d.shape
+    cfg = config or launch_config(n_cols)
+    dtype = x2d.dtype  # of y and h: torch's promotion of x and residual, as for x + res
+    if residual2d is not None:
+        dtype = torch.result_type(x2d, residual2d)
+    y = torch.empty((n_rows, n_cols), dtype=dtype, device=x2d.device)
+    h = torch.empty_like(y) if residual2d is not None else None
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+    if n_rows:
+        res = residual2d if residual2d is not None else x2d
+        _rms_norm_forward_kernel[(triton.cdiv(n_rows, cfg.rows),)](
+            x2d, res, w, y, h if h is not None else y, rstd,
+            x2d.stride(0), res.stride(0), n_rows, n_cols, eps,
+            HAS_RESIDUAL=residual2d is not None, ROWS=cfg.rows, BLOCK=cfg.block,
+            num_warps=cfg.num_warps)
+    return y, h, rstd
+
+
+def rms_norm_forward(x2d: torch.Tensor, w: torch.Tensor, eps: float, *,
+                     config: LaunchConfig | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of each row of x2d.
+
+    Args:
+        x2d: (rows, H), unit column stride, fp32/fp16/bf16.
+        w: (H,) contiguous, any float dtype (fp32 under autocast).
+        eps: added to mean(x²).
+        config: tiling override (tuning); default from `launch_config(H)`.
+    Returns:
+        y (rows, H) in x2d's dtype, rstd (rows,) fp32.
+    """
+    y, _, rstd = _forward(x2d, None, w, eps, config)
+    return y, rstd
+
+
+def add_rms_norm_forward(x2d: torch.Tensor, residual2d: torch.Tensor, w: torch.Tensor,
+                         eps: float, *, config: LaunchConfig | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h = x + residual, y = RMSNorm(h) in one pass. x2d, residual2d: (rows, H), unit
+    column stride. Returns y, h (rows, H) in the promoted dtype of x and residual (that
+    of `x + residual`) and rstd (rows,) fp32."""
+    return _forward(x2d, residual2d, w, eps, config)
+
+
+def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages):
+    n_rows, n_cols = x2d.shape
+    cfg = config or launch_config(n_cols)
+    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    if n_rows == 0:
+        return dx, torch.zeros_like(w)
+    n_tiles = triton.cdiv(n_rows, cfg.rows)
+    programs = persistent_programs(n_tiles, cfg.num_warps, x2d.device, programs_per_sm)
+    dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
+    dh = dh_in2d if dh_in2d is not None else dy2d
+    _rms_norm_backward_kernel[(programs,)](
+        dy2d, x2d, w, rstd, dh, dx, dw_partial,
+        dy2d.stride(0), x2d.stride(0), dh.stride(0), n_rows, n_cols,
+        HAS_DH_IN=dh_in2d is not None, ROWS=cfg.rows, BLOCK=cfg.block,
+        NUM_STAGES=num_stages or DEFAULTS.bwd_stages, num_warps=cfg.num_warps)
+    return dx, dw_partial.sum(0).to(w.dtype)
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                      rstd: torch.Tensor, *, config: LaunchConfig | None = None,
+                      programs_per_sm: int | None = None, num_stages: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of `rms_norm_forward`.
+
+    Args:
+        dy, x: (rows, H), unit column stride; x as given to the forward.
+        w: (H,) weight; rstd: (rows,) fp32 from the forward.
+        config, programs_per_sm, num_stages: tuning overrides.
+    Returns:
+        dx (rows, H) in x's dtype, dw (H,) in w's dtype (reduced in fp32).
+    """
+    return _backward(dy, x, w, rstd, None, config, programs_per_sm, num_stages)
+
+
+def add_rms_norm_backward(dy: torch.Tensor | None, h: torch.Tensor, w: torch.Tensor,
+                          rstd: torch.Tensor, dh_in: torch.Tensor | None = None, *,
+                          config: LaunchConfig | None = None,
+                          programs_per_sm: int | None = None,
+                          num_stages: int | None = None
+                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of `add_rms_norm_forward`: dh_total = dh_from_norm + dh_in, which is
+    both dx and dresidual, and dw. `dy` None (y unused) gives (dh_in, None)."""
+    if dy is None:
+        return dh_in, None
+    return _backward(dy, h, w, rstd, dh_in, config, programs_per_sm, num_stages)
+
+
+# ------------------------------------------------------------------------------ autograd
+
+
+class TritonRMSNormFunction(torch.autograd.Function):
+    """y = RMSNorm(x) · w over the last dimension; saves x, w and rstd (fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        check_input(x)
+        n_cols = x.shape[-1]
+        w_c = check_param(w, n_cols, x, "weight")
+        x2d = as_rows(x, n_cols)  # (rows, H)
+        y, rstd = rms_norm_forward(x2d, w_c, eps)
+        ctx.save_for_backward(x2d, w_c, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, w, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(as_rows(dy, x2d.shape[1]), x2d, w, rstd)
+        return dx.view(ctx.shape), dw if ctx.needs_input_grad[1] else None, None
+
+
+class TritonAddRMSNormFunction(torch.autograd.Function):
+    """(y, h) with h = x + residual, y = RMSNorm(h) · w; saves h, w and rstd."""
+
+    @staticmethod
+    def forward(ctx, x, residual, w, eps):
+        check_input(x)
+        check_input(residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} must have x's shape "
+                             f"{tuple(x.shape)} (no broadcasting); use the unfused "
+                             "add_rms_norm")
+        if residual.device != x.device:
+            raise ValueError(f"residual is on {residual.device}, x on {x.device}")
+        n_cols = x.shape[-1]
+        w_c = check_param(w, n_cols, x, "weight")
+        y, h, rstd = add_rms_norm_forward(as_rows(x, n_cols), as_rows(residual, n_cols),
+                                          w_c, eps)
+        ctx.save_for_backward(h, w_c, rstd)
+        ctx.shape = x.shape
+        ctx.set_materialize_grads(False)  # h unused downstream: no zero tensor made
+        return y.view(x.shape), h.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        h, w, rstd = ctx.saved_tensors
+        n_cols = h.shape[1]
+        dy2d = as_rows(dy, n_cols) if dy is not None else None
+        dh2d = as_rows(dh, n_cols) if dh is not None else None
+        dh_total, dw = add_rms_norm_backward(dy2d, h, w, rstd, dh2d)
+        if dh_total is not None:
+            dh_total = dh_total.view(ctx.shape)
+        dw = dw if ctx.needs_input_grad[2] else None
+        # x and residual get the same tensor, as torch's own add does (autograd casts
+        # it to the dtype of each, e.g. bf16 x with an fp32 residual stream).
+        return dh_total, dh_total, dw, None
+
+
+def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Fused RMSNorm of x (..., H) with weight w (H,); output in x's dtype."""
+    return TritonRMSNormFunction.apply(x, w, eps)
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                        eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual and y = RMSNorm(h) · w in one kernel; returns (y, h), both
+    (..., H) in the dtype of `x + residual` (under autocast: bf16 x, fp32 residual
+    stream, fp32 h). Gradients reach x and residual through h, from y and from any
+    later use of h."""
+    return TritonAddRMSNormFunction.apply(x, residual, w, eps)

@@ -1,0 +1,177 @@
+"""Switch 1, `enable_flash_attention`: exact attention without the S×S matrix.
+
+Naive attention materialises the scores P = softmax(QKᵀ/√d) — an (S, S) matrix per head
+— writes it to memory, reads it back for PV, and keeps it for the backward: O(S²) memory
+and traffic. Flash attention tiles Q, K and V, keeps a running max and sum per row
+(the online softmax) and never writes P; the backward recomputes it from Q, K and the
+saved log-sum-exp. Same FLOPs, O(S) memory. Dao et al., FlashAttention (2022) and
+FlashAttention-2 (2023).
+
+Shapes: q (B, Hq, S, D); k, v (B, Hkv, S, D) with Hq a multiple of Hkv (grouped-query
+attention); output (B, Hq, S, D).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("naive", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-math", "cudnn",
+            "triton", "flash_attn")
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Validate shapes; returns the group size Hq // Hkv."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be 4-D (B, H, S, D); got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    (b, hq, _, d), (bk, hkv, _, dk) = q.shape, k.shape
+    if (b, d) != (bk, dk):
+        raise ValueError(f"batch/head_dim of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}: each key/value head "
+                         "must serve a whole group of query heads")
+    return hq // hkv
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hkv, S, D) -> (B, Hkv*groups, S, D): each kv head copied for its query group."""
+    if groups == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                  upcast: bool = False) -> torch.Tensor:
+    """Naive attention: materialise the (S, S) scores. The reference for every backend.
+
+    `upcast=True` computes in fp32 (and returns fp32): the high-precision reference."""
+    groups = _check_shapes(q, k, v)
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    s_q, s_k = q.shape[-2], k.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, S, S)
+    if causal:
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return probs @ v
+
+
+def _sdpa(q, k, v, causal, groups):
+    try:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=groups > 1)
+    except TypeError:  # torch < 2.5 has no enable_gqa
+        return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups),
+                                              is_causal=causal)
+
+
+def _sdpa_with(backend_name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"sdpa-flash": SDPBackend.FLASH_ATTENTION,
+             "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "sdpa-math": SDPBackend.MATH,
+             "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+    return sdpa_kernel([which])
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Backends that can run on `device` (default: the current one)."""
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    out = ["naive", "sdpa", "sdpa-math"]
+    if dev.type == "cuda":
+        out += ["sdpa-flash", "sdpa-efficient", "cudnn", "triton"]
+        try:
+            import flash_attn  # noqa: F401
+
+            out.append("flash_attn")
+        except ImportError:
+            pass
+    else:
+        out.append("triton")  # under the interpreter: correct, slow
+    return out
+
+
+def _cudnn_attention_available() -> bool:
+    """cuDNN's fused attention (SDPA's CUDNN_ATTENTION): needs torch >= 2.5 built with
+    cuDNN >= 9 and an Ampere or newer GPU. On an H200 it is the fastest backend we measure
+    (BASELINES.md: 538 vs 319 TFLOP/s for SDPA flash, causal fwd at S=4096)."""
+    from torch.nn.attention import SDPBackend
+
+    if not (torch.cuda.is_available() and hasattr(SDPBackend, "CUDNN_ATTENTION")):
+        return False
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return bool(version and version >= 90000
+                and torch.cuda.get_device_capability() >= (8, 0)
+                and torch.backends.cuda.cudnn_sdp_enabled())
+
+
+def resolve_backend(backend, device: torch.device | str | None = None) -> str:
+    """Map the switch value (False / True / name) to a backend that runs here.
+
+    True picks the fastest backend we trust: cuDNN attention on a GPU that has it, else
+    PyTorch SDPA (its own choice of flash / memory-efficient / math kernel)."""
+    if backend is False or backend is None:
+        return "naive"
+    dev = torch.device(device) if device is not None else None
+    on_gpu = (dev.type == "cuda") if dev is not None else torch.cuda.is_available()
+    if backend is True:
+        return "cudnn" if on_gpu and _cudnn_attention_available() else "sdpa"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
+    if backend == "flash_attn" and "flash_attn" not in available_backends(dev):
+        warnings.warn("flash_attn is not installed; using PyTorch SDPA instead", stacklevel=3)
+        return "sdpa"
+    if not on_gpu and backend in ("sdpa-flash", "sdpa-efficient", "cudnn"):
+        warnings.warn(f"{backend} needs a CUDA GPU; using PyTorch SDPA instead", stacklevel=3)
+        return "sdpa"
+    return backend
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              backend=True) -> torch.Tensor:
+    """Scaled dot-product attention with a selectable backend.
+
+    Args:
+        q: (B, Hq, S, D) queries.
+        k: (B, Hkv, S, D) keys; Hq must be a multiple of Hkv.
+        v: (B, Hkv, S, D) values.
+        causal: mask future positions.
+        backend: False or "naive" (materialised scores), True (best available), or one
+            of `BACKENDS`.
+    Returns:
+        (B, Hq, S, D), in q's dtype.
+    """
+    groups = _check_shapes(q, k, v)
+    name = resolve_backend(backend, q.device)
+    if name == "naive":
+        return attention_ref(q, k, v, causal)
+    if name == "sdpa":
+        return _sdpa(q, k, v, causal, groups)
+    if name == "cudnn" and q.dtype not in (torch.float16, torch.bfloat16):
+        name = "sdpa"  # cuDNN attention has no fp32 kernel
+    if name in ("sdpa-flash", "sdpa-efficient", "sdpa-math", "cudnn"):
+        on_gpu = q.device.type == "cuda" or name == "sdpa-math"
+        with _sdpa_with(name) if on_gpu else nullcontext():
+            return _sdpa(q, k, v, causal, groups)
+    if name == "triton":
+        from colossal_lab.kernels.flash_attention import flash_attention
+
+        return flash_attention(q, k, v, causal=causal)
+    if name == "flash_attn":
+        from flash_attn import flash_attn_func
+
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                              causal=causal)  # (B, S, H, D) layout
+        return out.transpose(1, 2)
+    raise AssertionError(name)

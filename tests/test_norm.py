@@ -1,0 +1,300 @@
+"""Switch 2: fused RMSNorm, LayerNorm and add + RMSNorm against the eager references.
+
+On a CPU the Triton kernels run under the interpreter. Every output and every gradient
+is checked by the 2x-low-precision rule of `colossal_lab.correctness`: the kernel's
+error against the reference in fp32 must be at most twice the error of the same
+reference run in the kernel's dtype, plus a small atol (fp32: atol + rtol·max|ref|).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colossal_lab.correctness import check_close
+from colossal_lab.switches import norm
+from colossal_lab.switches.norm import add_rms_norm_ref, layer_norm_ref, rms_norm_ref
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                   reason="needs a CUDA GPU")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+SHAPES = [(123,), (5, 123), (7, 1024), (2, 3, 4097), (2, 1, 3, 64)]
+# (activation dtype, weight dtype, atol, rtol). bf16 activations with fp32 weights is
+# what autocast trains with. atol only absorbs ties: the bound is 2·err(lowp) + atol.
+DTYPES = [
+    (torch.float32, torch.float32, 1e-5, 1e-5),
+    (torch.bfloat16, torch.bfloat16, 1e-3, 0.0),
+    (torch.float16, torch.float16, 1e-4, 0.0),
+    (torch.bfloat16, torch.float32, 1e-3, 0.0),
+]
+DTYPE_IDS = ["fp32", "bf16", "fp16", "bf16-w32"]
+
+
+def _leaf(t: torch.Tensor, dtype=None) -> torch.Tensor:
+    return t.detach().to(dtype or t.dtype).clone().requires_grad_(True)
+
+
+def _check_op(fn, ref_fn, inputs, grad_outs, atol, rtol):
+    """Run `fn` (the kernel) and `ref_fn` in fp32 and, for low precision, in the
+    kernel's dtypes; check every output and the gradient of every input."""
+    ins = [_leaf(t) for t in inputs]
+    outs = fn(*ins)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None]
+    grads = torch.autograd.grad([o for o, _ in pairs], ins, [g for _, g in pairs])
+
+    def run_ref(cast):
+        r_ins = [_leaf(t, torch.float32 if cast else None) for t in inputs]
+        r_outs = ref_fn(*r_ins)
+        r_outs = r_outs if isinstance(r_outs, tuple) else (r_outs,)
+        r_pairs = [(o, g.to(o.dtype)) for o, g in zip(r_outs, grad_outs) if g is not None]
+        r_grads = torch.autograd.grad([o for o, _ in r_pairs], r_ins,
+                                      [g for _, g in r_pairs])
+        return r_outs, r_grads
+
+    ref_outs, ref_grads = run_ref(cast=True)
+    lowp = inputs[0].dtype != torch.float32
+    lp_outs, lp_grads = run_ref(cast=False) if lowp else ((None,) * 9, (None,) * 9)
+    for i, (o, r, lp) in enumerate(zip(outs, ref_outs, lp_outs)):
+        assert o.dtype == (lp.dtype if lp is not None else torch.float32), f"out{i} dtype"
+        check_close(o, r, lp, name=f"out{i}", atol=atol, rtol=rtol)
+    for i, (g, r, lp) in enumerate(zip(grads, ref_grads, lp_grads)):
+        assert g.dtype == inputs[i].dtype, f"grad {i} dtype {g.dtype}"
+        check_close(g, r, lp, name=f"grad{i}", atol=atol, rtol=rtol)
+
+
+def _inputs(shape, dtype, wdtype, shift=0.0):
+    x = (torch.randn(shape) * 2 + shift).to(dtype)
+    w = (1 + 0.5 * torch.randn(shape[-1])).to(wdtype)
+    return x.to(DEVICE), w.to(DEVICE)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype,wdtype,atol,rtol", DTYPES, ids=DTYPE_IDS)
+def test_rms_norm(shape, dtype, wdtype, atol, rtol):
+    x, w = _inputs(shape, dtype, wdtype)
+    dy = torch.randn(shape, device=DEVICE).to(dtype)
+    _check_op(lambda x, w: norm.rms_norm(x, w, 1e-6, backend="triton"),
+              lambda x, w: rms_norm_ref(x, w, 1e-6), [x, w], [dy], atol, rtol)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype,wdtype,atol,rtol", DTYPES, ids=DTYPE_IDS)
+def test_layer_norm(shape, dtype, wdtype, atol, rtol):
+    x, w = _inputs(shape, dtype, wdtype, shift=3.0)  # non-zero mean: centring matters
+    b = (0.5 * torch.randn(shape[-1])).to(wdtype).to(DEVICE)
+    dy = torch.randn(shape, device=DEVICE).to(dtype)
+    _check_op(lambda x, w, b: norm.layer_norm(x, w, b, 1e-5, backend="triton"),
+              lambda x, w, b: layer_norm_ref(x, w, b, 1e-5), [x, w, b], [dy], atol, rtol)
+
+
+@pytest.mark.parametrize("shape", [(5, 123), (2, 3, 4097)], ids=str)
+@pytest.mark.parametrize("dtype,wdtype,atol,rtol", DTYPES[:2], ids=DTYPE_IDS[:2])
+def test_layer_norm_without_bias(shape, dtype, wdtype, atol, rtol):
+    x, w = _inputs(shape, dtype, wdtype, shift=3.0)
+    dy = torch.randn(shape, device=DEVICE).to(dtype)
+    _check_op(lambda x, w: norm.layer_norm(x, w, None, 1e-5, backend="triton"),
+              lambda x, w: layer_norm_ref(x, w, None, 1e-5), [x, w], [dy], atol, rtol)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype,wdtype,atol,rtol", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("h_used", [True, False], ids=["h-used", "h-unused"])
+def test_add_rms_norm(shape, dtype, wdtype, atol, rtol, h_used):
+    """Gradients reach x and residual through h: from the norm, and (h_used) from a
+    later use of h, as the next residual add of a pre-norm block does."""
+    x, w = _inputs(shape, dtype, wdtype)
+    res = (torch.randn(shape, device=DEVICE) * 2).to(dtype)
+    dy = torch.randn(shape, device=DEVICE).to(dtype)
+    dh = torch.randn(shape, device=DEVICE).to(dtype) if h_used else None
+    _check_op(lambda x, r, w: norm.add_rms_norm(x, r, w, 1e-6, backend="triton"),
+              lambda x, r, w: add_rms_norm_ref(x, r, w, 1e-6), [x, res, w], [dy, dh],
+              atol, rtol)
+
+
+def test_add_rms_norm_mixed_residual_stream():
+    """Autocast: bf16 block output added to an fp32 residual stream -> fp32 h and y,
+    gradients in each input's dtype."""
+    x, w = _inputs((6, 96), torch.bfloat16, torch.float32)
+    res = torch.randn(6, 96, device=DEVICE)
+    dy, dh = torch.randn(6, 96, device=DEVICE), torch.randn(6, 96, device=DEVICE)
+    _check_op(lambda x, r, w: norm.add_rms_norm(x, r, w, 1e-6, backend="triton"),
+              lambda x, r, w: add_rms_norm_ref(x, r, w, 1e-6), [x, res, w], [dy, dh],
+              1e-5, 1e-5)
+
+
+def test_uncontiguous_input_and_expanded_grad():
+    """A transposed input and the stride-0 gradient of `y.sum()`."""
+    xt = torch.randn(64, 10, device=DEVICE).t()  # (10, 64), column stride 10
+    w = torch.randn(64, device=DEVICE, requires_grad=True)
+    x1, x2 = _leaf(xt), _leaf(xt)
+    norm.rms_norm(x1, w, backend="triton").sum().backward()
+    dw = w.grad.clone()
+    w.grad = None
+    rms_norm_ref(x2, w).sum().backward()
+    check_close(x1.grad, x2.grad, name="dx", atol=1e-5)
+    check_close(dw, w.grad, name="dw", atol=1e-5)
+
+
+def test_empty_rows():
+    x = torch.randn(0, 64, device=DEVICE, requires_grad=True)
+    w = torch.ones(64, device=DEVICE, requires_grad=True)
+    y = norm.rms_norm(x, w, backend="triton")
+    y.sum().backward()
+    assert y.shape == (0, 64) and torch.equal(w.grad, torch.zeros(64, device=DEVICE))
+
+
+def test_tolerance_catches_a_wrong_eps():
+    """The tolerances can fail: eps 1e-2 instead of 1e-6 is caught on unit-scale rows."""
+    x = torch.randn(4, 256, device=DEVICE) * 0.1
+    w = torch.ones(256, device=DEVICE)
+    with pytest.raises(AssertionError):
+        check_close(norm.rms_norm(x, w, 1e-2, backend="triton"), rms_norm_ref(x, w, 1e-6),
+                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_hidden_size_limit(op):
+    from colossal_lab.kernels.layer_norm import layer_norm_triton
+    from colossal_lab.kernels.rms_norm import rms_norm_triton
+
+    x, w = torch.randn(1, 65537, device=DEVICE), torch.ones(65537, device=DEVICE)
+    fn = rms_norm_triton if op == "rms_norm" else layer_norm_triton
+    with pytest.raises(ValueError, match="65536"):
+        fn(x, w)
+
+
+def test_bad_weight_shape():
+    with pytest.raises(ValueError, match=r"expected \(64,\)"):
+        norm.rms_norm(torch.randn(2, 64, device=DEVICE), torch.ones(32, device=DEVICE),
+                      backend="triton")
+
+
+# ------------------------------------------------------------------------------ dispatch
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="unknown normalization backend"):
+        norm.rms_norm(torch.randn(2, 8), torch.ones(8), backend="cudnn")
+    with pytest.raises(ValueError, match="unknown normalization backend"):
+        norm.resolve_backend("fast")
+
+
+@pytest.mark.parametrize("backend,module", [("liger", "liger_kernel"), ("apex", "apex")])
+def test_missing_backend_falls_back(backend, module):
+    """Without the library (or without a GPU) the switch warns and uses torch; it never
+    crashes the way ColossalAI does without apex (hpcaitech/ColossalAI#6260)."""
+    if backend in norm.available_backends(DEVICE):
+        pytest.skip(f"{module} is installed here")
+    norm._WARNED.clear()
+    x, w = torch.randn(3, 16, device=DEVICE), torch.randn(16, device=DEVICE)
+    with pytest.warns(UserWarning, match=f"'{backend}'.*using 'torch'"):
+        y = norm.rms_norm(x, w, backend=backend)
+    check_close(y, rms_norm_ref(x, w), atol=1e-5)
+    y2 = norm.layer_norm(x, w, None, backend=backend)  # warned once: no second warning
+    check_close(y2, layer_norm_ref(x, w), atol=1e-5)
+
+
+def test_true_resolves_per_device():
+    assert norm.resolve_backend(True, "cpu") == "torch"
+    assert norm.resolve_backend(False) == "eager"
+    if torch.cuda.is_available():
+        assert norm.resolve_backend(True, "cuda") == "triton"
+
+
+@pytest.mark.parametrize("backend", ["torch", "compile"])
+def test_library_backends_match_reference(backend):
+    if backend == "compile" and DEVICE == "cpu":
+        pytest.importorskip("torch._inductor")
+    x, w = torch.randn(4, 48, device=DEVICE), torch.randn(48, device=DEVICE)
+    b, r = torch.randn(48, device=DEVICE), torch.randn(4, 48, device=DEVICE)
+    check_close(norm.rms_norm(x, w, backend=backend), rms_norm_ref(x, w), atol=1e-5)
+    check_close(norm.layer_norm(x, w, b, backend=backend), layer_norm_ref(x, w, b),
+                atol=1e-5)
+    y, h = norm.add_rms_norm(x, r, w, backend=backend)
+    y_ref, h_ref = add_rms_norm_ref(x, r, w)
+    check_close(y, y_ref, atol=1e-5)
+    check_close(h, h_ref, atol=0)
+
+
+# -------------------------------------------------------------------------------- modules
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_module_triton_equals_eager(residual):
+    eager = norm.RMSNorm(80, eps=1e-5, backend="eager").to(DEVICE)
+    with torch.no_grad():
+        eager.weight.normal_()
+    fused = norm.RMSNorm(80, eps=1e-5, backend="triton").to(DEVICE)
+    fused.load_state_dict(eager.state_dict())
+    x = torch.randn(3, 5, 80, device=DEVICE)
+    r = torch.randn(3, 5, 80, device=DEVICE) if residual else None
+    ye, yf = eager(x, residual=r), fused(x, residual=r)
+    if residual:
+        (ye, he), (yf, hf) = ye, yf
+        check_close(hf, he, atol=0)
+    check_close(yf, ye, atol=1e-5)
+    ye.square().sum().backward()
+    yf.square().sum().backward()
+    check_close(fused.weight.grad, eager.weight.grad, name="dw", atol=1e-4)
+
+
+@pytest.mark.parametrize("cls,kwargs", [(norm.RMSNorm, {}), (norm.LayerNorm, {}),
+                                        (norm.LayerNorm, {"bias": False})])
+def test_state_dict_same_for_every_backend(cls, kwargs):
+    """A fused module loads and saves the naive one's state dict: same keys, shapes and
+    values whatever the backend (Hugging Face layout: `weight`, and `bias`)."""
+    dicts = [cls(32, backend=b, **kwargs).state_dict() for b in norm.BACKENDS + (True,)]
+    for sd in dicts[1:]:
+        assert list(sd) == list(dicts[0])
+        assert all(torch.equal(sd[k], dicts[0][k]) for k in sd)
+    expected = ["weight"] if cls is norm.RMSNorm or kwargs else ["weight", "bias"]
+    assert list(dicts[0]) == expected
+
+
+def test_layer_norm_module_matches_torch():
+    ours = norm.LayerNorm(40, backend="triton").to(DEVICE)
+    ref = torch.nn.LayerNorm(40).to(DEVICE)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.bias.normal_()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(6, 40, device=DEVICE)
+    check_close(ours(x), ref(x), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ GPU only
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "add_rms_norm"])
+def test_large_bf16_on_gpu(op):
+    """The benchmark's shape: many programs, a long persistent loop, 16-byte loads."""
+    shape = (16384, 4096)
+    x, w = _inputs(shape, torch.bfloat16, torch.bfloat16)
+    dy = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
+    if op == "rms_norm":
+        _check_op(lambda x, w: norm.rms_norm(x, w, backend="triton"), rms_norm_ref,
+                  [x, w], [dy], 1e-3, 0.0)
+    elif op == "layer_norm":
+        b = torch.randn(4096, device=DEVICE).to(torch.bfloat16)
+        _check_op(lambda x, w, b: norm.layer_norm(x, w, b, backend="triton"),
+                  layer_norm_ref, [x, w, b], [dy], 1e-3, 0.0)
+    else:
+        res = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
+        _check_op(lambda x, r, w: norm.add_rms_norm(x, r, w, backend="triton"),
+                  add_rms_norm_ref, [x, res, w], [dy, dy], 1e-3, 0.0)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["liger", "apex", "compile", "torch"])
+def test_other_backends_on_gpu(backend):
+    if backend not in norm.available_backends("cuda"):
+        pytest.skip(f"{backend} not installed")
+    x, w = _inputs((256, 1000), torch.bfloat16, torch.bfloat16)
+    dy = torch.randn(256, 1000, device=DEVICE).to(torch.bfloat16)
+    _check_op(lambda x, w: norm.rms_norm(x, w, backend=backend), rms_norm_ref, [x, w],
+              [dy], 1e-3, 0.0)
