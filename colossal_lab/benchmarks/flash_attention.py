@@ -46,7 +46,7 @@ PROVIDERS = ("naive", "sdpa-flash", "sdpa-efficient", "cudnn", "triton", "triton
 """`triton` is our kernel with its default backward (dQ in its own kernel); `triton-atomic`
 the same forward with FA2's atomic dQ (`dq_mode="atomic"`)."""
 QUICK_PROVIDERS = ("naive", "sdpa", "triton")
-FLEX_SEQ_LENS = (4096, 16384)
+FLEX_SEQ_LENS = (4096,)
 """FlexAttention compiles once per shape (tens of seconds each): only these, at D=128."""
 MEM_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 MEM_PROVIDERS = ("naive", "triton", "sdpa-flash")
