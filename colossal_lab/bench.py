@@ -49,9 +49,42 @@ def _on_cuda(device: torch.device | str | None) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 3) -> Timing:
+    """GPU time of `fn` captured once as a CUDA graph and replayed `reps` times, each
+    replay bracketed by events with the L2 cache flushed before it.
+
+    A short memory-bound op launched from Python can take less GPU time than its
+    launches take CPU time; timed eagerly, the GPU then idles between kernels and the
+    figure measures Python. In a training step those launches hide behind the matmuls
+    that precede them, so graph replay times what the kernels themselves cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.zero_()
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return _summary([a.elapsed_time(b) for a, b in zip(starts, ends)])
+
+
 def time_fn(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,
-            cpu_warmup: int = 2, cpu_reps: int = 10, device=None) -> Timing:
-    """Time a short call (a kernel, an op, a fwd+bwd). GPU: `do_bench`; CPU: a loop."""
+            cpu_warmup: int = 2, cpu_reps: int = 10, device=None,
+            cuda_graph: bool = False) -> Timing:
+    """Time a short call (a kernel, an op, a fwd+bwd). GPU: `do_bench`, or graph replay
+    with `cuda_graph=True` (see `time_cuda_graph`); CPU: a loop."""
+    if _on_cuda(device) and cuda_graph:
+        return time_cuda_graph(fn)
     if _on_cuda(device):
         from triton.testing import do_bench
 
