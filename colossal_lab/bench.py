@@ -9,6 +9,7 @@ runs with its spread, never one run.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -64,7 +65,9 @@ def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # "thread_local": the autograd engine's worker thread may touch CUDA during capture
+    with torch.cuda.graph(graph, capture_error_mode=os.environ.get(
+            "COLOSSAL_LAB_CAPTURE_MODE", "thread_local")):
         fn()
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
