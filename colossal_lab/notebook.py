@@ -41,11 +41,9 @@ def table(rows: list[dict], columns: dict[str, str | None], *, headers: dict | N
     head = [headers.get(c, c) for c in columns]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        if "error" in r:
-            cells = [_fmt(r.get(c), None) if i == 0 else "" for i, c in enumerate(columns)]
-            cells[-1] = f"failed: {r['error'][:60]}"
-        else:
-            cells = [_fmt(r.get(c), spec) for c, spec in columns.items()]
+        cells = [_fmt(r.get(c), spec) for c, spec in columns.items()]
+        if "error" in r:  # keep what was measured; say what failed
+            cells[-1] = f"{cells[-1] if cells[-1] != '–' else ''} failed: {r['error'][:60]}"
         out.append("| " + " | ".join(cells) + " |")
     return Markdown("\n".join(out))
 

@@ -87,6 +87,8 @@ def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: st
     TFLOP/s over sequence length per attention backend."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7.5, 4))
+    names = list(dict.fromkeys(r[by] for r in rows))  # colour by name: stable across axes
+    colours = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
     groups: dict = {}
     for r in rows:
         if r.get(y) is not None:
@@ -95,11 +97,11 @@ def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: st
         pts.sort()
         lw, z = (2.6, 3) if name == highlight else (1.4, 2)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3.5, lw=lw,
-                zorder=z, label=name)
+                zorder=z, label=name, color=colours[name])
     if ceiling:
         ax.axhline(ceiling, color=GREY, ls="--", lw=1)
-        ax.text(ax.get_xlim()[0], ceiling, " " + ceiling_label, va="bottom", fontsize=8,
-                color=GREY)
+        ax.text(0.99, ceiling, ceiling_label, transform=ax.get_yaxis_transform(),
+                ha="right", va="bottom", fontsize=8, color=GREY)
     if logx:
         ax.set_xscale("log", base=2)
         xs = sorted({r[x] for r in rows if r.get(y) is not None})
