@@ -601,19 +601,12 @@ def tuned_configs() -> dict[str, dict[str, str]]:
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     """Validate early, saying what to change; returns the group size Hq // Hkv."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("q, k, v must be 4-D (B, H, S, D); got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    (b, hq, s, d), (bk, hkv, sk, _) = q.shape, k.shape
-    if b != bk or d != k.shape[-1]:
-        raise ValueError(f"batch/head_dim of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
+    from colossal_lab.switches.attention import check_shapes  # the shared shape rules
+
+    groups = check_shapes(q, k, v)
+    s, sk, d = q.shape[2], k.shape[2], q.shape[3]
     if s != sk:
         raise ValueError(f"flash_attention needs equal query and key lengths; got {s} and {sk}")
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}: each key/value head must "
-                         "serve a whole group of query heads")
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim={d} is not supported by the Triton flash attention; "
                          f"supported: {SUPPORTED_HEAD_DIMS} (pad D, or use backend='sdpa')")
@@ -628,7 +621,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     if q.dtype == torch.float32 and d > 128 and not INTERPRET:
         raise ValueError(f"fp32 with head_dim={d} does not fit in shared memory; use bf16 "
                          "or fp16 (fp32 runs as tf32 on the GPU anyway)")
-    return hq // hkv
+    return groups
 
 
 def _upcast(dtype: torch.dtype) -> bool:

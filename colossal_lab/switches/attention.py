@@ -24,7 +24,7 @@ BACKENDS = ("naive", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-math", "cudnn
             "triton", "flash_attn")
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     """Validate shapes; returns the group size Hq // Hkv."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D (B, H, S, D); got "
@@ -32,6 +32,8 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     (b, hq, _, d), (bk, hkv, _, dk) = q.shape, k.shape
+    if hkv == 0:
+        raise ValueError("k and v have no heads (Hkv=0)")
     if (b, d) != (bk, dk):
         raise ValueError(f"batch/head_dim of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
     if hq % hkv:
@@ -53,7 +55,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     """Naive attention: materialise the (S, S) scores. The reference for every backend.
 
     `upcast=True` computes in fp32 (and returns fp32): the high-precision reference."""
-    groups = _check_shapes(q, k, v)
+    groups = check_shapes(q, k, v)
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
@@ -152,7 +154,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     Returns:
         (B, Hq, S, D), in q's dtype.
     """
-    groups = _check_shapes(q, k, v)
+    groups = check_shapes(q, k, v)
     name = resolve_backend(backend, q.device)
     if name == "naive":
         return attention_ref(q, k, v, causal)
