@@ -4,11 +4,10 @@ Real clusters are often offline. On a connected machine, `python -m colossal_lab
 wheelhouse` downloads binary wheels for the *node's* Python and platform (not this
 machine's) of what the book needs beyond a CUDA PyTorch image: the Jupyter kernel stack
 to execute notebooks and Liger-Kernel (a provider in the benchmarks). Copy the folder
-over, then on the node make a virtual environment that sees the image's packages, so pip
-installs only what is missing:
+over, then on the node install into the Python that holds its CUDA torch; pip resolves
+against what is installed and adds only what is missing:
 
-    python -m venv --system-site-packages /tmp/cl
-    /tmp/cl/bin/pip install --no-index --find-links .whl nbclient nbformat ipykernel liger-kernel
+    python -m pip install --no-index --find-links .whl nbclient nbformat ipykernel liger-kernel
 
 torch, triton and the CUDA libraries are never downloaded: the node's image has them.
 """
@@ -67,8 +66,7 @@ def main(argv=None) -> None:
     size = sum(w.stat().st_size for w in kept) / 2**20
     print(f"{len(kept)} wheels, {size:.1f} MiB in {a.dest}")
     wanted = " ".join(NOTEBOOK_PACKAGES + NO_DEPS_PACKAGES + list(a.extra))
-    print("on the node: python -m venv --system-site-packages /tmp/cl && "
-          f"/tmp/cl/bin/pip install --no-index --find-links {a.dest} {wanted}")
+    print(f"on the node: python -m pip install --no-index --find-links {a.dest} {wanted}")
 
 
 if __name__ == "__main__":
