@@ -44,6 +44,9 @@ gpu-results:
 	$(PYTHON) -m colossal_lab bench fused_norm_step
 	$(PYTHON) -m colossal_lab bench flash_attention
 	$(PYTHON) -m colossal_lab bench flash_attention_step
+	$(PYTHON) -m colossal_lab bench fused_qkv
+	$(PYTHON) -m colossal_lab bench checkpointing
+	$(PYTHON) -m colossal_lab bench precision
 
 ## wheelhouse: download wheels for an offline GPU node (Python 3.12, x86-64)
 wheelhouse: $(VENV)/.installed

@@ -149,15 +149,23 @@ class Switches:
     enable_fused_normalization: Backend = False
     """RMSNorm kernel: False = eager PyTorch ops; or "torch", "compile", "triton",
     "liger", "apex"."""
-    enable_fused_projections: bool = False
-    """One GEMM for q/k/v and one for gate/up. Not ColossalAI's `enable_jit_fused`,
-    which fuses bias+GeLU and bias+dropout+add (chapter 03)."""
+    enable_fused_projections: Backend = False
+    """One GEMM for q/k/v and one for gate/up (chapter 03). False = separate GEMMs; or
+    the SwiGLU kernel that reads the fused gate/up output: "eager", "compile", "triton"
+    (ours); True = "triton" on a GPU, "eager" on the CPU. Not ColossalAI's
+    `enable_jit_fused`, which fuses bias+GeLU and bias+dropout+add."""
     precision: str = "bf16"
     """One of "fp32", "bf16" (autocast), "bf16-pure", "fp16", "fp8"."""
     gradient_checkpoint_config: object = None
-    """None for no recomputation, or a `GradientCheckpointConfig` (chapter 04)."""
+    """None (keep every activation) or a `switches.checkpointing.GradientCheckpointConfig`
+    (chapter 04): a `gradient_checkpointing_ratio` of each stage's layers, or
+    `num_ckpt_layers_per_stage`, recompute their forward in the backward; its `mode`
+    recomputes everything ("full") or only what is cheap ("selective", "elementwise")."""
     extra: dict = field(default_factory=dict)
-    """Backend-specific knobs that have no ColossalAI counterpart."""
+    """Backend-specific knobs that have no ColossalAI counterpart. fp8 (chapter 06):
+    "fp8_scaling" ("dynamic" | "delayed"), "fp8_history" (amax history length),
+    "fp8_skip" (names of linears to keep in bf16, e.g. ["lm_head"]),
+    "fp8_fast_accum_backward" (bool), "fp8_backend" ("auto" | "scaled_mm" | "emulate")."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

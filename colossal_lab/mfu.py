@@ -70,12 +70,20 @@ def model_flops(cfg: ModelConfig, tokens: int, seq_len: int, causal: bool = True
 
 
 def hardware_flops(cfg: ModelConfig, tokens: int, seq_len: int, causal: bool = True,
-                   recompute_fraction: float = 0.0, recompute_attention: bool = True) -> float:
+                   recompute_fraction: float = 0.0, recompute_attention: bool = True,
+                   recompute_flops: float | None = None) -> float:
     """Model FLOPs plus the forward that recomputation repeats.
 
     `recompute_fraction` is the share of transformer layers whose forward runs twice
     (1.0 = full checkpointing); `recompute_attention` whether their attention core is
-    among what is recomputed."""
+    among what is recomputed. `recompute_flops`, when given, is the exact recomputed
+    work of the step instead (`switches.checkpointing.recompute_flops`: it knows that
+    selective recomputation repeats no GEMM and that full recomputation skips the
+    last one)."""
+    if recompute_flops is not None:
+        if recompute_flops < 0:
+            raise ValueError(f"recompute_flops={recompute_flops} must be >= 0")
+        return model_flops(cfg, tokens, seq_len, causal) + recompute_flops
     if not 0.0 <= recompute_fraction <= 1.0:
         raise ValueError(f"recompute_fraction={recompute_fraction} must be in [0, 1]")
     layer_fwd = 2.0 * cfg.num_hidden_layers * (layer_params(cfg) - 2 * cfg.hidden_size)
@@ -118,9 +126,11 @@ class StepStats:
 
 def step_stats(cfg: ModelConfig, *, batch: int, seq_len: int, step_time_s: float,
                peak_tflops: float, causal: bool = True,
-               recompute_fraction: float = 0.0) -> StepStats:
+               recompute_fraction: float = 0.0,
+               recompute_flops: float | None = None) -> StepStats:
     """MFU, attention-aware MFU and HFU of one step over `batch · seq_len` tokens (per
-    device: pass the tokens this device processed and this device's peak)."""
+    device: pass the tokens this device processed and this device's peak). HFU adds the
+    recomputed work: `recompute_flops` exactly, else a `recompute_fraction` of layers."""
     if step_time_s <= 0:
         raise ValueError("step_time_s must be positive")
     if not peak_tflops or peak_tflops <= 0:
@@ -132,7 +142,8 @@ def step_stats(cfg: ModelConfig, *, batch: int, seq_len: int, step_time_s: float
         tokens_per_s=tokens / step_time_s,
         mfu=seed_flops(cfg, tokens) / step_time_s / peak,
         mfu_attn=mf / step_time_s / peak,
-        hfu=hardware_flops(cfg, tokens, seq_len, causal, recompute_fraction) / step_time_s / peak,
+        hfu=hardware_flops(cfg, tokens, seq_len, causal, recompute_fraction,
+                           recompute_flops=recompute_flops) / step_time_s / peak,
         n_params=count_params(cfg),
         peak_tflops=peak_tflops,
         achieved_tflops=mf / step_time_s / 1e12,

@@ -7,7 +7,6 @@ use `make_step`, so what is measured is what is trained.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ import torch
 from colossal_lab import bench, hardware, mfu
 from colossal_lab.config import ModelConfig, Switches
 from colossal_lab.model import build_model
+from colossal_lab.switches import precision as precision_mod
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -33,18 +33,18 @@ def hf_loss(model, input_ids, labels):
 
 
 def autocast(precision: str, device: torch.device):
-    """The autocast context for `precision` (fp32 and bf16-pure need none)."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision in ("fp32", "bf16-pure"):
-        return contextlib.nullcontext()
-    raise NotImplementedError(
-        f"precision={precision!r} lands with chapter 06; use 'fp32' or 'bf16' for now")
+    """The autocast context for `precision` (fp32 and bf16-pure need none; fp8 linears
+    run inside a bf16 autocast). See `switches.precision`."""
+    return precision_mod.autocast(precision, device)
 
 
 def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.1):
-    """AdamW, the fused CUDA kernel when the parameters are on a GPU."""
+    """AdamW, the fused CUDA kernel when the parameters are on a GPU. Parameters stored
+    in bf16/fp16 (bf16-pure) get `MasterAdamW`: fp32 master weights and moments."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if precision_mod.is_low_precision(params):
+        return precision_mod.MasterAdamW(params, lr=lr, betas=(0.9, 0.95),
+                                         weight_decay=weight_decay)
     on_cuda = params[0].is_cuda
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                              fused=on_cuda or None)
@@ -53,22 +53,33 @@ def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float
 def make_step(model, optimizer, precision: str, loss_fn: LossFn = our_loss,
               micro_batches: int = 1, clip: float | None = 1.0):
     """A function `step(input_ids, labels) -> loss tensor` doing forward, backward over
-    `micro_batches` slices of the batch (gradient accumulation) and the optimizer step."""
+    `micro_batches` slices of the batch (gradient accumulation) and the optimizer step.
+
+    fp16 scales the loss dynamically (`step.scaler`, a `DynamicLossScaler`): gradients
+    are unscaled before clipping and an overflowing step is skipped, all on device."""
     device = next(model.parameters()).device
+    scaler = precision_mod.DynamicLossScaler() if precision == "fp16" else None
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), device=device)
         for ids, lab in zip(input_ids.chunk(micro_batches), labels.chunk(micro_batches)):
             with autocast(precision, device):
                 loss = loss_fn(model, ids, lab) / micro_batches
-            loss.backward()
+            (loss if scaler is None else scaler.scale(loss)).backward()
             total += loss.detach()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad(set_to_none=True)
         return total
 
+    step.scaler = scaler
     return step
 
 

@@ -66,5 +66,5 @@ def test_bad_training_configs():
         train.train(tiny(), batch=4, micro_batch=3, steps=1, data="random", progress=False)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         train.train(tiny(), seq_len=10_000, steps=1, data="random", progress=False)
-    with pytest.raises(NotImplementedError, match="chapter 06"):
-        train.autocast("fp16", torch.device("cpu"))
+    with pytest.raises(ValueError, match="choose one of"):
+        train.autocast("fp4", torch.device("cpu"))

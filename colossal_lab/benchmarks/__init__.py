@@ -9,10 +9,13 @@ import importlib
 
 BENCHMARKS = {
     "baseline": "colossal_lab.benchmarks.baseline",
+    "checkpointing": "colossal_lab.benchmarks.checkpointing",
     "flash_attention": "colossal_lab.benchmarks.flash_attention",
     "flash_attention_step": "colossal_lab.benchmarks.flash_attention_step",
     "fused_norm": "colossal_lab.benchmarks.fused_norm",
     "fused_norm_step": "colossal_lab.benchmarks.fused_norm_step",
+    "fused_qkv": "colossal_lab.benchmarks.fused_qkv",
+    "precision": "colossal_lab.benchmarks.precision",
 }
 
 

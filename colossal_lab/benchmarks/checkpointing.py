@@ -1,0 +1,225 @@
+"""Chapter 04: what gradient checkpointing costs in speed and buys in memory.
+
+Two groups of training steps, each setup in its own process (`benchmarks.steps`):
+
+1. `llama-7b-8l`, seq 4096, batch 4, bf16 autocast, switches 1-2 on: no checkpointing,
+   ratios 0.25 / 0.5 / 0.75 / 1 (full recomputation) and the two selective modes. Each
+   row carries tokens/s, MFU (6N), MFU (+attention), HFU (+ the recomputed FLOPs), what
+   ColossalAI's evaluator would report (8N per token with checkpointing on), peak and
+   activation memory, what one layer keeps, and the largest batch: predicted from two
+   memory probes and verified by running it.
+2. Full LLaMA-7B (32 layers, 6.74B) on one GPU, bf16 parameters with fp32 master weights
+   and optimizer states in the optimizer ("bf16-pure": ~100 GiB before any activation),
+   switches 1-3 on: no checkpointing at batch 1 (and whether 2 fits), the fewest
+   checkpointed layers that fit batch 2 (chosen from memory probes), selective
+   recomputation at batch 2, and full recomputation at its largest batch.
+
+    python -m colossal_lab bench checkpointing           # ~7 min on one H200
+    python -m colossal_lab bench checkpointing --quick   # tiny model on the CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from colossal_lab.benchmarks.steps import Setup, format_row, run_chapter, step_config
+from colossal_lab.config import Switches
+from colossal_lab.switches.checkpointing import GradientCheckpointConfig as Ckpt
+
+NAME = "checkpointing"
+RATIOS = (0.25, 0.5, 0.75)
+FAST = Switches(enable_flash_attention=True, enable_fused_normalization="triton")
+"""Switches 1-2, as chapter 02 left the step."""
+FAST_7B = FAST.replace(enable_fused_projections=True, precision="bf16-pure")
+"""Switches 1-3, bf16 parameters (fp32 masters in the optimizer) for the full 7B."""
+
+
+def _sweep(name: str, label: str, config) -> Setup:
+    return Setup(name, label, switches=FAST.replace(gradient_checkpoint_config=config),
+                 find_largest_batch=True, warmup=2, iters=6)
+
+
+def _full_7b(name: str, label: str, config, batch: int, **kw) -> Setup:
+    return Setup(name, label, precision="bf16-pure", preset="llama-7b", batch=batch,
+                 switches=FAST_7B.replace(gradient_checkpoint_config=config),
+                 warmup=2, iters=5, **kw)
+
+
+SWEEP = (
+    _sweep("ckpt-none", "no checkpointing", None),
+    *(_sweep(f"ckpt-{r}", f"ratio {r}: {r:.0%} of the layers recomputed",
+             Ckpt(gradient_checkpointing_ratio=r)) for r in RATIOS),
+    _sweep("ckpt-full", "ratio 1: every layer recomputed", Ckpt(gradient_checkpointing_ratio=1.0)),
+    _sweep("ckpt-selective", "selective: keep GEMM outputs, recompute attention + element-wise",
+           Ckpt(mode="selective")),
+    _sweep("ckpt-elementwise", "selective: keep GEMM + attention outputs, recompute element-wise",
+           Ckpt(mode="elementwise")),
+)
+FULL_7B = (
+    _full_7b("7b-none", "LLaMA-7B, no checkpointing", None, 1, find_largest_batch=True),
+    _full_7b("7b-ratio", "LLaMA-7B, fewest checkpointed layers that fit batch 2",
+             Ckpt(gradient_checkpointing_ratio=1.0), 2, auto_ratio=True),
+    _full_7b("7b-selective", "LLaMA-7B, selective recomputation", Ckpt(mode="selective"), 2),
+    _full_7b("7b-full", "LLaMA-7B, full recomputation", Ckpt(), 2, find_largest_batch=True),
+)
+SETUPS = SWEEP + FULL_7B
+SETUP_NAMES = tuple(s.name for s in SETUPS)
+QUICK = ("ckpt-none", "ckpt-0.5", "ckpt-selective", "7b-ratio")
+"""The CPU smoke test: one of each kind (the Triton norm runs interpreted there)."""
+
+
+def config_of(preset_name: str = "llama-7b-8l", seq_len: int = 4096, batch: int = 4) -> dict:
+    return {**step_config(preset_name, seq_len, batch),
+            "full_7b": {"preset": "llama-7b", "precision": "bf16-pure",
+                        "switches": "flash attention, Triton RMSNorm, fused projections"},
+            "allocator": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+            "largest_batch": "predicted from probes at two batches (peak = fixed + "
+                             "batch x per-sample), verified by running it",
+            "mfu": "6N per token; mfu_attn adds causal attention; hfu adds the "
+                   "recomputed matmul FLOPs; mfu_colossalai counts 8N with checkpointing"}
+
+
+def run(quick: bool = False, *, setups=None, seq_len: int = 4096, batch: int = 4
+        ) -> list[dict]:
+    """Every setup side by side (`quick`: the tiny model on the CPU, in this process)."""
+    chosen = [s for s in SETUPS if s.name in (setups or (QUICK if quick else SETUP_NAMES))]
+    if not quick:  # the largest batch should be bounded by memory, not by fragmentation
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    return run_chapter(NAME, chosen, quick, seq_len=seq_len, batch=batch)
+
+
+def summary(rows: list[dict]) -> str:
+    return "\n".join(format_row(r) for r in rows)
+
+
+# ------------------------------------------------------------- reading the results
+
+
+def ok_rows(rows: list[dict], names=None) -> dict[str, dict]:
+    """Rows that ran, by setup name (in `names` order when given)."""
+    by = {r["setup"]: r for r in rows if "error" not in r}
+    return {n: by[n] for n in (names or by) if n in by}
+
+
+def versus_none(rows: list[dict], baseline: str = "ckpt-none") -> list[dict]:
+    """Each sweep row with its activation memory and tokens/s relative to no
+    checkpointing (`act_saving`: fraction of activation memory saved; `slowdown`:
+    fraction of tokens/s lost)."""
+    by = ok_rows(rows)
+    base = by.get(baseline)
+    out = []
+    for name in (s.name for s in SWEEP):
+        r = by.get(name)
+        if r is None:
+            continue
+        r = dict(r)
+        if base is not None:
+            r["slowdown"] = 1 - r["tokens_per_s"] / base["tokens_per_s"]
+            a, a0 = r.get("activation_mem_gib"), base.get("activation_mem_gib")
+            r["act_saving"] = 1 - a / a0 if a is not None and a0 else None
+            s, s0 = r.get("saved_mem_gib"), base.get("saved_mem_gib")
+            r["saved_saving"] = 1 - s / s0 if s is not None and s0 else None
+        out.append(r)
+    return out
+
+
+def memory_model(rows: list[dict], none: str = "ckpt-none", full: str = "ckpt-full"):
+    """`checkpointing.MemoryModel` from two measured rows (their fixed and per-sample
+    memory); None when the rows lack the probes (a CPU run)."""
+    from colossal_lab.config import preset
+    from colossal_lab.switches.checkpointing import MemoryModel
+
+    by = ok_rows(rows)
+    a, b = by.get(none), by.get(full)
+    keys = ("mem_fixed_gib", "mem_per_sample_gib", "mem_capacity_gib")
+    if a is None or b is None or any(a.get(k) is None or b.get(k) is None for k in keys):
+        return None
+    return MemoryModel(fixed_gib=max(a["mem_fixed_gib"], b["mem_fixed_gib"]),
+                       per_sample_none_gib=a["mem_per_sample_gib"],
+                       per_sample_full_gib=b["mem_per_sample_gib"],
+                       num_layers=preset(a["preset"]).num_hidden_layers,
+                       capacity_gib=min(a["mem_capacity_gib"], b["mem_capacity_gib"]))
+
+
+def plot_tradeoff(rows: list[dict], *, memory: str = "activation_mem_gib", ax=None):
+    """Memory against tokens/s for each sweep setup: the ratios joined by a line from no
+    checkpointing to full recomputation, the selective modes as separate points."""
+    import matplotlib.pyplot as plt
+
+    from colossal_lab.plot import BLUE, GREY, ORANGE
+
+    pts = [r for r in versus_none(rows) if r.get(memory) is not None]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.5, 4.5))
+    line = [r for r in pts if r.get("ckpt_mode") in (None, "full")]
+    line.sort(key=lambda r: r["ckpt_ratio"])
+    ax.plot([r["tokens_per_s"] for r in line], [r[memory] for r in line], "-o", color=BLUE,
+            label="ratio 0 → 1 (full recomputation)")
+    for r in pts:
+        sel = r.get("ckpt_mode") in ("selective", "elementwise")
+        if sel:
+            ax.plot(r["tokens_per_s"], r[memory], "s", color=ORANGE, ms=8)
+        text = r["ckpt_mode"] if sel else (f"ratio {r['ckpt_ratio']:g}")
+        ax.annotate(text, (r["tokens_per_s"], r[memory]), textcoords="offset points",
+                    xytext=(6, 4), fontsize=8, color=ORANGE if sel else GREY)
+    ax.plot([], [], "s", color=ORANGE, label="selective modes (every layer)")
+    ax.set_xlabel("tokens/s")
+    ax.set_ylabel({"activation_mem_gib": "activation memory (GiB)",
+                   "saved_mem_gib": "kept by the forward (GiB)"}.get(memory, memory))
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax
+
+
+def plot_largest_batch(rows: list[dict], ax=None):
+    """Largest batch per setup: predicted from the probes and verified by running it."""
+    import matplotlib.pyplot as plt
+
+    from colossal_lab.plot import BLUE, GREY, ORANGE
+
+    pts = [r for r in rows if "error" not in r and r.get("largest_batch_predicted")]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.5, 0.45 * len(pts) + 1.2))
+    y = range(len(pts))[::-1]
+    for yi, r in zip(y, pts):
+        ax.barh(yi + 0.2, r["largest_batch_predicted"], 0.38, color=GREY,
+                label="predicted" if yi == len(pts) - 1 else None)
+        v = r.get("largest_batch")
+        if v:
+            ax.barh(yi - 0.2, v, 0.38, color=BLUE, label="verified" if yi == len(pts) - 1
+                    else None)
+            tps = r.get("largest_batch_tokens_per_s")
+            note = f"{v}" + (f"  {tps:,.0f} tok/s" if tps else "")
+            ax.text(v + 0.2, yi - 0.2, note, va="center", fontsize=8)
+        else:
+            ax.text(0.2, yi - 0.2, f"not verified: {r.get('largest_batch_note', '')}",
+                    va="center", fontsize=8, color=ORANGE)
+    ax.set_yticks(list(y))
+    ax.set_yticklabels([f"{r['setup']} ({r['preset']})" for r in pts])
+    ax.set_xlabel("sequences per step")
+    if pts:
+        ax.legend(fontsize=8, frameon=False, loc="lower right")
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=4, help="batch of the 8-layer sweep")
+    p.add_argument("--setups", nargs="*", choices=SETUP_NAMES)
+    a = p.parse_args(argv)
+    rows = run(a.quick, setups=a.setups, seq_len=a.seq_len, batch=a.batch)
+    if not a.quick:
+        from colossal_lab.results import save_results
+
+        path = save_results(NAME, rows, config=config_of(seq_len=a.seq_len, batch=a.batch),
+                            command=f"python -m colossal_lab bench {NAME}")
+        print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
