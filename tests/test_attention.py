@@ -172,3 +172,10 @@ def test_gpu_low_precision(seq_len, head_dim, causal, dtype):
     """Real GPU tiles (autotuned) in bf16/fp16: err ≤ 2 · err(reference in low precision)."""
     _check(*_inputs(2, 8, 2, seq_len, head_dim, dtype=dtype, device="cuda"), causal,
            atol=1e-3)
+
+
+def test_cudnn_backend_falls_back_for_fp32():
+    """cuDNN attention has no fp32 kernel: fp32 inputs go to PyTorch's SDPA instead."""
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    out = attention(q, k, v, causal=True, backend="cudnn")
+    check_close(out, attention_ref(q, k, v, True), name="fp32 via cudnn")

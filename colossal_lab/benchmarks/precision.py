@@ -319,16 +319,18 @@ def main(argv=None) -> None:
     p.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
     p.add_argument("--name", default="precision")
     a = p.parse_args(argv)
-    rows = run(a.quick, tuple(a.parts))
-    if not a.quick:
-        from colossal_lab.results import save_results
+    if a.quick:
+        run(a.quick, tuple(a.parts))
+        return
+    from colossal_lab.results import save_results
 
-        if set(a.parts) != set(PARTS):
-            rows = _merge(a.name, rows, a.parts)
-        path = save_results(a.name, rows, config=config_of(),
-                            command=" ".join(["python -m colossal_lab bench precision",
-                                              *argv]))
-        print(f"saved {path}")
+    command = " ".join(["python -m colossal_lab bench precision", *argv])
+    for i, part in enumerate(a.parts):  # saved after each part: a crash loses one part
+        rows = run(False, (part,))
+        if i or set(a.parts) != set(PARTS):
+            rows = _merge(a.name, rows, (part,))
+        path = save_results(a.name, rows, config=config_of(), command=command)
+        print(f"saved {path} ({part})")
 
 
 if __name__ == "__main__":

@@ -158,10 +158,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     name = resolve_backend(backend, q.device)
     if name == "naive":
         return attention_ref(q, k, v, causal)
+    if name == "cudnn" and q.dtype not in (torch.float16, torch.bfloat16):
+        name = "sdpa"  # cuDNN attention has no fp32 kernel: let PyTorch pick one
     if name == "sdpa":
         return _sdpa(q, k, v, causal, groups)
-    if name == "cudnn" and q.dtype not in (torch.float16, torch.bfloat16):
-        name = "sdpa"  # cuDNN attention has no fp32 kernel
     if name in ("sdpa-flash", "sdpa-efficient", "sdpa-math", "cudnn"):
         on_gpu = q.device.type == "cuda" or name == "sdpa-math"
         with _sdpa_with(name) if on_gpu else nullcontext():
