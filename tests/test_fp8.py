@@ -323,8 +323,11 @@ def test_config_from_switches_extra():
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_cast_kernel_on_gpu(dtype):
-    x = (torch.randn(1000, 4096, device="cuda") * 3).to(torch.bfloat16)
+@pytest.mark.parametrize("shape,in_dtype", [((1000, 4096), torch.bfloat16),
+                                            ((512, 768), torch.float32),
+                                            ((1000, 512), torch.float32)])
+def test_cast_kernel_on_gpu(dtype, shape, in_dtype):
+    x = (torch.randn(*shape, device="cuda") * 3).to(in_dtype)
     amax = fp8_cast.fp8_amax(x)
     assert amax.item() == x.float().abs().max().item()
     yk, ytk, ik = fp8_cast.fp8_cast_transpose(x, dtype, amax)
