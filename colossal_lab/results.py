@@ -69,8 +69,10 @@ def provenance(command: str | None = None) -> dict:
     except ImportError:
         triton_version = None
     # a copy of the tree without .git (a remote GPU node) passes the commit explicitly
-    sha = _git("rev-parse", "HEAD") or os.environ.get("COLOSSAL_LAB_GIT_SHA")
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    # ... and wins over the node's .git, which may be a stale copy
+    env_sha = os.environ.get("COLOSSAL_LAB_GIT_SHA")
+    sha = env_sha or _git("rev-parse", "HEAD")
+    dirty = None if env_sha else _git("status", "--porcelain", "--untracked-files=no")
     return {
         "gpu": dev.name,
         "gpu_count": dev.count,

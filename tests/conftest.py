@@ -19,3 +19,12 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test skipped for want of CUDA is also marked `gpu`, so `pytest -m gpu`
+    (`make test-gpu`) runs all of them on a GPU node, whichever decorator they use."""
+    for item in items:
+        if any(m.name == "skipif" and m.kwargs.get("reason") == "needs a CUDA GPU"
+               for m in item.iter_markers()):
+            item.add_marker(pytest.mark.gpu)
