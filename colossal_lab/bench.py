@@ -81,13 +81,24 @@ def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 
     return _summary([a.elapsed_time(b) for a, b in zip(starts, ends)])
 
 
+def time_kernels(fn: Callable[[], object], *, device=None, reps: int = 100
+                 ) -> tuple[Timing, str]:
+    """The GPU time of `fn`'s kernels and how it was taken: CUDA-graph replay
+    ("cuda_graph", `time_cuda_graph`); where capture fails, eagerly with `do_bench`
+    ("events": Python launch gaps included, and said so); on a CPU a loop
+    ("perf_counter")."""
+    if not _on_cuda(device):
+        return time_fn(fn, device=device), "perf_counter"
+    try:
+        return time_cuda_graph(fn, reps=reps), "cuda_graph"
+    except Exception:  # e.g. an op that cannot be captured
+        return time_fn(fn, device=device), "events"
+
+
 def time_fn(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,
-            cpu_warmup: int = 2, cpu_reps: int = 10, device=None,
-            cuda_graph: bool = False) -> Timing:
-    """Time a short call (a kernel, an op, a fwd+bwd). GPU: `do_bench`, or graph replay
-    with `cuda_graph=True` (see `time_cuda_graph`); CPU: a loop."""
-    if _on_cuda(device) and cuda_graph:
-        return time_cuda_graph(fn)
+            cpu_warmup: int = 2, cpu_reps: int = 10, device=None) -> Timing:
+    """Time a short call (a kernel, an op, a fwd+bwd), Python launches included. GPU:
+    `do_bench`; CPU: a loop. For the kernels alone see `time_kernels`."""
     if _on_cuda(device):
         from triton.testing import do_bench
 

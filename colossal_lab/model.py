@@ -126,9 +126,9 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(d, i, bias=False)
         self.down_proj = nn.Linear(i, d, bias=False)
         self.intermediate_size = i
+        self.activation = fused_projections  # the SwiGLU kernel, when fused
         projections.register_hf_layout(self, "gate_up_proj", GATE_UP,
                                        lambda m: [m.intermediate_size] * 2)
-        self.set_fused(fused_projections)
 
     @property
     def fused(self) -> bool:

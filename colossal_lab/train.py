@@ -115,10 +115,11 @@ class StepMeasurement:
 def measure_step(step: Callable, batches: Iterator, *, cfg: ModelConfig, setup: str,
                  preset: str, batch: int, seq_len: int, micro_batch: int | None = None,
                  warmup: int = 3, iters: int = 10, peak_tflops: float | None = None,
-                 recompute_fraction: float = 0.0, progress: bool = True,
+                 recompute_flops: float = 0.0, progress: bool = True,
                  extra: dict | None = None) -> StepMeasurement:
     """Time `iters` steps after `warmup` (each bracketed by CUDA events) and turn the
-    median into tokens/s, MFU (6N), MFU (+attention) and HFU."""
+    median into tokens/s, MFU (6N), MFU (+attention) and HFU (which also counts the
+    `recompute_flops` that activation checkpointing repeats)."""
     dev = hardware.detect()
     peak = peak_tflops or dev.peak_tflops("bf16")
     if peak is None:  # CPU or unknown GPU: MFU against the measured matmul ceiling
@@ -136,7 +137,7 @@ def measure_step(step: Callable, batches: Iterator, *, cfg: ModelConfig, setup: 
     bar.close()
     stats = mfu.step_stats(cfg, batch=batch, seq_len=seq_len,
                            step_time_s=timing.median_ms / 1e3, peak_tflops=peak,
-                           recompute_fraction=recompute_fraction)
+                           recompute_flops=recompute_flops)
     return StepMeasurement(
         setup=setup, preset=preset, batch=batch, seq_len=seq_len,
         micro_batch=micro_batch or batch, step_ms=timing.median_ms,

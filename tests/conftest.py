@@ -9,8 +9,27 @@ import os
 import pytest
 import torch
 
+from colossal_lab.config import ModelConfig, tiny
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+MODEL_CONFIGS = {  # shared shapes: GQA, MHA with odd widths, MQA with tied embeddings
+    "tiny-gqa": tiny(),
+    "gqa-6:2-odd": ModelConfig(vocab_size=301, hidden_size=96, intermediate_size=250,
+                               num_hidden_layers=2, num_attention_heads=6,
+                               num_key_value_heads=2, max_position_embeddings=128),
+    "mha-odd": ModelConfig(vocab_size=301, hidden_size=96, intermediate_size=250,
+                           num_hidden_layers=3, num_attention_heads=6,
+                           num_key_value_heads=6, max_position_embeddings=128),
+    "mha-3": ModelConfig(vocab_size=128, hidden_size=48, intermediate_size=100,
+                         num_hidden_layers=1, num_attention_heads=3,
+                         num_key_value_heads=3, max_position_embeddings=64),
+    "mqa-tied": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=1, tie_word_embeddings=True,
+                            rope_theta=500000.0),
+}
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

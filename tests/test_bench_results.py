@@ -18,6 +18,22 @@ def test_time_fn_and_iterations_on_cpu():
     assert bench.gbps(4e9, 2) == pytest.approx(2000.0)
 
 
+def test_time_kernels_says_how_it_timed(monkeypatch):
+    x = torch.randn(64, 64)
+    t, how = bench.time_kernels(lambda: x @ x, device="cpu")
+    assert how == "perf_counter" and t.median_ms > 0
+
+    def no_capture(fn, reps):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    # a GPU whose capture fails falls back to eager timing and labels it "events"
+    monkeypatch.setattr(bench, "_on_cuda", lambda device: True)
+    monkeypatch.setattr(bench, "time_cuda_graph", no_capture)
+    monkeypatch.setattr(bench, "time_fn", lambda fn, device=None: bench._summary([1.5]))
+    t, how = bench.time_kernels(lambda: x @ x, device="cuda")
+    assert how == "events" and t.median_ms == 1.5
+
+
 @pytest.fixture
 def tmp_results(tmp_path, monkeypatch):
     monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))

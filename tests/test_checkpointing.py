@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from colossal_lab import mfu, train
 from colossal_lab.benchmarks import checkpointing as bench_ckpt
-from colossal_lab.benchmarks import steps
+from colossal_lab.benchmarks import memory, steps
 from colossal_lab.config import ModelConfig, Switches, preset, tiny
 from colossal_lab.correctness import check_close
 from colossal_lab.model import build_model
@@ -406,6 +406,16 @@ class FakeProber:
         self.results[batch] = r
         return r
 
+    def fields(self, batch):
+        return {"activation_mem_gib": self(batch)["activation"]}
+
+
+def _timer(probe, opt):
+    """What `steps.measure_one` hands `verify_largest_batch`: time the probe's model."""
+    return lambda bs: steps.time_setup(probe.model, opt, probe.loss_fn, probe.setup,
+                                       probe.cfg, "tiny", bs, seq_len=probe.seq_len,
+                                       device=probe.device)
+
 
 @pytest.fixture
 def tiny_model():
@@ -416,9 +426,9 @@ def tiny_model():
 
 def test_auto_ratio_picks_fewest_layers(tiny_model, monkeypatch):
     cfg, model, opt = tiny_model
-    monkeypatch.setattr(steps, "capacity_gib", lambda: 13.5)
+    monkeypatch.setattr(memory, "capacity_gib", lambda: 13.5)
     probe = FakeProber(model, cfg, 16)
-    out = steps._auto_ratio(probe, model, opt, batch=2)
+    out = memory.auto_ratio(probe, model, opt, batch=2)
     # none: 10 + 2·2 = 14 > 13.5; one of two layers: 10 + 2·1.25 = 12.5 fits
     assert out["auto_ratio_ckpt_layers"] == 1
     assert model.model.checkpointed_layers() == (True, False)
@@ -430,11 +440,10 @@ def test_auto_ratio_picks_fewest_layers(tiny_model, monkeypatch):
 
 def test_largest_batch_predicted_and_verified(tiny_model, monkeypatch):
     cfg, model, opt = tiny_model
-    monkeypatch.setattr(steps, "capacity_gib", lambda: 20.0)
+    monkeypatch.setattr(memory, "capacity_gib", lambda: 20.0)
     probe = FakeProber(model, cfg, 16)
     row = {"batch": 2, "peak_mem_gib": None}
-    out = steps._largest_batch(probe, model, opt, train.our_loss, probe.setup, cfg, "tiny",
-                               16, row)
+    out = memory.verify_largest_batch(probe, row, _timer(probe, opt))
     assert out["largest_batch_predicted"] == 5 and out["largest_batch"] == 5
     assert out["mem_per_sample_gib"] == pytest.approx(2.0)
     assert out["mem_fixed_gib"] == pytest.approx(10.0)
@@ -444,11 +453,10 @@ def test_largest_batch_predicted_and_verified(tiny_model, monkeypatch):
 
 def test_largest_batch_when_two_does_not_fit(tiny_model, monkeypatch):
     cfg, model, opt = tiny_model
-    monkeypatch.setattr(steps, "capacity_gib", lambda: 100.0)
+    monkeypatch.setattr(memory, "capacity_gib", lambda: 100.0)
     probe = FakeProber(model, cfg, 16, real_gib=13.0)
     row = {"batch": 1, "peak_mem_gib": 12.0, "tokens_per_s": 5.0}
-    out = steps._largest_batch(probe, model, opt, train.our_loss, probe.setup, cfg, "tiny",
-                               16, row)
+    out = memory.verify_largest_batch(probe, row, _timer(probe, opt))
     assert out["largest_batch"] == 1 and "out of memory" in out["largest_batch_note"]
     assert out["largest_batch_tokens_per_s"] == 5.0
 
@@ -457,24 +465,38 @@ def test_largest_batch_survives_a_failing_run(tiny_model, monkeypatch):
     """A verification run that fails (say, a kernel's size limit at a huge batch) becomes
     a note; the prediction is kept and nothing is raised."""
     cfg, model, opt = tiny_model
-    monkeypatch.setattr(steps, "capacity_gib", lambda: 20.0)
+    monkeypatch.setattr(memory, "capacity_gib", lambda: 20.0)
 
     def broken(*args, **kwargs):
         raise RuntimeError("too many elements")
 
     monkeypatch.setattr(train, "measure_step", broken)
     probe = FakeProber(model, cfg, 16)
-    out = steps._largest_batch(probe, model, opt, train.our_loss, probe.setup, cfg, "tiny",
-                               16, {"batch": 2, "peak_mem_gib": None})
+    out = memory.verify_largest_batch(probe, {"batch": 2, "peak_mem_gib": None},
+                                      _timer(probe, opt))
     assert out["largest_batch_predicted"] == 5 and out["largest_batch"] is None
     assert "too many elements" in out["largest_batch_note"]
+
+
+def test_measure_one_predicts_and_verifies_the_largest_batch(monkeypatch):
+    """`steps.measure_one`'s GPU-only wiring (probes, then `verify_largest_batch` timing
+    the same model), with the allocator faked so that it runs here."""
+    monkeypatch.setattr(memory, "capacity_gib", lambda: 20.0)
+    monkeypatch.setattr(memory, "Prober", lambda model, loss_fn, setup, cfg, seq_len,
+                        device: FakeProber(model, cfg, seq_len))
+    setup = steps.Setup("fake", "fake", precision="fp32", switches=Switches.naive("fp32"),
+                        find_largest_batch=True)
+    row = steps.measure_one(setup, "tiny", 16, 2, progress=False)
+    assert row["largest_batch_predicted"] == 5 and row["largest_batch"] == 5
+    assert row["largest_batch_tokens_per_s"] > 0 and row["activation_mem_gib"] > 0
+    assert row["hfu"] == pytest.approx(row["mfu_attn"])  # nothing recomputed
 
 
 def test_memory_probe_is_empty_on_cpu():
     cfg = tiny()
     model = build_model(cfg, Switches.naive("fp32"), "cpu")
     ids = torch.randint(0, cfg.vocab_size, (1, 8))
-    assert steps.memory_probe(model, train.our_loss, "fp32", ids, ids) == {}
+    assert memory.memory_probe(model, train.our_loss, "fp32", ids, ids) == {}
 
 
 ROW_FIELDS = ("setup", "preset", "batch", "seq_len", "tokens_per_s", "mfu", "mfu_attn", "hfu",

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from colossal_lab import switches
 from colossal_lab.config import Switches, tiny
 from colossal_lab.correctness import check_close
 from colossal_lab.kernels import fp8_cast
@@ -260,7 +261,7 @@ def test_delayed_gradient_history_updates():
 
 
 def test_convert_shares_parameters_and_state_dict(monkeypatch):
-    monkeypatch.setattr(fp8, "_WARNED", set())  # warned once per process: reset
+    monkeypatch.setattr(switches, "WARNED", set())  # warned once per process: reset
     cfg = tiny()  # intermediate 172: the MLP linears cannot run in fp8
     m = build_model(cfg, Switches(precision="fp32"), "cpu")
     before = m.state_dict()

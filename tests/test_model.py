@@ -6,19 +6,11 @@ import torch
 
 from colossal_lab.config import ModelConfig, Switches, preset, tiny
 from colossal_lab.model import build_model
+from tests.conftest import MODEL_CONFIGS
 
 transformers = pytest.importorskip("transformers")
 
-CONFIGS = {
-    "tiny-gqa": tiny(),
-    "mha-odd": ModelConfig(vocab_size=301, hidden_size=96, intermediate_size=250,
-                           num_hidden_layers=3, num_attention_heads=6,
-                           num_key_value_heads=6, max_position_embeddings=128),
-    "mqa-tied": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=1, tie_word_embeddings=True,
-                            rope_theta=500000.0),
-}
+CONFIGS = {k: MODEL_CONFIGS[k] for k in ("tiny-gqa", "mha-odd", "mqa-tied")}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from colossal_lab import switches
 from colossal_lab.correctness import check_close
 from colossal_lab.switches import norm
 from colossal_lab.switches.norm import add_rms_norm_ref, layer_norm_ref, rms_norm_ref
@@ -187,7 +188,7 @@ def test_missing_backend_falls_back(backend, module):
     crashes the way ColossalAI does without apex (hpcaitech/ColossalAI#6260)."""
     if backend in norm.available_backends(DEVICE):
         pytest.skip(f"{module} is installed here")
-    norm._WARNED.clear()
+    switches.WARNED.clear()
     x, w = torch.randn(3, 16, device=DEVICE), torch.randn(16, device=DEVICE)
     with pytest.warns(UserWarning, match=f"'{backend}'.*using 'torch'"):
         y = norm.rms_norm(x, w, backend=backend)

@@ -15,22 +15,11 @@ from colossal_lab.correctness import check_close
 from colossal_lab.model import MLP, Attention, RotaryEmbedding, build_model
 from colossal_lab.switches import projections
 from colossal_lab.switches.projections import swiglu_fused_ref, swiglu_ref
-from tests.conftest import requires_cuda
+from tests.conftest import MODEL_CONFIGS, requires_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-CONFIGS = {  # GQA, MHA with odd widths, MQA with tied embeddings
-    "gqa-4:2": tiny(),
-    "gqa-6:2-odd": ModelConfig(vocab_size=301, hidden_size=96, intermediate_size=250,
-                               num_hidden_layers=2, num_attention_heads=6,
-                               num_key_value_heads=2, max_position_embeddings=128),
-    "mha-3": ModelConfig(vocab_size=128, hidden_size=48, intermediate_size=100,
-                         num_hidden_layers=1, num_attention_heads=3,
-                         num_key_value_heads=3, max_position_embeddings=64),
-    "mqa-tied": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=1, tie_word_embeddings=True),
-}
+CONFIGS = {k: MODEL_CONFIGS[k] for k in ("tiny-gqa", "gqa-6:2-odd", "mha-3", "mqa-tied")}
 FUSED = ["eager", "triton"]  # the switch values; "compile" has its own test
 
 
@@ -205,7 +194,7 @@ def test_fused_qkv_split_makes_no_copy():
     assert [t.shape[-1] for t in (q, k, v)] == [96, 32, 32]
 
 
-@pytest.mark.parametrize("name", ["gqa-4:2", "gqa-6:2-odd"])
+@pytest.mark.parametrize("name", ["tiny-gqa", "gqa-6:2-odd"])
 @pytest.mark.parametrize("value", FUSED + ["compile"])
 def test_mlp_fused_equals_separate(name, value):
     if value == "compile":
@@ -276,7 +265,7 @@ def test_separate_model_loads_a_fused_checkpoint():
         assert torch.equal(v, fused.state_dict()[k]), k
 
 
-@pytest.mark.parametrize("name", ["gqa-4:2", "gqa-6:2-odd", "mqa-tied"])
+@pytest.mark.parametrize("name", ["tiny-gqa", "gqa-6:2-odd", "mqa-tied"])
 @pytest.mark.parametrize("value", FUSED)
 def test_logits_equal_transformers_with_fused_projections(name, value):
     transformers = pytest.importorskip("transformers")

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from colossal_lab.bench import gbps, time_fn
+from colossal_lab.bench import gbps, time_fn, time_kernels
 from colossal_lab.hardware import measure_copy_gbps
 from colossal_lab.results import save_results
 from colossal_lab.switches import norm
@@ -197,16 +197,13 @@ def measure(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat
     timings, methods = {}, []
     for name, make in (("fwd", lambda: fwd), ("fwd_bwd", lambda: fwd_bwd),
                        ("bwd", lambda: _backward_only(fn, inputs, grads))):
-        try:  # graph replay: kernel time without Python launch gaps (bench.time_cuda_graph)
-            timings[name] = time_fn(make(), device=device, cuda_graph=True).median_ms
-            methods.append("cuda_graph" if device.type == "cuda" else "perf_counter")
-        except Exception:
-            try:  # a provider that cannot be captured is timed eagerly, and says so
-                timings[name] = time_fn(make(), device=device).median_ms
-                methods.append("events")
-            except Exception as e:
-                errors.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-                timings[name] = None
+        try:  # graph replay: kernel time without Python launch gaps, else eager
+            t, how = time_kernels(make(), device=device)
+            timings[name] = t.median_ms
+            methods.append(how)
+        except Exception as e:
+            errors.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            timings[name] = None
     row["timing"] = "/".join(dict.fromkeys(methods))
     # effective bandwidth = bytes an ideal kernel moves / time (see moved_bytes)
     for name, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes),

@@ -100,11 +100,8 @@ def _time(fn, device) -> dict:
     if device.type != "cuda":
         return {"ms": eager, "eager_ms": eager, "timing": "perf_counter"}
     reps = int(min(100, max(10, 100 / max(eager, 1e-3))))
-    try:
-        graph = bench.time_cuda_graph(fn, reps=reps).median_ms
-        return {"ms": graph, "eager_ms": eager, "timing": "cuda_graph"}
-    except Exception:  # a provider that cannot be captured is timed eagerly, and says so
-        return {"ms": eager, "eager_ms": eager, "timing": "events"}
+    kernels, how = bench.time_kernels(fn, device=device, reps=reps)
+    return {"ms": kernels.median_ms, "eager_ms": eager, "timing": how}
 
 
 # ------------------------------------------------------------------------------- GEMMs

@@ -31,7 +31,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from colossal_lab.bench import tflops, time_fn
+from colossal_lab.bench import tflops, time_kernels
 from colossal_lab.benchmarks.steps import Setup, run_setups, step_config
 from colossal_lab.config import ModelConfig, Switches, tiny
 from colossal_lab.switches import fp8
@@ -130,12 +130,8 @@ def measure_gemm(name: str, k: int, n: int, m: int, device) -> list[dict]:
         try:
             fn = _linear_fn(p, x, w, dy)
             fn()
-            try:  # graph replay: GPU time without Python launch gaps (bench.time_cuda_graph)
-                ms = time_fn(fn, device=device, cuda_graph=True).median_ms
-                row["timing"] = "cuda_graph" if device.type == "cuda" else "perf_counter"
-            except Exception:
-                ms = time_fn(fn, device=device).median_ms
-                row["timing"] = "events"
+            t, row["timing"] = time_kernels(fn, device=device)  # graph replay where it works
+            ms = t.median_ms
             flops = (6 if fwd_bwd else 2) * m * n * k  # fwd: y; bwd: dx and dW
             row.update(ms=ms, tflops=tflops(flops, ms))
         except Exception as e:  # out of memory, no fp8 on this GPU, ...

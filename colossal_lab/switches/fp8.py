@@ -45,13 +45,13 @@ Llama3-8B in torchtitan); PyTorch `torch._scaled_mm`.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 
 from colossal_lab.kernels.fp8_cast import EPS, fp8_amax, fp8_cast_transpose, padded
+from colossal_lab.switches import warn_once
 
 
 @dataclass(frozen=True)
@@ -345,8 +345,6 @@ class Fp8Linear(nn.Linear):
 
 # ------------------------------------------------------------------------- conversion
 
-_WARNED: set[str] = set()
-
 
 def fp8_eligible(linear: nn.Linear) -> bool:
     """In and out features multiples of 16 (what `_scaled_mm` needs)."""
@@ -381,9 +379,7 @@ def convert_to_fp8(model: nn.Module, config: Fp8Config | None = None, *,
     if kept:
         msg = ("fp8: these linears stay in bf16, their in/out features are not "
                f"multiples of 16: {', '.join(kept)}")
-        if msg not in _WARNED:
-            _WARNED.add(msg)
-            warnings.warn(msg, stacklevel=2)
+        warn_once(msg, stacklevel=3)
     return converted
 
 

@@ -53,21 +53,15 @@ then the eager reference rounds to x's dtype where Hugging Face's would promote.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from colossal_lab.switches import warn_once
+
 BACKENDS = ("eager", "torch", "compile", "triton", "liger", "apex")
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        warnings.warn(msg, stacklevel=4)
 
 
 # ---------------------------------------------------------------------------- references
@@ -178,7 +172,7 @@ def resolve_backend(backend, device=None) -> str:
     why = {"triton": "needs a CUDA device or TRITON_INTERPRET=1",
            "liger": "needs liger-kernel (pip install liger-kernel) and a CUDA device",
            "apex": "needs NVIDIA apex built with its CUDA extensions and a CUDA device"}
-    _warn_once(f"normalization backend {backend!r} {why[backend]}; using 'torch'")
+    warn_once(f"normalization backend {backend!r} {why[backend]}; using 'torch'")
     return "torch"
 
 
@@ -200,7 +194,7 @@ def _run_compiled(name: str, fallback, *args):
     try:
         return _compiled(name)(*args)
     except Exception as e:  # no C++ compiler, an unsupported torch build, ...
-        _warn_once(f"torch.compile of the {name} reference failed ({type(e).__name__}: "
+        warn_once(f"torch.compile of the {name} reference failed ({type(e).__name__}: "
                    f"{str(e)[:200]}); using 'torch'")
         return fallback(*args)
 

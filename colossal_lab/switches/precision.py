@@ -53,11 +53,6 @@ def autocast(precision: str, device: torch.device | str):
     return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
-def param_dtype(precision: str) -> torch.dtype:
-    """The dtype the model's parameters are stored in."""
-    return torch.bfloat16 if precision == "bf16-pure" else torch.float32
-
-
 # --------------------------------------------------------------------- loss scaling
 
 
@@ -191,10 +186,10 @@ class MasterAdamW(torch.optim.Optimizer):
     a chunk at a time (at most `chunk_bytes` of fp32 gradients exist at once: a full
     fp32 copy of LLaMA-7B's gradients would be 27 GB), runs PyTorch's fused AdamW kernel
     (`torch._fused_adamw_`, the kernel behind `AdamW(fused=True)`) on the fp32 masters,
-    and writes the masters back into the parameters, rounded. Why not one Triton kernel
-    reading the bf16 gradient and writing the bf16 parameter in the same pass: it would
-    move 28 instead of 40 bytes per parameter, ~10 ms of a ~1 s 7B step on an H200;
-    the fused kernel is tested and already there.
+    and writes the masters back into the parameters, rounded: about 40 bytes moved per
+    parameter. One Triton kernel reading the bf16 gradient and writing the bf16 parameter
+    in the same pass would move 28; that matters most at small batches, where the
+    optimizer is a larger share of the step (chapter 04's full LLaMA-7B at batch 1).
 
     Supports `found_inf` (skip on overflow, set by `DynamicLossScaler`) like the fused
     torch optimizers, `zero_grad`, `state_dict` / `load_state_dict` (masters stay fp32).

@@ -73,22 +73,16 @@ Megatron-LM `linear_qkv`; torchtitan's fused-QKV checkpoint conversion; Liger-Ke
 from __future__ import annotations
 
 import functools
-import warnings
 from collections import OrderedDict
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from colossal_lab.switches import warn_once
+
 ACTIVATIONS = ("eager", "compile", "triton")
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        warnings.warn(msg, stacklevel=4)
 
 
 # ---------------------------------------------------------------------------- the switch
@@ -118,7 +112,7 @@ def resolve_activation(value, device=None) -> str:
         from colossal_lab.kernels import INTERPRET
 
         if not INTERPRET:
-            _warn_once("SwiGLU backend 'triton' needs a CUDA device or TRITON_INTERPRET=1; "
+            warn_once("SwiGLU backend 'triton' needs a CUDA device or TRITON_INTERPRET=1; "
                        "using 'eager'")
             return "eager"
     return value
@@ -173,7 +167,7 @@ def swiglu(gate_up: torch.Tensor, backend="eager") -> torch.Tensor:
         try:
             return _compiled()(gate_up)
         except Exception as e:  # no C++ compiler, an unsupported torch build, ...
-            _warn_once(f"torch.compile of the SwiGLU failed ({type(e).__name__}: "
+            warn_once(f"torch.compile of the SwiGLU failed ({type(e).__name__}: "
                        f"{str(e)[:200]}); using 'eager'")
     return swiglu_fused_ref(gate_up)
 

@@ -1,0 +1,238 @@
+"""Memory of a training step, measured: what the forward keeps, what one more sequence
+costs, the largest batch that fits and the fewest checkpointed layers that fit a batch.
+
+`benchmarks.steps.measure_one` uses these on a GPU (chapter 04): one extra forward +
+backward (`memory_probe`) records the activation memory (peak during forward+backward
+minus what was allocated just before the forward: parameters and optimizer states) and
+what each decoder layer leaves allocated; a second probe at another batch gives the
+memory per sequence, from which `verify_largest_batch` predicts the largest batch and
+verifies it in one run, and `auto_ratio` picks the fewest checkpointed layers that fit
+(`switches.checkpointing.MemoryModel`). On a CPU the probes return nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from colossal_lab.benchmarks.steps import Setup
+
+GIB = 2**30
+
+
+def memory_probe(model, loss_fn, precision: str, input_ids: torch.Tensor,
+                 labels: torch.Tensor, layers=None) -> dict:
+    """One forward + backward (no optimizer step), measured by the CUDA allocator.
+
+    Returns (GiB) `before` (allocated just before the forward: parameters, optimizer
+    states), `peak`, `activation` (= peak − before: everything the forward keeps and
+    the backward allocates, gradients included), `saved` (allocated after the forward −
+    before: what the forward keeps for the backward, and the loss) and `per_layer`: what
+    each decoder layer in `layers` left allocated when its forward returned (from the
+    second layer on). Empty on a CPU, which has no allocator statistics."""
+    from colossal_lab import train
+
+    if input_ids.device.type != "cuda":
+        return {}
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    marks: list[int] = []
+    hooks = [layer.register_forward_hook(lambda *_: marks.append(torch.cuda.memory_allocated()))
+             for layer in (layers or ())]
+    try:
+        with train.autocast(precision, input_ids.device):
+            loss = loss_fn(model, input_ids, labels)
+    finally:
+        for h in hooks:
+            h.remove()
+    after_fwd = torch.cuda.memory_allocated()
+    loss.backward()
+    del loss
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    model.zero_grad(set_to_none=True)
+    return {"before": before / GIB, "peak": peak / GIB, "activation": (peak - before) / GIB,
+            "saved": (after_fwd - before) / GIB,
+            "per_layer": [(b - a) / GIB for a, b in zip(marks, marks[1:])]}
+
+
+def guarded(fn, *args, model=None) -> tuple[object, str | None]:
+    """(`fn(*args)`, None), or (None, why) when it fails — out of memory, or anything
+    else a very large batch can trigger — with the memory freed again, so that a probe
+    never costs the measurement already made."""
+    try:
+        return fn(*args), None
+    except Exception as e:  # noqa: BLE001
+        why = ("out of memory" if isinstance(e, torch.cuda.OutOfMemoryError)
+               else f"{type(e).__name__}: {str(e)[:200]}")
+    if model is not None:  # outside the except block: the traceback's frames are gone
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return None, why
+
+
+def capacity_gib(margin: float = 0.03) -> float:
+    """What the allocator can still hand out in total (free device memory plus what it
+    already holds), less `margin` for fragmentation."""
+    free, _ = torch.cuda.mem_get_info()
+    return (free + torch.cuda.memory_reserved()) / GIB * (1 - margin)
+
+
+class Prober:
+    """Memory probes of one model at any batch, remembered by batch."""
+
+    def __init__(self, model, loss_fn, setup: Setup, cfg, seq_len: int, device):
+        self.model, self.loss_fn, self.setup = model, loss_fn, setup
+        self.cfg, self.seq_len, self.device = cfg, seq_len, device
+        inner = getattr(model, "model", None)
+        self.layers = None if setup.compile else getattr(inner, "layers", None)
+        self.results: dict[int, dict] = {}
+        self.available = device.type == "cuda"
+        """Allocator statistics exist (a GPU)."""
+
+    def __call__(self, batch: int) -> dict:
+        from colossal_lab import data
+
+        ids, labels = next(data.random_batches(self.cfg.vocab_size, batch, self.seq_len,
+                                               seed=1, device=self.device))
+        r = memory_probe(self.model, self.loss_fn, self.setup.precision, ids, labels,
+                         self.layers)
+        self.results[batch] = r
+        return r
+
+    def fields(self, batch: int) -> dict:
+        """Row fields from a probe at `batch` (and the per-sample slope when another batch
+        was probed)."""
+        if not self.available:
+            return {"activation_mem_gib": None, "saved_mem_gib": None, "layer_mem_gib": None}
+        r = self.results.get(batch)
+        if r is None:
+            r, why = guarded(self, batch, model=self.model)
+        if r is None:
+            return {"activation_mem_gib": None, "probe_error": why}
+        out = {"activation_mem_gib": r["activation"], "saved_mem_gib": r["saved"],
+               "mem_before_gib": r["before"], "layer_mem_gib": _mean(r["per_layer"]),
+               "probe_batch": batch}
+        flags = self._flags()
+        if flags and r["per_layer"]:  # layer i's figure is per_layer[i - 1]
+            ck = [m for f, m in zip(flags[1:], r["per_layer"]) if f]
+            st = [m for f, m in zip(flags[1:], r["per_layer"]) if not f]
+            out["layer_mem_ckpt_gib"], out["layer_mem_stored_gib"] = _mean(ck), _mean(st)
+        return out
+
+    def _flags(self):
+        inner = getattr(self.model, "model", None)
+        return inner.checkpointed_layers() if hasattr(inner, "checkpointed_layers") else None
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
+def _slope(a: dict, b: dict, ba: int, bb: int, key: str = "peak") -> float:
+    return (b[key] - a[key]) / (bb - ba)
+
+
+def auto_ratio(probe: Prober, model, opt, batch: int) -> dict:
+    """Set the fewest checkpointed layers (first of each stage, full recomputation)
+    that fit `batch`, from probes at batch 1 and 2 with every layer checkpointed and at
+    batch 1 with none (`checkpointing.MemoryModel`)."""
+    from colossal_lab import data, train
+    from colossal_lab.switches.checkpointing import GradientCheckpointConfig, MemoryModel
+
+    if not probe.available:
+        return {}
+    inner = model.model
+    base = inner.gradient_checkpoint_config or GradientCheckpointConfig()
+    with_ratio = lambda r: dataclasses.replace(  # noqa: E731
+        base, gradient_checkpointing_ratio=r, num_ckpt_layers_per_stage=None)
+    inner.set_gradient_checkpointing(with_ratio(1.0))
+    warm = train.make_step(model, opt, probe.setup.precision, probe.loss_fn)
+    warm(*next(data.random_batches(probe.cfg.vocab_size, 1, probe.seq_len, seed=3,
+                                   device=probe.device)))  # optimizer states exist now
+    one, two = probe(1), probe(2)
+    full = _slope(one, two, 1, 2)
+    fixed = one["peak"] - full
+    inner.set_gradient_checkpointing(with_ratio(0.0))
+    none, _ = guarded(probe, 1, model=model)
+    n_layers = len(inner.layers)
+    mm = MemoryModel(fixed, none["peak"] - fixed if none else float("inf"), full,
+                     n_layers, capacity_gib())
+    k = mm.min_ckpt_layers(batch) if none else n_layers
+    k = n_layers if k is None else k
+    inner.set_gradient_checkpointing(with_ratio(k / n_layers))
+    probe.results.clear()  # those were other configurations
+    return {"auto_ratio_ckpt_layers": k, "mem_fixed_gib": fixed,
+            "mem_per_sample_none_gib": mm.per_sample_none_gib if none else None,
+            "mem_per_sample_full_gib": full, "mem_capacity_gib": mm.capacity_gib,
+            "predicted_peak_gib": mm.peak(batch, k)}
+
+
+def verify_largest_batch(probe: Prober, row: dict, time_at) -> dict:
+    """Predict the largest batch from the memory one more sequence costs (two probes),
+    then verify it with `time_at(batch) -> row`, a few timed steps at that batch (one
+    step down if it does not fit). A prediction from one batch would mix the fixed
+    memory into the slope."""
+    from colossal_lab.switches.checkpointing import largest_batch
+
+    model = probe.model
+    batch = row["batch"]
+    other = batch // 2 if batch >= 2 else 2
+    a = probe.results.get(batch) or probe(batch)
+    b, why = probe.results.get(other), None
+    if b is None:
+        b, why = guarded(probe, other, model=model)
+    out = {"largest_batch_predicted": None, "largest_batch": None}
+    if b is None and other > batch:  # batch 1 fits and 2 does not: nothing to predict
+        out.update(largest_batch_predicted=batch, largest_batch=batch,
+                   largest_batch_note=f"batch {other} failed in a probe: {why}")
+        copy_largest(out, row)
+        return out
+    if b is None:
+        out["largest_batch_note"] = f"probe at batch {other} failed: {why}"
+        return out
+    per_sample = _slope(b, a, other, batch) if other < batch else _slope(a, b, batch, other)
+    if per_sample <= 0:
+        out["largest_batch_note"] = f"non-positive memory per sample {per_sample:.3f} GiB"
+        return out
+    fixed = max(a["peak"], row.get("peak_mem_gib") or 0.0) - batch * per_sample
+    cap = capacity_gib()
+    predicted = max(batch, largest_batch(fixed, per_sample, cap))
+    out.update(largest_batch_predicted=predicted, mem_fixed_gib=fixed,
+               mem_per_sample_gib=per_sample, mem_capacity_gib=cap,
+               layer_mem_per_sample_gib=_per_sample_layer(a, b, batch, other))
+    if predicted == batch:
+        out["largest_batch"] = batch
+        copy_largest(out, row)
+        return out
+    for bs in (predicted, predicted - 1):
+        if bs <= batch:
+            break
+        torch.cuda.empty_cache()
+        r, why = guarded(time_at, bs, model=model)
+        if r is not None:
+            out["largest_batch"] = bs
+            copy_largest(out, r)
+            break
+        out["largest_batch_note"] = f"batch {bs}: {why}"
+        if why != "out of memory":
+            break
+    return out
+
+
+def _per_sample_layer(a: dict, b: dict, ba: int, bb: int):
+    la, lb = _mean(a["per_layer"]), _mean(b["per_layer"])
+    return None if la is None or lb is None else (la - lb) / (ba - bb)
+
+
+def copy_largest(out: dict, r: dict) -> None:
+    for k in ("tokens_per_s", "mfu", "mfu_attn", "hfu", "peak_mem_gib", "step_ms"):
+        out[f"largest_batch_{k}"] = r.get(k)
