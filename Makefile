@@ -40,12 +40,15 @@ execute:
 gpu-results:
 	$(PYTHON) -m colossal_lab env --save
 	$(PYTHON) -m colossal_lab bench baseline
+	$(PYTHON) -m colossal_lab bench step_noise
 	$(PYTHON) -m colossal_lab bench fused_norm
 	$(PYTHON) -m colossal_lab bench fused_norm_step
 	$(PYTHON) -m colossal_lab bench flash_attention
 	$(PYTHON) -m colossal_lab bench flash_attention_step
 	$(PYTHON) -m colossal_lab bench fused_qkv
-	$(PYTHON) -m colossal_lab bench checkpointing
+	$(PYTHON) -m colossal_lab bench fused_qkv_step
+	$(PYTHON) -m colossal_lab bench checkpointing --group sweep
+	$(PYTHON) -m colossal_lab bench checkpointing --group 7b
 	$(PYTHON) -m colossal_lab bench precision
 
 ## wheelhouse: download wheels for an offline GPU node (Python 3.12, x86-64)

@@ -114,13 +114,14 @@ def time_fn(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 
     return _summary(times)
 
 
-def time_iterations(step: Callable[[int], object], *, warmup: int = 3, iters: int = 10,
-                    device=None, on_step: Callable[[int, float], None] | None = None
-                    ) -> Timing:
+def time_iterations(step: Callable[[int], object], *, warmup: int = 3, iters: int = 20,
+                    device=None, on_step: Callable[[int, float], None] | None = None,
+                    before_step: Callable[[int], object] | None = None) -> Timing:
     """Time whole iterations (a training step) one by one; `step(i)` does iteration i.
 
     CUDA events bracket each iteration so each time is the GPU time of that step
-    (synchronising after each). `on_step(i, ms)` is called after each timed step.
+    (synchronising after each). `before_step(i)` runs just before each timed step and
+    `on_step(i, ms)` just after it, both outside the timed region.
     """
     cuda = _on_cuda(device)
     for i in range(warmup):
@@ -129,6 +130,8 @@ def time_iterations(step: Callable[[int], object], *, warmup: int = 3, iters: in
         torch.cuda.synchronize()
     times = []
     for i in range(warmup, warmup + iters):
+        if before_step is not None:
+            before_step(i)
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -135,7 +135,7 @@ def preset(name: str) -> ModelConfig:
 
 # ---------------------------------------------------------------------------- switches
 
-PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16", "fp8")
+PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,8 @@ class Switches:
     (ours); True = "triton" on a GPU, "eager" on the CPU. Not ColossalAI's
     `enable_jit_fused`, which fuses bias+GeLU and bias+dropout+add."""
     precision: str = "bf16"
-    """One of "fp32", "bf16" (autocast), "bf16-pure", "fp16", "fp8"."""
+    """One of "fp32", "tf32" (fp32 with TF32 matmuls), "bf16" (autocast), "bf16-pure",
+    "fp16", "fp8"."""
     gradient_checkpoint_config: object = None
     """None (keep every activation) or a `switches.checkpointing.GradientCheckpointConfig`
     (chapter 04): a `gradient_checkpointing_ratio` of each stage's layers, or

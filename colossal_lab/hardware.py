@@ -29,6 +29,9 @@ class GPUSpec:
     fp8: float | None
     mem_gbps: float
     source: str
+    variants: tuple[str, ...] = ()
+    """Form-factor words a device name may add to `name` for this row (upper case),
+    e.g. "SXM4", "PCIE" for the A100, whose variants share their compute peaks."""
 
 
 # Dense (not 2:4-sparse) tensor-core peaks. Where a datasheet prints only the sparse
@@ -37,17 +40,26 @@ GPUS: tuple[GPUSpec, ...] = (
     GPUSpec("NVIDIA H200 NVL", "h200-nvl", 835.5, 835.5, 417.5, 60.0, 1671.0, 4800,
             "NVIDIA H200 NVL datasheet (2024), sparse figures halved"),
     GPUSpec("NVIDIA H200", "h200", 989.4, 989.4, 494.7, 66.9, 1978.9, 4800,
-            "NVIDIA H200 SXM datasheet (2024), sparse figures halved"),
+            "NVIDIA H200 SXM datasheet (2024), sparse figures halved", ("SXM",)),
+    # GH200's GPU is an H100 SXM (same peaks) with HBM3 (the "480GB" module: 96 GB at
+    # 4 TB/s) or HBM3e (144 GB at 4.9 TB/s); by substring it used to match the H200 row
+    GPUSpec("NVIDIA GH200 144G HBM3e", "gh200-hbm3e", 989.4, 989.4, 494.7, 67.0, 1978.9,
+            4900, "NVIDIA GH200 Grace Hopper Superchip datasheet (2024), sparse figures "
+            "halved"),
+    GPUSpec("NVIDIA GH200", "gh200", 989.4, 989.4, 494.7, 67.0, 1978.9, 4000,
+            "NVIDIA GH200 Grace Hopper Superchip datasheet (2023), sparse figures "
+            "halved"),
     GPUSpec("NVIDIA H100 NVL", "h100-nvl", 835.5, 835.5, 417.5, 60.0, 1671.0, 3900,
             "NVIDIA H100 NVL datasheet (2023), sparse figures halved"),
     GPUSpec("NVIDIA H100 PCIe", "h100-pcie", 756.5, 756.5, 378.0, 51.2, 1513.0, 2000,
             "NVIDIA H100 PCIe datasheet (2023), sparse figures halved"),
     GPUSpec("NVIDIA H100", "h100-sxm", 989.4, 989.4, 494.7, 66.9, 1978.9, 3350,
-            "NVIDIA H100 SXM datasheet (2023), sparse figures halved"),
+            "NVIDIA H100 SXM datasheet (2023), sparse figures halved", ("SXM", "SXM5")),
     GPUSpec("NVIDIA B200", "b200", 2250.0, 2250.0, 1100.0, 80.0, 4500.0, 8000,
             "NVIDIA HGX B200 datasheet (2024), dense figures"),
     GPUSpec("NVIDIA A100", "a100", 312.0, 312.0, 156.0, 19.5, None, 2039,
-            "NVIDIA A100 datasheet (2020), dense figures; 80GB SXM bandwidth"),
+            "NVIDIA A100 datasheet (2020), dense figures; 80GB SXM bandwidth",
+            ("SXM4", "PCIE")),
     GPUSpec("NVIDIA L40S", "l40s", 362.05, 362.05, 183.0, 91.6, 733.0, 864,
             "NVIDIA L40S datasheet (2023), sparse figures halved"),
     GPUSpec("NVIDIA L4", "l4", 121.0, 121.0, 60.0, 30.3, 242.5, 300,
@@ -65,17 +77,28 @@ _DTYPE_FIELD = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
                 "fp8": "fp8", "bf16-pure": "bf16"}
 
 
-def _normalise(name: str) -> str:
-    return re.sub(r"\s+", " ", name.replace("-", " ")).strip().upper()
+_MEMORY_WORD = re.compile(r"\d+GB?|HBM\d*E?")
+"""Device-name words that give its memory ("80GB", "144G", "HBM3E"), not its model."""
+
+
+def _words(name: str) -> list[str]:
+    return name.replace("-", " ").upper().split()
 
 
 def find_spec(device_name: str) -> GPUSpec | None:
-    """The table row whose name is contained in `device_name` (first match wins, so the
-    more specific rows, e.g. "H200 NVL", come first in `GPUS`)."""
-    wanted = _normalise(device_name)
+    """The table row of `device_name` (as `torch.cuda.get_device_name` spells it), or
+    None for a GPU the table does not know.
+
+    Matched by whole words, never by substring ("NVIDIA GH200 480GB" is not an H200,
+    "NVIDIA L40S" not an L4): the row's name must be the device name's first words, and
+    every further word a memory size or type or one of the row's `variants` (so "NVIDIA
+    H100 NVL" is not the H100 SXM row). The first such row wins."""
+    words = _words(device_name)
     for spec in GPUS:
-        short = _normalise(spec.name.replace("NVIDIA ", ""))
-        if _normalise(spec.name) in wanted or short in wanted:
+        head = _words(spec.name)
+        rest = words[len(head):]
+        if words[:len(head)] == head and all(
+                _MEMORY_WORD.fullmatch(w) or w in spec.variants for w in rest):
             return spec
     return None
 

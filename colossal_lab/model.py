@@ -264,7 +264,14 @@ class LlamaForCausalLM(nn.Module):
     def set_switches(self, switches: Switches) -> LlamaForCausalLM:
         """Re-point every part at the kernels `switches` picks. Weights keep their
         values; switch 3 restacks the projections in place (new Parameters: make the
-        optimizer afterwards)."""
+        optimizer afterwards). The precision is fixed when building (parameter dtype,
+        fp8 linears), so a different one is an error rather than silently ignored."""
+        if switches.precision != self.switches.precision:
+            raise ValueError(
+                f"set_switches cannot change precision {self.switches.precision!r} to "
+                f"{switches.precision!r} in place yet (it sets the parameter dtype and "
+                "the fp8 linears when building): rebuild with "
+                "build_model(cfg, switches)")
         self.switches = switches
         for m in self.modules():
             if isinstance(m, Attention):

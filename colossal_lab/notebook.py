@@ -1,7 +1,8 @@
 """Helpers for the book's notebooks: show library code, print tables, execute notebooks.
 
 Notebooks never copy library code: `show_source(obj)` displays the real thing, so the
-book and the library cannot drift apart.
+book and the library cannot drift apart; its output records what it showed, and
+`integrity.check_notebook` fails when a committed output no longer matches the library.
 """
 
 from __future__ import annotations
@@ -10,18 +11,60 @@ import inspect
 import time
 from pathlib import Path
 
+SOURCE_KEY = "colossal_lab"
+"""Output metadata key under which `show_source` records what it showed:
+``{"colossal_lab": {"source_of": "module:qualname", "lines": [a, b] or None}}``.
+`integrity.check_notebook` compares that output with the library's source today."""
 
-def show_source(obj, lines: tuple[int, int] | None = None):
-    """Display the source of a library function, class or Triton kernel."""
-    from IPython.display import Code
 
+def unwrap(obj):
+    """The Python function behind a Triton kernel (`@triton.jit`, `@autotune`, ...)."""
     obj = getattr(obj, "fn", obj)  # a @triton.jit kernel wraps the Python function
     while hasattr(obj, "fn") and not inspect.isfunction(obj):
         obj = obj.fn  # @triton.autotune / @triton.heuristics wrap the jit function
-    src = inspect.getsource(obj)
+    return obj
+
+
+def source_text(obj, lines: tuple[int, int] | None = None) -> str:
+    """The source `show_source(obj, lines)` shows: lines `[a, b)` of it when given."""
+    src = inspect.getsource(unwrap(obj))
     if lines:
         src = "\n".join(src.splitlines()[lines[0]:lines[1]])
-    return Code(src, language="python")
+    return src
+
+
+def qualified_name(obj) -> str:
+    """``module:qualname`` of `obj` (a Triton kernel: of its Python function)."""
+    obj = unwrap(obj)
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+class SourceDisplay:
+    """What `show_source` returns: the source highlighted as IPython's `Code` shows it
+    (HTML, LaTeX), the plain source as ``text/plain``, and metadata naming what was
+    shown (`SOURCE_KEY`), so a test can later check the output is still current."""
+
+    def __init__(self, source: str, source_of: str, lines=None):
+        self.data = self.source = source
+        self.source_of = source_of
+        self.lines = list(lines) if lines else None
+
+    def __repr__(self) -> str:
+        return self.source
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        from IPython.display import Code
+
+        code = Code(self.source, language="python")
+        data = {"text/plain": self.source, "text/html": code._repr_html_(),
+                "text/latex": code._repr_latex_()}
+        return data, {SOURCE_KEY: {"source_of": self.source_of, "lines": self.lines}}
+
+
+def show_source(obj, lines: tuple[int, int] | None = None) -> SourceDisplay:
+    """Display the source of a library function, class or Triton kernel (lines
+    `[a, b)` of it when `lines` is given), recording what it showed."""
+    return SourceDisplay(source_text(obj, lines), qualified_name(obj), lines)
 
 
 def _fmt(v, spec: str | None) -> str:

@@ -6,6 +6,8 @@ import matplotlib
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
+from colossal_lab import compare
+
 BLUE, ORANGE, GREY = "#3b6ea8", "#e08a2c", "#9a9a9a"
 
 
@@ -35,8 +37,10 @@ def mfu_delta(rows: list[dict], *, baseline: str | None = None, key: str = "setu
         ax.barh(yi - h / 2, r["mfu_attn"], h, color=ORANGE,
                 label="MFU (6N + attention)" if yi == n - 1 else None)
         note = f"{r['mfu_attn']:.1%}  {r['tokens_per_s']:,.0f} tok/s"
-        if base is not None and r is not base:
-            note += f"  ×{r['tokens_per_s'] / base['tokens_per_s']:.2f}"
+        if base is not None and r is not base:  # "(level)": inside the p10-p90 spread
+            note += "  " + (compare.verdict(r, base).replace("x", "×", 1)
+                            if "step_ms_p10" in r and r["batch"] == base["batch"]
+                            else f"×{r['tokens_per_s'] / base['tokens_per_s']:.2f}")
         ax.text(r["mfu_attn"] + xmax * 0.01, yi - h / 2, note, va="center", fontsize=8)
     ax.set_yticks(list(y))
     ax.set_yticklabels(names, fontsize=9)

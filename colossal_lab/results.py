@@ -33,6 +33,9 @@ from colossal_lab import hardware
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_GPU = "h200"
 """The GPU whose recorded results the book shows when run without one."""
+BANNER_PREFIX = "Numbers from "
+"""How every `Results.banner` starts (the notebook freshness check finds them by it)."""
+BANNER_WIDTH = 90
 
 
 def results_dir() -> Path:
@@ -101,12 +104,28 @@ class Results:
     live: bool = False
 
     def banner(self) -> str:
+        """Where the numbers come from, in two lines of at most `BANNER_WIDTH` chars:
+        the results file (relative to the repository), recorded or measured live and
+        the commit; then GPU, date and command. `integrity.check_notebook` finds banners
+        in notebook outputs by `BANNER_PREFIX` and checks the commit against the file."""
         p = self.provenance
-        how = "Measured live" if self.live else "Recorded"
-        sha = (p.get("git_sha") or "?")[:10]
-        return (f"{how} on {p.get('gpu_count', 1)} x {p.get('gpu')} on {p.get('date', '?')[:10]} "
-                f"(torch {p.get('torch')}, triton {p.get('triton')}, CUDA {p.get('cuda')}, "
-                f"driver {p.get('driver')}, commit {sha}) by `{p.get('command')}`")
+        how = "measured live" if self.live else "recorded"
+        sha = str(p.get("git_sha") or "?")[:10]
+        date = str(p.get("date") or "?")[:16].replace("T", " ")
+        gpus = f"{p.get('gpu_count', 1)} x {p.get('gpu')}"
+        line2 = f"  {gpus}, {date}, by `{p.get('command')}`"
+        if len(line2) > BANNER_WIDTH:
+            line2 = line2[:BANNER_WIDTH - 2] + "…`"
+        return f"{BANNER_PREFIX}{self._file_label()} ({how}, commit {sha})\n{line2}"
+
+    def _file_label(self) -> str:
+        """The results file, relative to the repository when inside it."""
+        if self.path is None:
+            return f"{self.name} (not saved)"
+        try:
+            return Path(self.path).resolve().relative_to(REPO_ROOT).as_posix()
+        except ValueError:
+            return str(self.path)
 
     def where(self, **match) -> list[dict]:
         """Rows whose fields equal every `key=value` given."""

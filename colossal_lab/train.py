@@ -7,6 +7,8 @@ use `make_step`, so what is measured is what is trained.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -61,6 +63,10 @@ def make_step(model, optimizer, precision: str, loss_fn: LossFn = our_loss,
     scaler = precision_mod.DynamicLossScaler() if precision == "fp16" else None
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with precision_mod.matmul_mode(precision):  # "tf32": the backward's matmuls too
+            return _step(input_ids, labels)
+
+    def _step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), device=device)
         for ids, lab in zip(input_ids.chunk(micro_batches), labels.chunk(micro_batches)):
             with autocast(precision, device):
@@ -81,6 +87,70 @@ def make_step(model, optimizer, precision: str, loss_fn: LossFn = our_loss,
 
     step.scaler = scaler
     return step
+
+
+class GcPauses:
+    """Time Python's cyclic garbage collector spends, collection by collection.
+
+    A full collection walks every live Python object (a process that imported torch
+    and transformers holds millions) and blocks the thread that launches the kernels;
+    if the GPU's queue runs dry meanwhile, that step is slower by the pause. Counting
+    the pauses per step tells a slow step caused by the collector from one caused by
+    the GPU."""
+
+    def __init__(self):
+        self.ms = 0.0
+        self.full = 0  # collections of the oldest generation
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self.full += info.get("generation") == 2
+
+    def take(self) -> tuple[float, int]:
+        """(ms, full collections) since the last call."""
+        out, self.ms, self.full = (self.ms, self.full), 0.0, 0
+        return out
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+@contextlib.contextmanager
+def gc_between_steps(enabled: bool = True):
+    """Keep Python's garbage collector out of the steps (`enabled=False`: leave it be).
+
+    Collect once, move every survivor into the permanent generation (`gc.freeze`) and
+    disable automatic collection while steps run; `collect_now()` runs a young
+    collection between steps (`train` does every `gc_every` steps). Large training loops
+    do the same (torchtitan's `gc_freq`, Megatron's manual GC): an automatic full
+    collection in the middle of a step stalls the launching thread for tens to hundreds
+    of milliseconds. Reference counting still frees almost everything at once."""
+    if not enabled:
+        yield
+        return
+    was = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was:
+            gc.enable()
+
+
+def collect_now() -> None:
+    """A young-generation collection at a step boundary (under `gc_between_steps`)."""
+    gc.collect(1)
 
 
 @dataclass
@@ -104,6 +174,12 @@ class StepMeasurement:
     peak_tflops: float
     achieved_tflops: float
     steps_timed: int
+    step_ms_all: list = field(default_factory=list)
+    """Every timed step, in order (ms): the spread's raw material."""
+    gc_ms_all: list = field(default_factory=list)
+    """Milliseconds the garbage collector paused the host during each timed step."""
+    gc_policy: str = "between_steps"
+    """"between_steps" (`gc_between_steps`) or "python" (automatic collection on)."""
     extra: dict = field(default_factory=dict)
 
     def row(self) -> dict:
@@ -114,12 +190,17 @@ class StepMeasurement:
 
 def measure_step(step: Callable, batches: Iterator, *, cfg: ModelConfig, setup: str,
                  preset: str, batch: int, seq_len: int, micro_batch: int | None = None,
-                 warmup: int = 3, iters: int = 10, peak_tflops: float | None = None,
+                 warmup: int = 3, iters: int = 20, peak_tflops: float | None = None,
                  recompute_flops: float = 0.0, progress: bool = True,
+                 gc_policy: str = "between_steps",
                  extra: dict | None = None) -> StepMeasurement:
     """Time `iters` steps after `warmup` (each bracketed by CUDA events) and turn the
     median into tokens/s, MFU (6N), MFU (+attention) and HFU (which also counts the
-    `recompute_flops` that activation checkpointing repeats)."""
+    `recompute_flops` that activation checkpointing repeats). Every step's time and the
+    garbage collector's pauses during it are kept; `gc_policy="between_steps"` keeps
+    automatic collection out of the steps, as `train` does (`gc_between_steps`)."""
+    if gc_policy not in ("between_steps", "python"):
+        raise ValueError(f"gc_policy={gc_policy!r}; choose 'between_steps' or 'python'")
     dev = hardware.detect()
     peak = peak_tflops or dev.peak_tflops("bf16")
     if peak is None:  # CPU or unknown GPU: MFU against the measured matmul ceiling
@@ -127,13 +208,21 @@ def measure_step(step: Callable, batches: Iterator, *, cfg: ModelConfig, setup: 
     data = list(_take(batches, warmup + iters))
     bench.reset_peak_memory()
     bar = _progress(warmup + iters, setup, progress)
+    pauses, gc_ms = GcPauses(), []
 
     def one(i):
         loss = step(*data[i])
         bar.update(1)
         return loss
 
-    timing = bench.time_iterations(one, warmup=warmup, iters=iters)
+    def timed(i, ms):
+        gc_ms.append(round(pauses.take()[0], 3))
+        times.append(round(ms, 3))
+
+    times: list[float] = []
+    with gc_between_steps(gc_policy == "between_steps"), pauses:
+        timing = bench.time_iterations(one, warmup=warmup, iters=iters,
+                                       before_step=lambda i: pauses.take(), on_step=timed)
     bar.close()
     stats = mfu.step_stats(cfg, batch=batch, seq_len=seq_len,
                            step_time_s=timing.median_ms / 1e3, peak_tflops=peak,
@@ -145,7 +234,7 @@ def measure_step(step: Callable, batches: Iterator, *, cfg: ModelConfig, setup: 
         tokens_per_s=stats.tokens_per_s, mfu=stats.mfu, mfu_attn=stats.mfu_attn,
         hfu=stats.hfu, peak_mem_gib=bench.peak_memory_gib(), n_params=stats.n_params,
         peak_tflops=peak, achieved_tflops=stats.achieved_tflops, steps_timed=timing.n,
-        extra=extra or {})
+        step_ms_all=times, gc_ms_all=gc_ms, gc_policy=gc_policy, extra=extra or {})
 
 
 def _take(it: Iterator, n: int):
@@ -176,6 +265,7 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
     """Train `cfg` on the real-text corpus (`data="corpus"`) or random tokens
     (`data="random"`), with a progress bar showing loss, tokens/s, MFU and memory."""
     from colossal_lab import data as data_mod
+    from colossal_lab.switches import backends_in_use, checkpointing
 
     switches = switches or Switches()
     torch.manual_seed(seed)
@@ -204,6 +294,10 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
     step = make_step(model, opt, switches.precision, micro_batches=batch // micro)
     dev = hardware.detect()
     peak = dev.peak_tflops("bf16") or hardware.measure_matmul_tflops(dtype=torch.float32)
+    # HFU counts what checkpointing runs twice; MFU does not (same as measure_step)
+    recompute = checkpointing.recompute_flops(
+        cfg, batch, seq_len, model.model.gradient_checkpoint_config,
+        attention_backend=backends_in_use(model)["attention_backend"])
     bench.reset_peak_memory()
 
     from tqdm import tqdm
@@ -221,7 +315,7 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
             losses_now = loss.item()  # syncs: the window's time is complete
             dt = (time.perf_counter() - window_t) / window_steps
             stats = mfu.step_stats(cfg, batch=batch, seq_len=seq_len, step_time_s=dt,
-                                   peak_tflops=peak)
+                                   peak_tflops=peak, recompute_flops=recompute)
             mem = bench.peak_memory_gib()
             bar.set_postfix(loss=f"{losses_now:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
                             mfu=f"{stats.mfu:.1%}", mfu_attn=f"{stats.mfu_attn:.1%}",

@@ -1,7 +1,11 @@
-"""Test set-up: Triton kernels run under the interpreter when there is no GPU.
+"""Test set-up: Triton kernels run under the interpreter when there is no GPU, and
+strict mode is on.
 
 `TRITON_INTERPRET` must be set before any kernel is defined, so it is set here, before
-the test modules import `colossal_lab.kernels`.
+the test modules import `colossal_lab.kernels`. `COLOSSAL_LAB_STRICT=1` makes every
+backend fallback raise (`switches.fallback`): a test asking for "triton" tests Triton,
+never what a dispatcher quietly ran instead. Tests of the fallback itself unset it
+with monkeypatch.
 """
 
 import os
@@ -13,6 +17,7 @@ from colossal_lab.config import ModelConfig, tiny
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["COLOSSAL_LAB_STRICT"] = "1"  # read at each fallback, so set before any runs
 
 MODEL_CONFIGS = {  # shared shapes: GQA, MHA with odd widths, MQA with tied embeddings
     "tiny-gqa": tiny(),
@@ -47,3 +52,19 @@ def pytest_collection_modifyitems(config, items):
         if any(m.name == "skipif" and m.kwargs.get("reason") == "needs a CUDA GPU"
                for m in item.iter_markers()):
             item.add_marker(pytest.mark.gpu)
+
+
+def count_launches(monkeypatch, *kernels) -> dict[str, int]:
+    """Count the launches of Triton kernels (`@triton.jit`, interpreted or compiled, or
+    autotuned): `kernel[grid](...)` calls the kernel object's `run`, wrapped here. Proves
+    that a dispatcher ran our Triton kernel, not merely something with equal output."""
+    counts: dict[str, int] = {}
+    for kernel in kernels:
+        name = getattr(kernel, "fn", kernel).__name__
+
+        def run(*args, _real=kernel.run, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", run)
+    return counts

@@ -20,13 +20,16 @@ import math
 import pytest
 import torch
 
+from colossal_lab import switches
 from colossal_lab.correctness import check_close
 from colossal_lab.kernels.flash_attention import (
     SUPPORTED_HEAD_DIMS,
     flash_attention,
     flash_attention_forward,
 )
+from colossal_lab.switches import BackendUnavailable
 from colossal_lab.switches.attention import attention, attention_ref, resolve_backend
+from tests.conftest import count_launches
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,7 +161,8 @@ def test_dispatch_backends_agree(causal):
 def test_resolve_backend():
     assert resolve_backend(False) == "naive"
     assert resolve_backend(True, "cpu") == "sdpa"
-    assert resolve_backend("triton", "cpu") == "triton"
+    assert resolve_backend("triton", DEVICE) == "triton"  # CPU: the interpreter
+    assert resolve_backend(True, DEVICE, dtype=torch.float32) == "sdpa"  # no fp32 cuDNN
     if torch.cuda.is_available():
         assert resolve_backend(True, "cuda") in ("cudnn", "sdpa")
 
@@ -174,8 +178,72 @@ def test_gpu_low_precision(seq_len, head_dim, causal, dtype):
            atol=1e-3)
 
 
-def test_cudnn_backend_falls_back_for_fp32():
-    """cuDNN attention has no fp32 kernel: fp32 inputs go to PyTorch's SDPA instead."""
-    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
-    out = attention(q, k, v, causal=True, backend="cudnn")
-    check_close(out, attention_ref(q, k, v, True), name="fp32 via cudnn")
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "fallback"])
+def test_unavailable_backend_falls_back_or_raises(strict, monkeypatch):
+    """cuDNN attention needs a GPU and has no fp32 kernel: fp32 (or CPU) inputs go to
+    PyTorch's SDPA with one warning, or raise in strict mode."""
+    monkeypatch.setattr(switches, "WARNED", set())
+    if not strict:
+        monkeypatch.delenv(switches.STRICT_ENV)
+    q, k, v = (torch.randn(1, 2, 8, 16, device=DEVICE) for _ in range(3))
+    if strict:
+        with pytest.raises(BackendUnavailable, match="'cudnn'.*refuses.*'sdpa'"):
+            attention(q, k, v, causal=True, backend="cudnn")
+        return
+    with pytest.warns(UserWarning, match="'cudnn'.*using 'sdpa'"):
+        out = attention(q, k, v, causal=True, backend="cudnn")
+    check_close(out, attention_ref(q, k, v, True), name="fp32 via cudnn",
+                atol=ATOL_DIRECT)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "fallback"])
+def test_unsupported_head_dim_falls_back_to_sdpa(strict, monkeypatch):
+    """The Triton kernel takes head dims in SUPPORTED_HEAD_DIMS; the dispatcher sends
+    others to SDPA (one warning) like every other switch, or raises in strict mode."""
+    monkeypatch.setattr(switches, "WARNED", set())
+    if not strict:
+        monkeypatch.delenv(switches.STRICT_ENV)
+    q, k, v, do = _inputs(1, 4, 2, 17, 48)
+    assert 48 not in SUPPORTED_HEAD_DIMS
+    assert resolve_backend("triton", DEVICE, head_dim=64) == "triton"
+    if strict:
+        with pytest.raises(BackendUnavailable, match="head_dim in .* not 48"):
+            attention(q, k, v, backend="triton")
+        return
+    with pytest.warns(UserWarning, match="not 48; using 'sdpa'"):
+        ours = _fwd_bwd(lambda q, k, v: attention(q, k, v, backend="triton"),
+                        q, k, v, do)
+    ref = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, True), q, k, v, do)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        check_close(a, b, name=name, atol=ATOL_FP32,
+                    rtol=0.0 if DEVICE == "cpu" else 5e-3)
+
+
+def test_triton_backend_runs_the_kernel(monkeypatch):
+    """backend="triton" launches our kernels (under the interpreter on a CPU): the
+    forward once, the backward's preprocess, dK/dV and dQ kernels once each."""
+    from colossal_lab.kernels import flash_attention as fa
+
+    launches = count_launches(monkeypatch, fa._attn_fwd_kernel,
+                              fa._attn_bwd_preprocess_kernel, fa._attn_bwd_dkdv_kernel,
+                              fa._attn_bwd_dq_kernel)
+    q, k, v, do = _inputs(1, 2, 1, 17, 32)
+    _fwd_bwd(lambda q, k, v: attention(q, k, v, backend="triton"), q, k, v, do)
+    assert launches == {"_attn_fwd_kernel": 1, "_attn_bwd_preprocess_kernel": 1,
+                        "_attn_bwd_dkdv_kernel": 1, "_attn_bwd_dq_kernel": 1}
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "fallback"])
+def test_triton_without_gpu_or_interpreter(strict, monkeypatch):
+    """CPU tensors without the interpreter: Triton cannot run, the dispatcher says so."""
+    import colossal_lab.kernels
+
+    monkeypatch.setattr(colossal_lab.kernels, "INTERPRET", False)
+    monkeypatch.setattr(switches, "WARNED", set())
+    if not strict:
+        monkeypatch.delenv(switches.STRICT_ENV)
+        with pytest.warns(UserWarning, match="TRITON_INTERPRET=1; using 'sdpa'"):
+            assert resolve_backend("triton", "cpu") == "sdpa"
+    else:
+        with pytest.raises(BackendUnavailable, match="TRITON_INTERPRET"):
+            resolve_backend("triton", "cpu")

@@ -54,7 +54,9 @@ def test_save_load_round_trip(tmp_results):
     assert res.rows == rows
     assert res.one(provider="triton")["fwd_tflops"] == 1.5
     assert len(res.where(seq_len=4096)) == 2
-    assert "Recorded on 1 x" in res.banner() and "by `pytest`" in res.banner()
+    banner = res.banner()
+    assert banner.startswith(results.BANNER_PREFIX) and "(recorded, commit " in banner
+    assert "demo.json" in banner and "  1 x " in banner and "by `pytest`" in banner
     with pytest.raises(LookupError):
         res.one(seq_len=4096)
 
@@ -71,7 +73,7 @@ def test_measure_or_load_loads_without_gpu(tmp_results, capsys):
     results.save_results("demo", [{"a": 2}], gpu=results.REFERENCE_GPU, command="bench demo")
     res = results.measure_or_load("demo", lambda: pytest.fail("must not measure on CPU"))
     assert res.rows == [{"a": 2}] and not res.live
-    assert "Recorded on" in capsys.readouterr().out
+    assert "(recorded, commit " in capsys.readouterr().out
 
 
 def test_committed_results_have_provenance():

@@ -387,8 +387,7 @@ class FakeProber:
     def __init__(self, model, cfg, seq_len, *, fixed=10.0, none=2.0, full=0.5, real_gib=30.0):
         self.model, self.cfg, self.seq_len = model, cfg, seq_len
         self.device = torch.device("cpu")
-        self.setup = steps.Setup("fake", "fake", precision="fp32",
-                                 switches=Switches.naive("fp32"))
+        self.setup = steps.Setup("fake", "fake", switches=Switches.naive("fp32"))
         self.loss_fn = train.our_loss
         self.fixed, self.none, self.full, self.real = fixed, none, full, real_gib
         self.results = {}
@@ -484,7 +483,7 @@ def test_measure_one_predicts_and_verifies_the_largest_batch(monkeypatch):
     monkeypatch.setattr(memory, "capacity_gib", lambda: 20.0)
     monkeypatch.setattr(memory, "Prober", lambda model, loss_fn, setup, cfg, seq_len,
                         device: FakeProber(model, cfg, seq_len))
-    setup = steps.Setup("fake", "fake", precision="fp32", switches=Switches.naive("fp32"),
+    setup = steps.Setup("fake", "fake", switches=Switches.naive("fp32"),
                         find_largest_batch=True)
     row = steps.measure_one(setup, "tiny", 16, 2, progress=False)
     assert row["largest_batch_predicted"] == 5 and row["largest_batch"] == 5
@@ -528,8 +527,14 @@ def test_benchmark_setups_declared():
     assert len(set(names)) == len(names)
     full_7b = [s for s in bench_ckpt.SETUPS if s.preset == "llama-7b"]
     assert all(s.precision == "bf16-pure" == s.switches.precision for s in full_7b)
-    assert {s.name for s in bench_ckpt.SETUPS if s.find_largest_batch} >= {
-        "ckpt-none", "ckpt-full", "7b-none", "7b-full"}
+    assert {s.name for s in bench_ckpt.SETUPS if s.find_largest_batch} == {
+        s.name for s in bench_ckpt.SWEEP}
+    assert all(s.iters >= 20 for s in bench_ckpt.SETUPS)
+    # like for like at batch 2: none, selective, full differ in the checkpoint config only
+    pair = {s.name: s for s in full_7b if s.batch == 2}
+    assert set(pair) == {"7b-none-b2", "7b-selective", "7b-full"}
+    plain = [s.switches.replace(gradient_checkpoint_config=None) for s in pair.values()]
+    assert all(p == plain[0] for p in plain)
     assert "expandable_segments" in bench_ckpt.config_of()["allocator"]
 
 

@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from colossal_lab import benchmarks
 from colossal_lab.benchmarks import baseline
@@ -42,8 +43,11 @@ def test_baseline_quick_rows():
 def test_isolated_setup_and_failure_row():
     from colossal_lab.benchmarks.steps import Setup, measure_isolated
 
-    ok = measure_isolated(baseline.SETUPS[2], "tiny", 32, 2)
+    setup = next(s for s in baseline.SETUPS if s.name == "ours-bf16-sdpa")
+    ok = measure_isolated(setup, "tiny", 32, 2)
     assert "error" not in ok and ok["setup"] == "ours-bf16-sdpa" and ok["tokens_per_s"] > 0
+    assert ok["attention_backend"] == "sdpa" and ok["norm_backend"] == "torch"
+    assert len(ok["step_ms_all"]) == ok["steps_timed"] == len(ok["gc_ms_all"])
     bad = measure_isolated(Setup("broken", "broken", impl="nonsense"), "tiny", 32, 2)
     assert "nonsense" in bad["error"]
 
@@ -53,3 +57,17 @@ def test_setup_json_round_trip():
 
     for s in baseline.SETUPS:
         assert Setup.from_json(s.to_json()) == s
+
+
+def test_setup_rules():
+    from colossal_lab.benchmarks.steps import Setup
+    from colossal_lab.config import Switches
+
+    with pytest.raises(ValueError, match="at least 20"):
+        Setup("short", "short", iters=8)
+    assert Setup("p", "p", switches=Switches(precision="fp16")).precision == "fp16"
+    with pytest.raises(ValueError, match="Hugging Face"):
+        from colossal_lab.benchmarks.steps import build
+
+        build(Setup("hf", "hf", impl="hf", switches=Switches(precision="fp8")), "tiny",
+              torch.device("cpu"))

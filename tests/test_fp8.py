@@ -15,6 +15,7 @@ from colossal_lab.correctness import check_close
 from colossal_lab.kernels import fp8_cast
 from colossal_lab.model import build_model
 from colossal_lab.switches import fp8
+from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 from tests.conftest import requires_cuda
 
 FORMATS = (fp8.E4M3, fp8.E5M2)
@@ -107,6 +108,24 @@ def test_interpreter_rounding_is_round_half_even(dtype):
     yt, _, _ = fp8_cast.fp8_cast_transpose(x, dtype, src, write_yt=False)
     assert torch.equal(yk.float(), yt.float())  # equal values; the interpreter's -0 is +0
     assert torch.equal(yt.float(), x.to(dtype).float())
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "fallback"])
+def test_cast_kernel_without_gpu_or_interpreter(strict, monkeypatch):
+    """use_triton=True on CPU tensors without the interpreter: torch ops, with a
+    warning, or an error in strict mode."""
+    import colossal_lab.kernels
+
+    monkeypatch.setattr(colossal_lab.kernels, "INTERPRET", False)
+    monkeypatch.setattr(switches, "WARNED", set())
+    x = torch.randn(8, 16)
+    if strict:
+        with pytest.raises(switches.BackendUnavailable, match="use_triton=True"):
+            fp8_cast.fp8_amax(x, use_triton=True)
+        return
+    monkeypatch.delenv(switches.STRICT_ENV)
+    with pytest.warns(UserWarning, match="using 'torch ops'"):
+        assert torch.equal(fp8_cast.fp8_amax(x, use_triton=True), fp8_cast.fp8_amax(x))
 
 
 def test_amax_kernel_spans_programs():
@@ -307,6 +326,52 @@ def test_fp8_model_trains_close_to_fp32():
     assert abs(l8.item() - l32.item()) < 0.02 * l32.item()
     l8.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m8.parameters())
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic"])
+def test_full_checkpointing_recomputes_the_same_fp8(scaling, monkeypatch):
+    """Full checkpointing runs each layer's forward twice. The recompute quantises with
+    the scale of the original forward and leaves the amax histories alone, so over
+    three SGD steps the loss, every gradient and every history equal those of the same
+    model without checkpointing bit for bit (torch.equal: the CPU recompute repeats the
+    same ops on the same inputs and scales), and each history advances once a step."""
+    cfg = tiny().replace(intermediate_size=176)  # every linear fp8
+    extra = {"fp8_scaling": scaling, "fp8_backend": "emulate", "fp8_history": 4}
+    casts = {"n": 0}
+    real_cast = fp8.fp8_cast_transpose
+
+    def counting_cast(*args, **kwargs):
+        casts["n"] += 1
+        return real_cast(*args, **kwargs)
+
+    monkeypatch.setattr(fp8, "fp8_cast_transpose", counting_cast)
+    models = [build_model(cfg, Switches(precision="fp8", extra=extra,
+                                        gradient_checkpoint_config=ckpt), "cpu")
+              for ckpt in (None, GradientCheckpointConfig(mode="full"))]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
+    for step in range(3):
+        ids = torch.randint(0, cfg.vocab_size, (2, 33))
+        losses, n_casts = [], []
+        for m in models:
+            casts["n"] = 0
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(ids[:, :-1], ids[:, 1:])
+            loss.backward()
+            losses.append(loss.detach())
+            n_casts.append(casts["n"])
+        assert n_casts[1] > n_casts[0]  # the checkpointed layers did recompute
+        assert torch.equal(losses[0], losses[1]), step
+        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            assert torch.equal(p.grad, q.grad), (step, name)
+        for a, b in zip(fp8.fp8_modules(models[0]), fp8.fp8_modules(models[1])):
+            for role in ("x", "w", "grad"):
+                assert torch.equal(a._scalers[role].history, b._scalers[role].history)
+                if scaling == "delayed":
+                    assert b._scalers[role].pos == step + 1, (step, role)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
 
 def test_config_from_switches_extra():

@@ -8,8 +8,14 @@ from colossal_lab import hardware
     ("NVIDIA H200", "h200", 989.4),
     ("NVIDIA H200 NVL", "h200-nvl", 835.5),
     ("NVIDIA H100 80GB HBM3", "h100-sxm", 989.4),
+    ("NVIDIA H100 SXM5 80GB", "h100-sxm", 989.4),
     ("NVIDIA H100 PCIe", "h100-pcie", 756.5),
+    ("NVIDIA H100 NVL", "h100-nvl", 835.5),
+    ("NVIDIA GH200 480GB", "gh200", 989.4),
+    ("NVIDIA GH200 144G HBM3e", "gh200-hbm3e", 989.4),
     ("NVIDIA A100-SXM4-80GB", "a100", 312.0),
+    ("NVIDIA A100-SXM4-40GB", "a100", 312.0),
+    ("NVIDIA A100-PCIE-40GB", "a100", 312.0),
     ("NVIDIA A100 80GB PCIe", "a100", 312.0),
     ("NVIDIA L40S", "l40s", 362.05),
     ("NVIDIA GeForce RTX 4090", "rtx4090", 165.2),
@@ -26,6 +32,23 @@ def test_dense_not_sparse():
     # the 1979 TFLOP/s often quoted for H100/H200 bf16 is the 2:4-sparse figure
     assert hardware.find_spec("NVIDIA H200").bf16 < 1000
     assert hardware.find_spec("NVIDIA A100").fp8 is None
+
+
+@pytest.mark.parametrize("name", [
+    "Some Future Accelerator 9000",
+    "NVIDIA H20",              # not an H200
+    "NVIDIA H800",             # not an H100 (other interconnect, other peaks)
+    "NVIDIA A800-SXM4-80GB",   # not an A100
+    "NVIDIA L40",              # not an L4, nor an L40S
+    "NVIDIA H100 NVL2",        # an unknown variant gets no row, not the SXM one
+    "NVIDIA GH200X",
+])
+def test_unknown_gpus_get_no_peak(name):
+    """Whole-word matching: a name the table does not know gives None (MFU against the
+    measured ceiling), never the row of a GPU whose name it contains."""
+    assert hardware.find_spec(name) is None
+    dev = hardware.Device("cuda", name, 1, hardware.find_spec(name))
+    assert dev.peak_tflops() is None
 
 
 def test_unknown_gpu_and_cpu():

@@ -4,8 +4,10 @@ but speed."""
 import pytest
 import torch
 
+from colossal_lab import switches as switches_mod
 from colossal_lab.config import ModelConfig, Switches, preset, tiny
 from colossal_lab.model import build_model
+from colossal_lab.switches import BackendUnavailable, backends_in_use
 from tests.conftest import MODEL_CONFIGS
 
 transformers = pytest.importorskip("transformers")
@@ -82,9 +84,57 @@ def test_switches_keep_the_function(attn, norm):
 
 def test_set_switches_in_place():
     m = build_model(tiny(), Switches.naive("fp32"), "cpu")
-    m.set_switches(Switches(enable_flash_attention="sdpa", enable_fused_normalization="torch"))
+    m.set_switches(Switches(enable_flash_attention="sdpa",
+                            enable_fused_normalization="torch", precision="fp32"))
     assert m.model.layers[0].self_attn.attention_backend == "sdpa"
     assert m.model.norm.backend == "torch"
+
+
+def test_set_switches_refuses_another_precision():
+    """The precision shapes the model when it is built (bf16 parameters, fp8 linears):
+    set_switches cannot swap it and says to rebuild instead of ignoring it."""
+    m = build_model(tiny(), Switches.naive("fp32"), "cpu")
+    for precision in ("bf16", "bf16-pure", "fp8"):
+        with pytest.raises(ValueError, match=f"'fp32' to '{precision}'.*build_model"):
+            m.set_switches(Switches.naive(precision))
+    assert m.switches.precision == "fp32"
+
+
+HEAD_DIM_32 = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                          num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1)  # head_dim 32: Triton attention runs
+
+
+@pytest.mark.parametrize("switches,expected", [
+    (Switches.naive("fp32"), ("naive", "eager", "eager", None)),
+    (Switches(True, True, True, "fp32"), ("sdpa", "torch", "eager", None)),
+    (Switches("triton", "triton", "triton", "fp32"), ("triton",) * 3 + (None,)),
+    (Switches("sdpa-math", "compile", "eager", "fp8"), ("sdpa-math", "compile", "eager",
+                                                        "emulate")),
+    (Switches(False, "eager", "compile", "fp8", extra={"fp8_backend": "scaled_mm"}),
+     ("naive", "eager", "compile", "scaled_mm")),
+])
+def test_backends_in_use(switches, expected):
+    """What each switch resolves to on the model's device (here the CPU: "triton" runs
+    under the interpreter, True means SDPA / torch / eager, fp8 "auto" emulates)."""
+    if torch.cuda.is_available():
+        pytest.skip("the expected names are the CPU's")
+    m = build_model(HEAD_DIM_32, switches, "cpu")
+    keys = ("attention_backend", "norm_backend", "swiglu_backend", "fp8_backend")
+    assert backends_in_use(m) == dict(zip(keys, expected))
+
+
+def test_backends_in_use_after_fallback_and_set_switches(monkeypatch):
+    """A backend that cannot run is recorded as what runs instead (strict mode: an
+    error), and an in-place switch change is seen."""
+    m = build_model(tiny(), Switches.naive("fp32"), "cpu")  # head_dim 16
+    m.set_switches(Switches.naive("fp32").replace(enable_flash_attention="triton"))
+    with pytest.raises(BackendUnavailable, match="head_dim"):
+        backends_in_use(m)
+    monkeypatch.delenv(switches_mod.STRICT_ENV)
+    monkeypatch.setattr(switches_mod, "WARNED", set())
+    with pytest.warns(UserWarning, match="not 16; using 'sdpa'"):
+        assert backends_in_use(m)["attention_backend"] == "sdpa"
 
 
 def test_presets_and_bad_configs():

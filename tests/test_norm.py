@@ -15,6 +15,7 @@ from colossal_lab import switches
 from colossal_lab.correctness import check_close
 from colossal_lab.switches import norm
 from colossal_lab.switches.norm import add_rms_norm_ref, layer_norm_ref, rms_norm_ref
+from tests.conftest import count_launches
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                    reason="needs a CUDA GPU")
@@ -183,18 +184,60 @@ def test_unknown_backend():
 
 
 @pytest.mark.parametrize("backend,module", [("liger", "liger_kernel"), ("apex", "apex")])
-def test_missing_backend_falls_back(backend, module):
+def test_missing_backend_falls_back(backend, module, monkeypatch):
     """Without the library (or without a GPU) the switch warns and uses torch; it never
-    crashes the way ColossalAI does without apex (hpcaitech/ColossalAI#6260)."""
+    crashes the way ColossalAI does without apex (hpcaitech/ColossalAI#6260). Strict
+    mode raises instead."""
     if backend in norm.available_backends(DEVICE):
         pytest.skip(f"{module} is installed here")
-    switches.WARNED.clear()
+    monkeypatch.setattr(switches, "WARNED", set())
     x, w = torch.randn(3, 16, device=DEVICE), torch.randn(16, device=DEVICE)
+    with pytest.raises(switches.BackendUnavailable, match=f"'{backend}'.*refuses"):
+        norm.rms_norm(x, w, backend=backend)
+    monkeypatch.delenv(switches.STRICT_ENV)
     with pytest.warns(UserWarning, match=f"'{backend}'.*using 'torch'"):
         y = norm.rms_norm(x, w, backend=backend)
     check_close(y, rms_norm_ref(x, w), atol=1e-5)
     y2 = norm.layer_norm(x, w, None, backend=backend)  # warned once: no second warning
     check_close(y2, layer_norm_ref(x, w), atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "add_rms_norm"])
+def test_triton_backend_runs_the_kernels(op, monkeypatch):
+    """backend="triton" launches our forward and backward kernels, on a CPU under the
+    interpreter: not an eager stand-in with equal output."""
+    from colossal_lab.kernels import layer_norm as ln
+    from colossal_lab.kernels import rms_norm as rn
+
+    kernels = (ln._layer_norm_forward_kernel, ln._layer_norm_backward_kernel) \
+        if op == "layer_norm" else \
+        (rn._rms_norm_forward_kernel, rn._rms_norm_backward_kernel)
+    launches = count_launches(monkeypatch, *kernels)
+    x = torch.randn(3, 40, device=DEVICE, requires_grad=True)
+    w = torch.randn(40, device=DEVICE, requires_grad=True)
+    if op == "add_rms_norm":
+        y, h = norm.add_rms_norm(x, torch.randn_like(x), w, backend="triton")
+    else:
+        y = getattr(norm, op)(x, w, backend="triton")
+    y.sum().backward()
+    assert sorted(launches.values()) == [1, 1], launches
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "fallback"])
+def test_triton_without_gpu_or_interpreter(strict, monkeypatch):
+    """CPU tensors without the interpreter: "triton" cannot run; torch, with a warning,
+    or an error in strict mode."""
+    import colossal_lab.kernels
+
+    monkeypatch.setattr(colossal_lab.kernels, "INTERPRET", False)
+    monkeypatch.setattr(switches, "WARNED", set())
+    if strict:
+        with pytest.raises(switches.BackendUnavailable, match="TRITON_INTERPRET"):
+            norm.resolve_backend("triton", "cpu")
+        return
+    monkeypatch.delenv(switches.STRICT_ENV)
+    with pytest.warns(UserWarning, match="TRITON_INTERPRET=1; using 'torch'"):
+        assert norm.resolve_backend("triton", "cpu") == "torch"
 
 
 def test_true_resolves_per_device():

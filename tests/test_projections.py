@@ -15,7 +15,7 @@ from colossal_lab.correctness import check_close
 from colossal_lab.model import MLP, Attention, RotaryEmbedding, build_model
 from colossal_lab.switches import projections
 from colossal_lab.switches.projections import swiglu_fused_ref, swiglu_ref
-from tests.conftest import MODEL_CONFIGS, requires_cuda
+from tests.conftest import MODEL_CONFIGS, count_launches, requires_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -136,10 +136,39 @@ def test_swiglu_compile_matches_reference():
     _check_swiglu(lambda t: projections.swiglu(t, "compile"), gu, dh, 1e-5, 1e-5)
 
 
+def test_triton_swiglu_runs_the_kernels(monkeypatch):
+    """The "triton" switch value launches our SwiGLU kernels, forward and backward (on
+    a CPU under the interpreter), inside a fused MLP."""
+    from colossal_lab.kernels import swiglu as sk
+
+    launches = count_launches(monkeypatch, sk._swiglu_forward_kernel,
+                              sk._swiglu_backward_kernel)
+    mlp = MLP(CONFIGS["tiny-gqa"], "triton").to(DEVICE)
+    mlp(torch.randn(2, 5, 64, device=DEVICE)).sum().backward()
+    assert launches == {"_swiglu_forward_kernel": 1, "_swiglu_backward_kernel": 1}
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "fallback"])
+def test_triton_swiglu_without_gpu_or_interpreter(strict, monkeypatch):
+    import colossal_lab.kernels
+    from colossal_lab import switches
+
+    monkeypatch.setattr(colossal_lab.kernels, "INTERPRET", False)
+    monkeypatch.setattr(switches, "WARNED", set())
+    if strict:
+        with pytest.raises(switches.BackendUnavailable, match="TRITON_INTERPRET"):
+            projections.resolve_activation("triton", "cpu")
+        return
+    monkeypatch.delenv(switches.STRICT_ENV)
+    with pytest.warns(UserWarning, match="TRITON_INTERPRET=1; using 'eager'"):
+        assert projections.resolve_activation("triton", "cpu") == "eager"
+
+
 def test_resolve_activation():
     assert projections.resolve_activation(True, "cpu") == "eager"
     assert projections.resolve_activation(False) == "eager"
     assert projections.resolve_activation("compile", "cpu") == "compile"
+    assert projections.resolve_activation("triton", DEVICE) == "triton"  # interpreter
     if torch.cuda.is_available():
         assert projections.resolve_activation(True, "cuda") == "triton"
     assert not projections.is_fused(False) and projections.is_fused("eager")
@@ -382,13 +411,20 @@ def test_benchmark_quick_rows(bench_rows):
     for r in sw:
         assert "error" not in r and r["fwd_bwd_gbps"] > 0 and r["saved_bytes"] > 0, r
     assert [r for r in bench_rows if r["kind"] == "ceiling"][0]["copy_gbps"] > 0
-    steps = [r for r in bench_rows if r["kind"] == "step"]
-    assert [r["setup"] for r in steps] == [s.name for s in fused_qkv.SETUPS]
-    assert all("error" not in r and r["tokens_per_s"] > 0 for r in steps), steps
+    assert not [r for r in bench_rows if r["kind"] == "step"]  # its own benchmark now
     assert "speed-up over separate" in fused_qkv.summary(bench_rows)
     import json
 
     json.dumps(bench_rows)
+
+
+def test_step_benchmark_quick_rows():
+    from colossal_lab.benchmarks import fused_qkv_step
+
+    rows = fused_qkv_step.run(quick=True)
+    assert [r["setup"] for r in rows] == [s.name for s in fused_qkv.SETUPS]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+    assert [r["swiglu_backend"] for r in rows] == ["eager", "eager", "triton"]
 
 
 def test_benchmark_setups_and_shapes():

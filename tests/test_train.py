@@ -4,9 +4,11 @@ the measured step carries every metric the results files need."""
 import pytest
 import torch
 
-from colossal_lab import data, train
+from colossal_lab import data, mfu, train
 from colossal_lab.config import Switches, tiny
 from colossal_lab.model import build_model
+from colossal_lab.switches import checkpointing
+from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 
 
 def test_micro_batches_give_the_same_update():
@@ -59,6 +61,24 @@ def test_measure_step_row_fields():
         assert k in row, k
     assert row["tokens_per_s"] == pytest.approx(2 * 32 / (row["step_ms"] / 1e3))
     assert 0 < row["mfu"] < row["mfu_attn"]
+
+
+def test_hfu_counts_the_recompute():
+    """With full checkpointing train() reports HFU = (model FLOPs + recomputed FLOPs) /
+    time / peak, larger than MFU (attention included) by exactly the recompute."""
+    cfg = tiny()
+    sw = Switches(precision="fp32",
+                  gradient_checkpoint_config=GradientCheckpointConfig())
+    r = train.train(cfg, sw, batch=2, seq_len=32, steps=2, data="random", progress=False,
+                    log_every=1)
+    model_flops = mfu.model_flops(cfg, 2 * 32, 32)
+    extra = checkpointing.recompute_flops(cfg, 2, 32, GradientCheckpointConfig(),
+                                          attention_backend="naive")
+    assert extra > 0 and r.stats.hfu > r.stats.mfu_attn
+    assert r.stats.hfu / r.stats.mfu_attn == pytest.approx(1 + extra / model_flops)
+    plain = train.train(cfg, Switches(precision="fp32"), batch=2, seq_len=32, steps=1,
+                        data="random", progress=False)
+    assert plain.stats.hfu == pytest.approx(plain.stats.mfu_attn)
 
 
 def test_bad_training_configs():

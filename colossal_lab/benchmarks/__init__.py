@@ -15,7 +15,9 @@ BENCHMARKS = {
     "fused_norm": "colossal_lab.benchmarks.fused_norm",
     "fused_norm_step": "colossal_lab.benchmarks.fused_norm_step",
     "fused_qkv": "colossal_lab.benchmarks.fused_qkv",
+    "fused_qkv_step": "colossal_lab.benchmarks.fused_qkv_step",
     "precision": "colossal_lab.benchmarks.precision",
+    "step_noise": "colossal_lab.benchmarks.step_noise",
 }
 
 

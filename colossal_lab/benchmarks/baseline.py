@@ -1,9 +1,10 @@
 """Chapter 00's baseline: our model with every switch off against what a user would pick.
 
 One training step (AdamW, random tokens) of the same model shape, timed side by side in
-one run: our LLaMA naive in fp32 and in bf16 (eager attention, eager norm), our LLaMA
-with PyTorch's SDPA (a check that our model is no slower than Hugging Face's), and
-Hugging Face `LlamaForCausalLM` with SDPA, + `torch.compile`, and with Liger's kernels.
+one run: our LLaMA naive in fp32 and in bf16 (eager attention, eager norm); our LLaMA
+with PyTorch's SDPA and an eager RMSNorm, the same kernels as Hugging Face's model (the
+like-for-like check that our model is no slower), and with `F.rms_norm`; Hugging Face
+`LlamaForCausalLM` with SDPA, + `torch.compile`, and with Liger's kernels.
 
     python -m colossal_lab bench baseline            # llama-7b-8l, seq 4096, batch 4
     python -m colossal_lab bench baseline --quick    # tiny model, CPU smoke test
@@ -18,16 +19,18 @@ from colossal_lab.config import Switches
 from colossal_lab.results import save_results
 
 SETUPS = (
-    Setup("ours-fp32-naive", "ours: fp32, naive attention + norm", "ours", "fp32",
-          Switches.naive("fp32"), micro_batch=1, iters=4),
-    Setup("ours-bf16-naive", "ours: bf16, naive attention + norm", "ours", "bf16",
+    Setup("ours-fp32-naive", "ours: fp32, naive attention + norm", "ours",
+          Switches.naive("fp32"), micro_batch=1, warmup=1),
+    Setup("ours-bf16-naive", "ours: bf16, naive attention + norm", "ours",
           Switches.naive("bf16"), micro_batch=1),
-    Setup("ours-bf16-sdpa", "ours: bf16, SDPA + F.rms_norm", "ours", "bf16",
+    Setup("ours-bf16-sdpa-eager-norm", "ours: bf16, SDPA + eager RMSNorm (as HF)", "ours",
+          Switches(enable_flash_attention="sdpa", enable_fused_normalization=False)),
+    Setup("ours-bf16-sdpa", "ours: bf16, SDPA + F.rms_norm", "ours",
           Switches(enable_flash_attention="sdpa", enable_fused_normalization="torch")),
-    Setup("hf-bf16-sdpa", "HF transformers: bf16, SDPA", "hf", "bf16"),
-    Setup("hf-bf16-sdpa-compile", "HF transformers: bf16, SDPA, torch.compile", "hf", "bf16",
+    Setup("hf-bf16-sdpa", "HF transformers: bf16, SDPA", "hf"),
+    Setup("hf-bf16-sdpa-compile", "HF transformers: bf16, SDPA, torch.compile", "hf",
           compile=True),
-    Setup("hf-bf16-sdpa-liger", "HF transformers: bf16, SDPA, Liger kernels", "hf", "bf16",
+    Setup("hf-bf16-sdpa-liger", "HF transformers: bf16, SDPA, Liger kernels", "hf",
           liger=True),
 )
 SETUP_NAMES = tuple(s.name for s in SETUPS)

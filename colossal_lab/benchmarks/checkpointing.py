@@ -10,12 +10,13 @@ Two groups of training steps, each setup in its own process (`benchmarks.steps`)
    memory probes and verified by running it.
 2. Full LLaMA-7B (32 layers, 6.74B) on one GPU, bf16 parameters with fp32 master weights
    and optimizer states in the optimizer ("bf16-pure": ~100 GiB before any activation),
-   switches 1-3 on: no checkpointing at batch 1 (and whether 2 fits), the fewest
-   checkpointed layers that fit batch 2 (chosen from memory probes), selective
-   recomputation at batch 2, and full recomputation at its largest batch.
+   switches 1-3 on: no checkpointing at batch 1 and 2, selective and full
+   recomputation at batch 2, and at batch 3 the fewest checkpointed layers that fit
+   (chosen from memory probes).
 
-    python -m colossal_lab bench checkpointing           # ~7 min on one H200
-    python -m colossal_lab bench checkpointing --quick   # tiny model on the CPU, seconds
+    python -m colossal_lab bench checkpointing --group sweep   # ~5 min on one H200
+    python -m colossal_lab bench checkpointing --group 7b      # ~4 min
+    python -m colossal_lab bench checkpointing --quick         # tiny model, CPU, seconds
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ FAST_7B = FAST.replace(enable_fused_projections=True, precision="bf16-pure")
 
 def _sweep(name: str, label: str, config) -> Setup:
     return Setup(name, label, switches=FAST.replace(gradient_checkpoint_config=config),
-                 find_largest_batch=True, warmup=2, iters=6)
+                 find_largest_batch=True, warmup=2)
 
 
 def _full_7b(name: str, label: str, config, batch: int, **kw) -> Setup:
-    return Setup(name, label, precision="bf16-pure", preset="llama-7b", batch=batch,
+    return Setup(name, label, preset="llama-7b", batch=batch,
                  switches=FAST_7B.replace(gradient_checkpoint_config=config),
-                 warmup=2, iters=5, **kw)
+                 warmup=2, **kw)
 
 
 SWEEP = (
@@ -57,15 +58,20 @@ SWEEP = (
            Ckpt(mode="elementwise")),
 )
 FULL_7B = (
-    _full_7b("7b-none", "LLaMA-7B, no checkpointing", None, 1, find_largest_batch=True),
-    _full_7b("7b-ratio", "LLaMA-7B, fewest checkpointed layers that fit batch 2",
-             Ckpt(gradient_checkpointing_ratio=1.0), 2, auto_ratio=True),
-    _full_7b("7b-selective", "LLaMA-7B, selective recomputation", Ckpt(mode="selective"), 2),
-    _full_7b("7b-full", "LLaMA-7B, full recomputation", Ckpt(), 2, find_largest_batch=True),
+    _full_7b("7b-none-b1", "LLaMA-7B, no checkpointing, batch 1", None, 1),
+    _full_7b("7b-none-b2", "LLaMA-7B, no checkpointing, batch 2", None, 2),
+    _full_7b("7b-selective", "LLaMA-7B, selective recomputation, batch 2",
+             Ckpt(mode="selective"), 2),
+    _full_7b("7b-full", "LLaMA-7B, full recomputation, batch 2", Ckpt(), 2),
+    _full_7b("7b-ratio-b3", "LLaMA-7B, fewest checkpointed layers that fit batch 3",
+             Ckpt(gradient_checkpointing_ratio=1.0), 3, auto_ratio=True),
 )
+"""Each at a fixed batch, timed like the sweep: like-for-like pairs at batch 2 (none,
+selective, full), batch 1 for reference, and batch 3, which does not fit without
+checkpointing, with the fewest checkpointed layers the memory probes say fit."""
 SETUPS = SWEEP + FULL_7B
 SETUP_NAMES = tuple(s.name for s in SETUPS)
-QUICK = ("ckpt-none", "ckpt-0.5", "ckpt-selective", "7b-ratio")
+QUICK = ("ckpt-none", "ckpt-0.5", "ckpt-selective", "7b-ratio-b3")
 """The CPU smoke test: one of each kind (the Triton norm runs interpreted there)."""
 
 
@@ -78,6 +84,21 @@ def config_of(preset_name: str = "llama-7b-8l", seq_len: int = 4096, batch: int 
                              "batch x per-sample), verified by running it",
             "mfu": "6N per token; mfu_attn adds causal attention; hfu adds the "
                    "recomputed matmul FLOPs; mfu_colossalai counts 8N with checkpointing"}
+
+
+GROUPS = {"sweep": SWEEP, "7b": FULL_7B}
+"""Each group is one run and one results file (`file_name`), with its own provenance."""
+
+
+def file_name(group: str) -> str:
+    return NAME if group == "sweep" else f"{NAME}_{group}"
+
+
+def load(gpu: str | None = None) -> list[dict]:
+    """The rows of both groups' recorded files."""
+    from colossal_lab.results import load_results
+
+    return [r for g in GROUPS for r in load_results(file_name(g), gpu).rows]
 
 
 def run(quick: bool = False, *, setups=None, seq_len: int = 4096, batch: int = 4
@@ -210,15 +231,20 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=4, help="batch of the 8-layer sweep")
-    p.add_argument("--setups", nargs="*", choices=SETUP_NAMES)
+    p.add_argument("--group", choices=list(GROUPS), default="sweep",
+                   help="which group of setups (one results file each)")
     a = p.parse_args(argv)
-    rows = run(a.quick, setups=a.setups, seq_len=a.seq_len, batch=a.batch)
-    if not a.quick:
-        from colossal_lab.results import save_results
+    names = [s.name for s in GROUPS[a.group]]
+    if a.quick:
+        run(True, setups=[n for n in QUICK if n in names] or None)
+        return
+    rows = run(setups=names, seq_len=a.seq_len, batch=a.batch)
+    from colossal_lab.results import save_results
 
-        path = save_results(NAME, rows, config=config_of(seq_len=a.seq_len, batch=a.batch),
-                            command=f"python -m colossal_lab bench {NAME}")
-        print(f"saved {path}")
+    path = save_results(file_name(a.group), rows,
+                        config=config_of(seq_len=a.seq_len, batch=a.batch),
+                        command=f"python -m colossal_lab bench {NAME} --group {a.group}")
+    print(f"saved {path}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Switch 3 benchmark: fused projections, from the GEMMs up to the training step.
 
-Three kinds of rows in one results file (`kind`):
+Two kinds of rows in one results file (`kind`), and the training step in its own:
 
 - "gemm": the q/k/v and gate/up projections of LLaMA-7B (d 4096, 32 heads, no GQA,
   i 11008) and TinyLlama-1.1B (d 2048, GQA 32:4, D 64, i 5632) over 1k … 64k tokens,
@@ -14,9 +14,9 @@ Three kinds of rows in one results file (`kind`):
   triton, in effective GB/s (3·T·i·e bytes forward, 5·T·i·e backward: what an ideal
   kernel moves) against the device copy ceiling, plus the bytes each keeps for the
   backward.
-- "step": the `llama-7b-8l` step (seq 4096, batch 4, bf16) with switches 1 and 2 on
-  and the projections separate, fused, and fused + Triton SwiGLU (each setup in its
-  own process, `benchmarks.steps`).
+- the `llama-7b-8l` step (seq 4096, batch 4, bf16) with switches 1 and 2 on and the
+  projections separate, fused, and fused + Triton SwiGLU (`SETUPS`, each in its own
+  process): `python -m colossal_lab bench fused_qkv_step` -> fused_qkv_step.json.
 
 Kernels are timed as CUDA-graph replays (`bench.time_cuda_graph`: the kernels alone,
 L2 flushed before each replay) and, in the `*_eager_ms` columns, eagerly with
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from colossal_lab import bench
-from colossal_lab.benchmarks.steps import Setup, run_chapter, step_config
+from colossal_lab.benchmarks.steps import Setup
 from colossal_lab.config import Switches, preset
 from colossal_lab.hardware import measure_copy_gbps, measure_matmul_tflops
 from colossal_lab.switches import projections
@@ -47,7 +47,8 @@ GEMM_PROVIDERS = ("separate", "fused", "fused-gemm")
 SWIGLU_PROVIDERS = ("eager", "compile", "triton")
 SWIGLU_CASES = ((16384, 11008), (4096, 11008), (65536, 11008), (16384, 5632))
 """(tokens, i) of the SwiGLU rows; the first is the step's shape (4 × 4096 tokens)."""
-PARTS = ("step", "gemm", "swiglu")
+PARTS = ("gemm", "swiglu")
+"""The kernel parts; the training step is `fused_qkv_step`, its own run and file."""
 
 _BASE = {"enable_flash_attention": True, "enable_fused_normalization": "triton"}
 SETUPS = (
@@ -236,8 +237,7 @@ def swiglu_case(provider: str, tokens: int, inter: int, dtype, device) -> dict:
 
 
 def run(quick: bool = False, *, parts=PARTS, models=None, tokens=None) -> list[dict]:
-    """Every part, providers side by side in this process (the step setups in their own
-    processes, run first while this one holds no GPU memory).
+    """Every part, providers side by side in this process.
 
     `quick`: a tiny GQA shape on the CPU (fp32), the step on the tiny preset."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -245,9 +245,6 @@ def run(quick: bool = False, *, parts=PARTS, models=None, tokens=None) -> list[d
     shapes = QUICK_MODELS if quick else {m: MODELS[m] for m in (models or MODELS)}
     tokens = tokens or ((64, 128) if quick else TOKENS)
     rows = []
-    if "step" in parts:
-        for r in run_chapter(NAME, SETUPS, quick):
-            rows.append({"kind": "step", **r})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         if "gemm" in parts:
@@ -325,9 +322,6 @@ def summary(rows: list[dict]) -> str:
             if (r["tokens"], r["intermediate"]) == (t, i):
                 lines.append(f"  {r['provider']:<9}" + "".join(
                     f" {r[k]:>9.4g}" for k in ("fwd_gbps", "bwd_gbps", "fwd_bwd_gbps")))
-    from colossal_lab.benchmarks.steps import format_row
-
-    lines += [format_row(r) for r in rows if r.get("kind") == "step"]
     return "\n".join(lines) or "(no measurements)"
 
 
@@ -339,9 +333,7 @@ def config_of() -> dict:
             "timing": "CUDA graph replay (median, L2 flushed before each; 10-100 reps) and "
                       "eager do_bench (50 ms) in *_eager_ms",
             "gemm_flops": "2·T·d·N forward, 3x forward+backward",
-            "swiglu_gbps": "bytes an ideal kernel moves / time; see swiglu_bytes()",
-            "step": {**step_config(), "setups": [s.name for s in SETUPS],
-                     "switches_on": _BASE}}
+            "swiglu_gbps": "bytes an ideal kernel moves / time; see swiglu_bytes()"}
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,7 @@
 """Switch 6 benchmark: precision, from the GEMM to the training step to the loss curve.
 
-Three parts, each a `kind` of row in `results/<gpu>/precision.json`:
+Three parts, each saved to its own file with its own provenance,
+`results/<gpu>/precision_<part>.json` (rows carry a `kind`):
 
 * ``gemm``: LLaMA-7B's linear shapes (d=4096 → 4096 / 12288 / 11008 / 22016 / 32000
   and 11008 → 4096) over 4k–32k tokens. Raw GEMMs (bf16 `torch.mm` against fp8
@@ -9,22 +10,24 @@ Three parts, each a `kind` of row in `results/<gpu>/precision.json`:
   dynamic and delayed scaling), side by side; TFLOP/s = 2·M·N·K (forward) or 6·M·N·K
   (forward + backward) over the time; fp8 rows carry `speedup_vs_bf16`.
 * ``step``: the `llama-7b-8l` training step (seq 4096, batch 4, switches 1–3 on) in
-  fp32, bf16, bf16-pure, fp16 and fp8 (dynamic, delayed), each in its own process via
+  fp32 (PyTorch's default: no TF32), tf32, bf16, bf16-pure, fp16 and fp8 (dynamic,
+  delayed), each in its own process via
   `benchmarks.steps`; MFU is always against the dense **bf16** peak (`mfu_peak`), also
   for fp8 ("MFU vs bf16 peak"), so the rows compare.
-* ``loss_curve``: a ~55M-parameter LLaMA (every width a multiple of 16, so fp8 really
+* ``curve``: a ~55M-parameter LLaMA (every width a multiple of 16, so fp8 really
   runs everywhere) trained on the real-text corpus for a few hundred steps in fp32,
   bf16 and fp8, same seed and data order; the curve, the final loss (mean of the last
   `FINAL_WINDOW` steps) and its relative difference from bf16.
 
-    python -m colossal_lab bench precision                 # all three (~6-7 min, H200)
-    python -m colossal_lab bench precision --parts gemm    # one part; results merge
+    python -m colossal_lab bench precision                 # all three (~8 min, H200)
+    python -m colossal_lab bench precision --parts gemm    # one part, one file
     python -m colossal_lab bench precision --quick         # CPU smoke test, seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 import warnings
 
@@ -49,12 +52,13 @@ BASE = dict(enable_flash_attention=True, enable_fused_normalization="triton",
 
 
 def _setup(name, label, precision, extra=None, **kw) -> Setup:
-    return Setup(name, label, precision=precision,
-                 switches=Switches(**BASE, precision=precision, extra=extra or {}), **kw)
+    return Setup(name, label, switches=Switches(**BASE, precision=precision,
+                                                extra=extra or {}), **kw)
 
 
 SETUPS = (
-    _setup("fp32", "fp32 (no autocast)", "fp32", micro_batch=1, iters=3),
+    _setup("fp32", "fp32, PyTorch's default (no TF32)", "fp32", warmup=1),
+    _setup("tf32", "fp32 weights, TF32 matmuls", "tf32"),
     _setup("bf16", "bf16 autocast, fp32 weights", "bf16"),
     _setup("bf16-pure", "bf16 weights, fp32 master weights", "bf16-pure"),
     _setup("fp16", "fp16 autocast, dynamic loss scaling", "fp16"),
@@ -190,7 +194,7 @@ def run_steps(quick: bool = False, setups=SETUPS) -> list[dict]:
 def _quick(s: Setup) -> Setup:
     sw = s.switches.replace(enable_flash_attention=False, enable_fused_normalization=False,
                             enable_fused_projections=False)
-    return Setup(s.name, s.label, precision=s.precision, switches=sw, iters=2)
+    return dataclasses.replace(s, switches=sw)
 
 
 # ------------------------------------------------------------------------ loss curves
@@ -292,18 +296,16 @@ def config_of() -> dict:
             "mfu_peak": "dense bf16 datasheet peak, for every precision (fp8: vs bf16 peak)"}
 
 
-def _merge(name: str, rows: list[dict], parts) -> list[dict]:
-    """Keep the recorded rows of the parts not rerun (a run of one part adds to the
-    file instead of replacing it)."""
+def file_name(part: str, base: str = "precision") -> str:
+    """Each part in its own results file, so each keeps the provenance of its run."""
+    return f"{base}_{part}"
+
+
+def load(gpu: str | None = None) -> list[dict]:
+    """The rows of every recorded part (each file's rows keep their `kind`)."""
     from colossal_lab.results import load_results
 
-    kinds = {"gemm": "gemm", "step": "step", "curve": "loss_curve"}
-    try:
-        old = load_results(name).rows
-    except FileNotFoundError:
-        return rows
-    keep = [r for r in old if r.get("kind") not in {kinds[p] for p in parts}]
-    return keep + rows
+    return [r for part in PARTS for r in load_results(file_name(part), gpu).rows]
 
 
 def main(argv=None) -> None:
@@ -313,20 +315,19 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
-    p.add_argument("--name", default="precision")
+    p.add_argument("--name", default="precision", help="file names: NAME_<part>.json")
     a = p.parse_args(argv)
     if a.quick:
         run(a.quick, tuple(a.parts))
         return
     from colossal_lab.results import save_results
 
-    command = " ".join(["python -m colossal_lab bench precision", *argv])
-    for i, part in enumerate(a.parts):  # saved after each part: a crash loses one part
+    for part in a.parts:  # saved after each part: a crash loses one part
         rows = run(False, (part,))
-        if i or set(a.parts) != set(PARTS):
-            rows = _merge(a.name, rows, (part,))
-        path = save_results(a.name, rows, config=config_of(), command=command)
-        print(f"saved {path} ({part})")
+        command = f"python -m colossal_lab bench precision --parts {part}"
+        path = save_results(file_name(part, a.name), rows, config=config_of(),
+                            command=command)
+        print(f"saved {path}")
 
 
 if __name__ == "__main__":

@@ -36,14 +36,18 @@ class Setup:
     name: str
     label: str
     impl: str = "ours"
-    precision: str = "bf16"
     switches: Switches = field(default_factory=Switches)
+    """What to turn on; its `precision` is the setup's, for Hugging Face's model too."""
     compile: bool = False
     liger: bool = False
     micro_batch: int | None = None
     """Gradient-accumulation slice; naive attention needs small slices to fit."""
-    iters: int = 8
+    iters: int = 20
+    """Timed steps: at least 20, so the p10-p90 spread means something."""
     warmup: int = 3
+    gc_policy: str = "between_steps"
+    """Python's garbage collector: held between steps (as `train` does) or "python"
+    (automatic collection on; `step_noise` shows what that does to the spread)."""
     preset: str | None = None
     """This setup's model preset, overriding the chapter's (e.g. full LLaMA-7B)."""
     batch: int | None = None
@@ -55,6 +59,16 @@ class Setup:
     """Before timing, set the fewest checkpointed layers (full recomputation) that fit
     `batch`, from three memory probes (GPU only; ours only)."""
 
+    def __post_init__(self) -> None:
+        if self.iters < 20:  # the CPU smoke test times 2 steps whatever this says
+            raise ValueError(f"{self.name}: iters={self.iters}; time at least 20 steps "
+                             "on a GPU, or the p10-p90 spread means nothing")
+
+    @property
+    def precision(self) -> str:
+        """One place holds the precision: the switches (no second field to disagree)."""
+        return self.switches.precision
+
     def to_json(self) -> str:
         d = dataclasses.asdict(self)  # nested dataclasses (a checkpoint config) as dicts
         return json.dumps(d)
@@ -62,6 +76,7 @@ class Setup:
     @classmethod
     def from_json(cls, text: str) -> Setup:
         d = json.loads(text)
+        d.pop("precision", None)  # written by older versions; the switches hold it
         sw = d["switches"]
         if isinstance(sw.get("gradient_checkpoint_config"), dict):
             from colossal_lab.switches.checkpointing import resolve
@@ -84,6 +99,9 @@ def build(setup: Setup, preset_name: str, device: torch.device):
         return model, train.our_loss
     if setup.impl != "hf":
         raise ValueError(f"impl={setup.impl!r}; choose 'ours' or 'hf'")
+    if setup.precision not in ("bf16", "fp32"):
+        raise ValueError(f"{setup.name}: Hugging Face setups run 'bf16' (autocast) or "
+                         f"'fp32', not {setup.precision!r}")
     from transformers import AutoModelForCausalLM
 
     if setup.liger:
@@ -118,7 +136,7 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
     micro = min(setup.micro_batch or batch, batch)
     opt = train.make_optimizer(model)
     quick = device.type == "cpu"
-    extra = {"label": setup.label, "precision": setup.precision}
+    extra = {"label": setup.label, "precision": setup.precision, **ran_backends(model, setup)}
     probe = memory.Prober(model, loss_fn, setup, cfg, seq_len, device)
     if setup.auto_ratio:
         extra.update(memory.auto_ratio(probe, model, opt, batch))
@@ -133,6 +151,17 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
                                   model=model)
         row.update(big if big is not None else {"largest_batch_note": why})
     return row
+
+
+def ran_backends(model, setup: Setup) -> dict:
+    """What each switch resolved to on this device (after any fallback), for the row:
+    a label says what was asked for, these fields what actually ran."""
+    if setup.impl == "hf":
+        return {"attention_backend": "hf-sdpa", "norm_backend": "liger" if setup.liger
+                else "hf-eager"}
+    from colossal_lab.switches import backends_in_use
+
+    return backends_in_use(getattr(model, "_orig_mod", model))  # under torch.compile too
 
 
 def time_setup(model, opt, loss_fn, setup: Setup, cfg, preset_name: str, batch: int, *,
@@ -150,7 +179,7 @@ def time_setup(model, opt, loss_fn, setup: Setup, cfg, preset_name: str, batch: 
     recompute = recompute_accounting(model, setup, cfg, batch, seq_len, device)
     m = train.measure_step(step, batches, cfg=cfg, setup=setup.name, preset=preset_name,
                            batch=batch, seq_len=seq_len, micro_batch=micro, warmup=warmup,
-                           iters=iters, progress=progress,
+                           iters=iters, progress=progress, gc_policy=setup.gc_policy,
                            recompute_flops=recompute["recompute_flops"], extra=extra)
     row = m.row()
     row.update(colossalai_fields(row, cfg, recompute))

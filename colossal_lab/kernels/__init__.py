@@ -14,3 +14,9 @@ if not torch.cuda.is_available():
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """True when Triton kernels run on the CPU interpreter (tests, CI)."""
+
+
+def runs_on(device) -> bool:
+    """Can our Triton kernels take tensors on `device`? CUDA tensors always; CPU tensors
+    only under the interpreter (where Triton reads them directly, exact and slow)."""
+    return torch.device(device).type == "cuda" or INTERPRET

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from colossal_lab.kernels import INTERPRET
+from colossal_lab.kernels import INTERPRET, runs_on
 
 EPS = 1e-12
 """Smallest amax a scale is computed from (an all-zero tensor gets scale fp8_max/EPS)."""
@@ -175,7 +175,17 @@ def _fp8_cast_transpose_kernel(
 
 
 def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
-    return x.is_cuda if use_triton is None else use_triton
+    """None: the kernel on CUDA, torch ops elsewhere. True on a CPU tensor runs the
+    kernel under the interpreter; without it, torch ops through `switches.fallback`."""
+    if use_triton is None:
+        return x.is_cuda
+    if use_triton and not runs_on(x.device):
+        from colossal_lab.switches import fallback
+
+        fallback("fp8 cast use_triton=True needs a CUDA device or TRITON_INTERPRET=1",
+                 "torch ops")
+        return False
+    return use_triton
 
 
 def fp8_amax(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:

@@ -14,11 +14,11 @@ attention); output (B, Hq, S, D).
 from __future__ import annotations
 
 import math
-import warnings
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+
+from colossal_lab.switches import fallback
 
 BACKENDS = ("naive", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-math", "cudnn",
             "triton", "flash_attn")
@@ -88,19 +88,22 @@ def _sdpa_with(backend_name: str):
 
 def available_backends(device: torch.device | str | None = None) -> list[str]:
     """Backends that can run on `device` (default: the current one)."""
+    from colossal_lab.kernels import runs_on
+
     dev = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     out = ["naive", "sdpa", "sdpa-math"]
     if dev.type == "cuda":
-        out += ["sdpa-flash", "sdpa-efficient", "cudnn", "triton"]
+        out += ["sdpa-flash", "sdpa-efficient", "cudnn"]
+    if runs_on(dev):
+        out.append("triton")  # on the CPU under the interpreter: correct, slow
+    if dev.type == "cuda":
         try:
             import flash_attn  # noqa: F401
 
             out.append("flash_attn")
         except ImportError:
             pass
-    else:
-        out.append("triton")  # under the interpreter: correct, slow
     return out
 
 
@@ -118,24 +121,57 @@ def _cudnn_attention_available() -> bool:
                 and torch.backends.cuda.cudnn_sdp_enabled())
 
 
-def resolve_backend(backend, device: torch.device | str | None = None) -> str:
-    """Map the switch value (False / True / name) to a backend that runs here.
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-    True picks the fastest backend we trust: cuDNN attention on a GPU that has it, else
-    PyTorch SDPA (its own choice of flash / memory-efficient / math kernel)."""
+
+def _why_not(backend: str, dev: torch.device, dtype, head_dim) -> str | None:
+    """Why the named `backend` cannot run on `dev` for this dtype and head dim (None:
+    it can, or what is unknown is not checked)."""
+    if backend in ("sdpa-flash", "sdpa-efficient", "cudnn") and dev.type != "cuda":
+        return "needs a CUDA GPU"
+    if backend == "cudnn" and not _cudnn_attention_available():
+        return "needs cuDNN >= 9 attention on an Ampere or newer GPU"
+    if backend == "cudnn" and dtype is not None and dtype not in _LOW_PRECISION:
+        return f"has no {dtype} kernel (bf16 and fp16 only)"
+    if backend == "flash_attn" and "flash_attn" not in available_backends(dev):
+        return "needs flash-attn installed and a CUDA GPU"
+    if backend == "triton":
+        from colossal_lab.kernels import INTERPRET, runs_on
+
+        if not runs_on(dev):
+            return "needs a CUDA GPU or TRITON_INTERPRET=1"
+        from colossal_lab.kernels.flash_attention import SUPPORTED_HEAD_DIMS
+
+        if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"supports head_dim in {SUPPORTED_HEAD_DIMS}, not {head_dim}"
+        if dtype == torch.float32 and (head_dim or 0) > 128 and not INTERPRET:
+            return f"does not fit fp32 with head_dim={head_dim} in shared memory"
+    return None
+
+
+def resolve_backend(backend, device: torch.device | str | None = None, *,
+                    dtype: torch.dtype | None = None, head_dim: int | None = None
+                    ) -> str:
+    """Map the switch value (False / True / name) to the backend that runs on `device`
+    for inputs of `dtype` and `head_dim` (either may be None: not checked).
+
+    True picks the fastest backend we trust: cuDNN attention on a GPU that has it (for
+    bf16/fp16), else PyTorch SDPA (its own choice of flash / memory-efficient / math
+    kernel). A named backend that cannot run here becomes "sdpa" through
+    `switches.fallback`: one warning, or `BackendUnavailable` in strict mode."""
     if backend is False or backend is None:
         return "naive"
-    dev = torch.device(device) if device is not None else None
-    on_gpu = (dev.type == "cuda") if dev is not None else torch.cuda.is_available()
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if backend is True:
-        return "cudnn" if on_gpu and _cudnn_attention_available() else "sdpa"
+        low = dtype is None or dtype in _LOW_PRECISION
+        return "cudnn" if dev.type == "cuda" and low and _cudnn_attention_available() \
+            else "sdpa"
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
-    if backend == "flash_attn" and "flash_attn" not in available_backends(dev):
-        warnings.warn("flash_attn is not installed; using PyTorch SDPA instead", stacklevel=3)
-        return "sdpa"
-    if not on_gpu and backend in ("sdpa-flash", "sdpa-efficient", "cudnn"):
-        warnings.warn(f"{backend} needs a CUDA GPU; using PyTorch SDPA instead", stacklevel=3)
+    why = _why_not(backend, dev, dtype, head_dim)
+    if why is not None:
+        fallback(f"attention backend {backend!r} {why}", "sdpa")
         return "sdpa"
     return backend
 
@@ -150,21 +186,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         v: (B, Hkv, S, D) values.
         causal: mask future positions.
         backend: False or "naive" (materialised scores), True (best available), or one
-            of `BACKENDS`.
+            of `BACKENDS`; one that cannot run here falls back (`resolve_backend`).
     Returns:
         (B, Hq, S, D), in q's dtype.
     """
     groups = check_shapes(q, k, v)
-    name = resolve_backend(backend, q.device)
+    name = resolve_backend(backend, q.device, dtype=q.dtype, head_dim=q.shape[-1])
     if name == "naive":
         return attention_ref(q, k, v, causal)
-    if name == "cudnn" and q.dtype not in (torch.float16, torch.bfloat16):
-        name = "sdpa"  # cuDNN attention has no fp32 kernel: let PyTorch pick one
     if name == "sdpa":
         return _sdpa(q, k, v, causal, groups)
     if name in ("sdpa-flash", "sdpa-efficient", "sdpa-math", "cudnn"):
-        on_gpu = q.device.type == "cuda" or name == "sdpa-math"
-        with _sdpa_with(name) if on_gpu else nullcontext():
+        with _sdpa_with(name):  # resolve_backend kept only those that run here
             return _sdpa(q, k, v, causal, groups)
     if name == "triton":
         from colossal_lab.kernels.flash_attention import flash_attention

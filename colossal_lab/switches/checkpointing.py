@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -305,18 +306,88 @@ def last_gemm_k(layer) -> int | None:
     return None if k in others else k
 
 
+class Replay:
+    """What a checkpointed forward hands to its recompute, for layers that have state.
+
+    A recompute must compute what the original forward computed. Stateless layers do
+    (same inputs; `torch.utils.checkpoint` restores the RNG and autocast state). A layer
+    that reads and advances state in its forward would not: fp8 delayed scaling takes
+    its scale from an amax history that each cast extends, so a recompute would scale
+    with a history the original forward already advanced, and advance it again. Such a
+    layer asks `current_replay()`: in the original forward it `put`s what it used, in
+    the recompute (`recomputing` True) it `take`s that back and leaves its state alone.
+    One Replay per checkpointed call, held by that call's contexts: a forward whose
+    backward never runs leaves nothing behind."""
+
+    def __init__(self) -> None:
+        self.recomputing = False
+        self._values: dict[object, list] = {}  # owner -> values, in call order
+        self._taken: dict[object, int] = {}
+
+    def put(self, owner, value) -> None:
+        self._values.setdefault(owner, []).append(value)
+
+    def take(self, owner):
+        i = self._taken.get(owner, 0)
+        values = self._values.get(owner, [])
+        if i >= len(values):
+            raise RuntimeError(f"the recompute called {owner!r} more often than the "
+                               "checkpointed forward did: not a deterministic layer")
+        self._taken[owner] = i + 1
+        return values[i]
+
+
+_LOCAL = threading.local()  # the recompute runs in the autograd engine's thread
+
+
+class _ReplayPhase:
+    """Makes `replay` current in this thread for the original forward or for the
+    recompute, inside `inner` (a selective policy's context or None). Re-enterable: a
+    graph run backward twice recomputes twice."""
+
+    def __init__(self, replay: Replay, recomputing: bool, inner=None):
+        self.replay, self.recomputing, self.inner = replay, recomputing, inner
+
+    def __enter__(self):
+        if self.inner is not None:
+            self.inner.__enter__()
+        self.prev = getattr(_LOCAL, "replay", None)
+        self.replay.recomputing = self.recomputing
+        self.replay._taken.clear()
+        _LOCAL.replay = self.replay
+        return self
+
+    def __exit__(self, *exc):
+        _LOCAL.replay = self.prev
+        return self.inner.__exit__(*exc) if self.inner is not None else False
+
+
+def current_replay() -> Replay | None:
+    """The `Replay` of the checkpointed call running now in this thread (its original
+    forward or its recompute), or None outside checkpointed layers."""
+    return getattr(_LOCAL, "replay", None)
+
+
 def checkpoint(fn, *args, mode: str = "full", skip_gemm_k: int | None = None):
     """`fn(*args)` with its activations recomputed in the backward (non-reentrant
     `torch.utils.checkpoint`); `mode` picks what is kept (see the module docstring),
-    `skip_gemm_k` the GEMM a selective mode does not keep (`last_gemm_k`)."""
+    `skip_gemm_k` the GEMM a selective mode does not keep (`last_gemm_k`). Layers with
+    state see the call's `Replay` through `current_replay()`."""
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; choose one of {MODES}")
-    if mode == "full":
-        return torch_checkpoint(fn, *args, use_reentrant=False)
-    return torch_checkpoint(fn, *args, use_reentrant=False,
-                            context_fn=_context_fn(mode, skip_gemm_k))
+    selective = None if mode == "full" else _context_fn(mode, skip_gemm_k)
+    if torch.compiler.is_compiling():  # compiled, contexts must be dispatch modes
+        extra = {} if selective is None else {"context_fn": selective}
+        return torch_checkpoint(fn, *args, use_reentrant=False, **extra)
+
+    def context_fn():
+        replay = Replay()
+        fwd, rec = selective() if selective is not None else (None, None)
+        return _ReplayPhase(replay, False, fwd), _ReplayPhase(replay, True, rec)
+
+    return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
 
 
 # ------------------------------------------------------------------------- accounting

@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 
 from colossal_lab.kernels.fp8_cast import EPS, fp8_amax, fp8_cast_transpose, padded
-from colossal_lab.switches import warn_once
+from colossal_lab.switches import checkpointing, warn_once
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,17 @@ def check_fp8_supported(device: torch.device | str) -> None:
             f"'bf16', or Fp8Config(backend='emulate') to test the scaling logic slowly.")
 
 
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The GEMM path `backend` takes for tensors on `device`: "auto" is "scaled_mm" on
+    CUDA and "emulate" elsewhere; the named ones run as asked ("scaled_mm" on a CPU is
+    torch's CPU kernel; a GPU without fp8 tensor cores is refused when building)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8 backend={backend!r}; choose one of {BACKENDS}")
+    if backend == "auto":
+        return "scaled_mm" if torch.device(device).type == "cuda" else "emulate"
+    return backend
+
+
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_scale_a: torch.Tensor,
               inv_scale_b: torch.Tensor, out_dtype: torch.dtype, *,
               use_fast_accum: bool = False, backend: str = "auto") -> torch.Tensor:
@@ -184,9 +195,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_scale_a: torch.Tensor,
     if a.shape[1] % 16 or b.shape[1] % 16:
         raise ValueError(f"scaled_mm needs K={a.shape[1]} and N={b.shape[1]} to be "
                          "multiples of 16")
-    if backend == "auto":
-        backend = "scaled_mm" if a.is_cuda else "emulate"
-    if backend == "emulate":
+    if resolve_backend(backend, a.device) == "emulate":
         out = (a.float() @ b.float()) * (inv_scale_a.float() * inv_scale_b.float())
         return out.to(out_dtype)
     out = torch._scaled_mm(a, b, scale_a=inv_scale_a, scale_b=inv_scale_b,
@@ -202,7 +211,11 @@ class _Scaler:
 
     Dynamic: every cast reduces the amax first. Delayed: the scale comes from the
     module's amax-history buffer; the first cast (empty history) is dynamic; each
-    cast (while training) writes its amax into the ring. Nothing here syncs the host."""
+    cast (while training) writes its amax into the ring. Nothing here syncs the host.
+
+    Under gradient checkpointing a layer's forward runs twice; the recompute takes the
+    scale source the original forward used (`checkpointing.Replay`), so it quantises
+    bit for bit as the forward did and the history advances once per step."""
 
     def __init__(self, module: Fp8Linear, role: str, fmt: Fp8Format):
         self.module, self.role, self.fmt = module, role, fmt
@@ -218,16 +231,22 @@ class _Scaler:
         cfg = self.module.fp8_config
         delayed = cfg.scaling == "delayed"
         amax_out = None
-        if delayed and self.seen:
+        replay = checkpointing.current_replay()  # inside a checkpointed layer?
+        recompute = replay is not None and replay.recomputing
+        if recompute:  # the scale of the original forward; the history moves once
+            src = replay.take(self)
+        elif delayed and self.seen:
             src = self.history
             if update:
                 amax_out = torch.zeros(1, dtype=torch.float32, device=t.device)
         else:
             src = amax_out = fp8_amax(t, use_triton=cfg.use_triton)
+        if replay is not None and not recompute:  # a snapshot: the history changes below
+            replay.put(self, src.clone())
         y, yt, inv = fp8_cast_transpose(t, self.fmt.dtype, src, write_y=write_y,
                                         write_yt=write_yt, use_triton=cfg.use_triton,
                                         amax_out=None if amax_out is src else amax_out)
-        if delayed and (update or not self.seen):
+        if delayed and not recompute and (update or not self.seen):
             self.history[self.pos:self.pos + 1].copy_(amax_out)
             self.pos = (self.pos + 1) % self.history.numel()
             self.seen = True
@@ -396,4 +415,4 @@ def with_config(model: nn.Module, **changes) -> None:
 __all__ = ["E4M3", "E5M2", "Fp8Config", "Fp8Format", "Fp8Linear", "Fp8LinearFunction",
            "amax_to_scale", "check_fp8_supported", "convert_to_fp8", "dequantize",
            "fp8_eligible", "fp8_linear", "fp8_linear_ref", "fp8_modules", "padded",
-           "quantize", "scaled_mm", "with_config"]
+           "quantize", "resolve_backend", "scaled_mm", "with_config"]

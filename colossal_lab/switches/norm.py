@@ -44,10 +44,11 @@ Backends (`backend=` argument, or the `enable_fused_normalization` switch):
 - "apex": NVIDIA apex's CUDA kernels (what ColossalAI uses), when installed.
 - True: "triton" on a CUDA device, "torch" on the CPU.
 
-A backend that is not installed (or needs a GPU) falls back to "torch" with one warning;
-ColossalAI instead crashes when apex is missing (hpcaitech/ColossalAI#6260). Every
-backend returns x's dtype, also when the weight is fp32 and x bf16 (autocast training):
-then the eager reference rounds to x's dtype where Hugging Face's would promote.
+A backend that is not installed (or needs a GPU) falls back to "torch" with one warning
+(an error under ``COLOSSAL_LAB_STRICT=1``: `switches.fallback`); ColossalAI instead
+crashes when apex is missing (hpcaitech/ColossalAI#6260). Every backend returns x's
+dtype, also when the weight is fp32 and x bf16 (autocast training): then the eager
+reference rounds to x's dtype where Hugging Face's would promote.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from colossal_lab.switches import warn_once
+from colossal_lab.switches import fallback
 
 BACKENDS = ("eager", "torch", "compile", "triton", "liger", "apex")
 
@@ -142,11 +143,11 @@ def _device_type(device) -> str:
 def available_backends(device=None) -> list[str]:
     """Backends that run on `device` (default: CUDA when present, else CPU) without
     falling back. "triton" on the CPU runs under Triton's interpreter (slow, exact)."""
-    from colossal_lab.kernels import INTERPRET
+    from colossal_lab.kernels import runs_on
 
     on_gpu = _device_type(device) == "cuda"
     out = ["eager", "torch", "compile"]
-    if on_gpu or INTERPRET:
+    if runs_on(_device_type(device)):  # CPU tensors: only under the interpreter
         out.append("triton")
     if on_gpu and _liger("rms_norm") is not None:
         out.append("liger")
@@ -157,7 +158,8 @@ def available_backends(device=None) -> list[str]:
 
 def resolve_backend(backend, device=None) -> str:
     """Map the switch value (False / None / True / a name in `BACKENDS`) to a backend
-    that runs on `device`; a missing one warns once and becomes "torch"."""
+    that runs on `device`; one that cannot becomes "torch" through `switches.fallback`
+    (one warning, or `BackendUnavailable` in strict mode)."""
     if backend is False or backend is None:
         return "eager"
     if backend is True:
@@ -172,7 +174,7 @@ def resolve_backend(backend, device=None) -> str:
     why = {"triton": "needs a CUDA device or TRITON_INTERPRET=1",
            "liger": "needs liger-kernel (pip install liger-kernel) and a CUDA device",
            "apex": "needs NVIDIA apex built with its CUDA extensions and a CUDA device"}
-    warn_once(f"normalization backend {backend!r} {why[backend]}; using 'torch'")
+    fallback(f"normalization backend {backend!r} {why[backend]}", "torch")
     return "torch"
 
 
@@ -190,13 +192,13 @@ def _compiled(name: str):
     return torch.compile(fn)
 
 
-def _run_compiled(name: str, fallback, *args):
+def _run_compiled(name: str, torch_fn, *args):
     try:
         return _compiled(name)(*args)
     except Exception as e:  # no C++ compiler, an unsupported torch build, ...
-        warn_once(f"torch.compile of the {name} reference failed ({type(e).__name__}: "
-                   f"{str(e)[:200]}); using 'torch'")
-        return fallback(*args)
+        fallback(f"torch.compile of the {name} reference failed ({type(e).__name__}: "
+                 f"{str(e)[:200]})", "torch")
+        return torch_fn(*args)
 
 
 def _rms_torch(x, weight, eps):

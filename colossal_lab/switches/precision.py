@@ -2,6 +2,8 @@
 
     precision   parameters   matmuls        gradients    optimizer state     loss scaling
     fp32        fp32         fp32           fp32         fp32 m, v           no
+    tf32        fp32         TF32 (fp32     fp32         fp32 m, v           no
+                             range, 10-bit mantissa, on the tensor cores)
     bf16        fp32         bf16 autocast  fp32         fp32 m, v           no
     bf16-pure   bf16         bf16           bf16         fp32 master, m, v   no
     fp16        fp32         fp16 autocast  fp32         fp32 m, v           dynamic
@@ -38,9 +40,25 @@ from collections.abc import Iterable
 
 import torch
 
-AUTOCAST_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "bf16-pure": None,
+AUTOCAST_DTYPE = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "bf16-pure": None,
                   "fp16": torch.float16, "fp8": torch.bfloat16}
 """The autocast dtype of each precision (fp8 linears run inside a bf16 autocast)."""
+
+
+@contextlib.contextmanager
+def matmul_mode(precision: str):
+    """Around a whole step (forward, backward, optimizer): "tf32" lets fp32 matmuls and
+    convolutions run on the tensor cores in TF32; PyTorch's default, which "fp32"
+    keeps, is full fp32 (on an H100/H200 about 8x slower). The flags are restored."""
+    if precision != "tf32":
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def autocast(precision: str, device: torch.device | str):

@@ -79,7 +79,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from colossal_lab.switches import warn_once
+from colossal_lab.switches import fallback
 
 ACTIVATIONS = ("eager", "compile", "triton")
 
@@ -100,21 +100,22 @@ def is_fused(value) -> bool:
 
 def resolve_activation(value, device=None) -> str:
     """The SwiGLU backend the switch value picks on `device`: "eager", "compile" or
-    "triton" ("triton" without a GPU or the interpreter warns once and runs "eager")."""
+    "triton". "triton" on CPU tensors runs under the interpreter; without a GPU or the
+    interpreter it becomes "eager" through `switches.fallback` (one warning, or
+    `BackendUnavailable` in strict mode)."""
+    from colossal_lab.kernels import runs_on
+
     is_fused(value)  # validates
-    on_gpu = (torch.device(device).type if device is not None
-              else "cuda" if torch.cuda.is_available() else "cpu") == "cuda"
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
     if value is False or value is None:
         return "eager"
     if value is True:
-        return "triton" if on_gpu else "eager"
-    if value == "triton" and not on_gpu:
-        from colossal_lab.kernels import INTERPRET
-
-        if not INTERPRET:
-            warn_once("SwiGLU backend 'triton' needs a CUDA device or TRITON_INTERPRET=1; "
-                       "using 'eager'")
-            return "eager"
+        return "triton" if dev.type == "cuda" else "eager"
+    if value == "triton" and not runs_on(dev):
+        fallback("SwiGLU backend 'triton' needs a CUDA device or TRITON_INTERPRET=1",
+                 "eager")
+        return "eager"
     return value
 
 
@@ -167,8 +168,8 @@ def swiglu(gate_up: torch.Tensor, backend="eager") -> torch.Tensor:
         try:
             return _compiled()(gate_up)
         except Exception as e:  # no C++ compiler, an unsupported torch build, ...
-            warn_once(f"torch.compile of the SwiGLU failed ({type(e).__name__}: "
-                       f"{str(e)[:200]}); using 'eager'")
+            fallback(f"torch.compile of the SwiGLU failed ({type(e).__name__}: "
+                     f"{str(e)[:200]})", "eager")
     return swiglu_fused_ref(gate_up)
 
 
