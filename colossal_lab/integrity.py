@@ -26,6 +26,7 @@ import importlib
 import json
 import math
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,16 @@ def expected(row: dict) -> dict:
         for p, f in (("fwd", flops), ("fwd_bwd", fa.FWD_BWD_FACTOR * flops)):
             if _num(row.get(f"{p}_ms")):
                 want[f"{p}_tflops"] = bench.tflops(f, row[f"{p}_ms"])
+    times = row.get("step_ms_all")
+    if isinstance(times, list) and len(times) >= 2:  # the summary of every timed step
+        q = statistics.quantiles(sorted(times), n=10)  # as bench._summary computes it
+        want.update(step_ms=statistics.median(times), step_ms_p10=q[0], step_ms_p90=q[-1],
+                    steps_timed=len(times))
+    if row.get("kind") == "loss_curve" and isinstance(row.get("losses"), list):
+        from colossal_lab.benchmarks.precision import FINAL_WINDOW
+
+        window = row["losses"][-min(FINAL_WINDOW, len(row["losses"])):]
+        want["final_loss"] = sum(window) / len(window)
     if row.get("kind") == "gemm" and _num(row.get("ms")) and "in_features" in row:
         factor = 6 if row.get("pass") == "fwd_bwd" else 2  # precision.measure_gemm
         want["tflops"] = bench.tflops(factor * row["tokens"] * row["in_features"]
