@@ -261,11 +261,14 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
           seq_len: int = 256, steps: int = 100, lr: float = 3e-4, micro_batch: int | None = None,
           data: str = "corpus", vocab_size: int | None = None, max_files: int | None = None,
           seed: int = 0, device=None, progress: bool = True, log_every: int = 10,
-          eval_batches: int = 4) -> TrainResult:
+          eval_batches: int = 4, gc_every: int = 100) -> TrainResult:
     """Train `cfg` on the real-text corpus (`data="corpus"`) or random tokens
-    (`data="random"`), with a progress bar showing loss, tokens/s, MFU and memory."""
+    (`data="random"`), with a progress bar showing loss, tokens/s, MFU and memory.
+    Python's garbage collector is held out of the steps (`gc_between_steps`) and runs a
+    young collection every `gc_every` steps, between two of them."""
     from colossal_lab import data as data_mod
-    from colossal_lab.switches import backends_in_use, checkpointing
+    from colossal_lab.switches import checkpointing
+    from colossal_lab.switches.resolved import backends_in_use
 
     switches = switches or Switches()
     torch.manual_seed(seed)
@@ -307,21 +310,24 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
     bar = tqdm(range(steps), desc=f"train {cfg.num_hidden_layers}L", disable=not progress,
                mininterval=5.0)
     window_t, window_steps = time.perf_counter(), 0
-    for i in bar:
-        ids, labels = next(batches)
-        loss = step(ids, labels)
-        window_steps += 1
-        if (i + 1) % log_every == 0 or i + 1 == steps:
-            losses_now = loss.item()  # syncs: the window's time is complete
-            dt = (time.perf_counter() - window_t) / window_steps
-            stats = mfu.step_stats(cfg, batch=batch, seq_len=seq_len, step_time_s=dt,
-                                   peak_tflops=peak, recompute_flops=recompute)
-            mem = bench.peak_memory_gib()
-            bar.set_postfix(loss=f"{losses_now:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
-                            mfu=f"{stats.mfu:.1%}", mfu_attn=f"{stats.mfu_attn:.1%}",
-                            mem=f"{mem:.1f}G" if mem else "-", refresh=False)
-            window_t, window_steps = time.perf_counter(), 0
-        losses.append(loss)
+    with gc_between_steps():  # no automatic collection inside a step
+        for i in bar:
+            ids, labels = next(batches)
+            loss = step(ids, labels)
+            window_steps += 1
+            if (i + 1) % log_every == 0 or i + 1 == steps:
+                losses_now = loss.item()  # syncs: the window's time is complete
+                dt = (time.perf_counter() - window_t) / window_steps
+                stats = mfu.step_stats(cfg, batch=batch, seq_len=seq_len, step_time_s=dt,
+                                       peak_tflops=peak, recompute_flops=recompute)
+                mem = bench.peak_memory_gib()
+                bar.set_postfix(loss=f"{losses_now:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
+                                mfu=f"{stats.mfu:.1%}", mfu_attn=f"{stats.mfu_attn:.1%}",
+                                mem=f"{mem:.1f}G" if mem else "-", refresh=False)
+                window_t, window_steps = time.perf_counter(), 0
+            losses.append(loss)
+            if gc_every and (i + 1) % gc_every == 0:
+                collect_now()
     losses = [x.item() for x in losses]
     val = evaluate(model, val_seqs, batch, switches.precision, eval_batches) \
         if val_seqs is not None else None

@@ -182,7 +182,7 @@ def test_gpu_low_precision(seq_len, head_dim, causal, dtype):
 def test_unavailable_backend_falls_back_or_raises(strict, monkeypatch):
     """cuDNN attention needs a GPU and has no fp32 kernel: fp32 (or CPU) inputs go to
     PyTorch's SDPA with one warning, or raise in strict mode."""
-    monkeypatch.setattr(switches, "WARNED", set())
+    monkeypatch.setattr("colossal_lab.fallback.WARNED", set())
     if not strict:
         monkeypatch.delenv(switches.STRICT_ENV)
     q, k, v = (torch.randn(1, 2, 8, 16, device=DEVICE) for _ in range(3))
@@ -200,7 +200,7 @@ def test_unavailable_backend_falls_back_or_raises(strict, monkeypatch):
 def test_unsupported_head_dim_falls_back_to_sdpa(strict, monkeypatch):
     """The Triton kernel takes head dims in SUPPORTED_HEAD_DIMS; the dispatcher sends
     others to SDPA (one warning) like every other switch, or raises in strict mode."""
-    monkeypatch.setattr(switches, "WARNED", set())
+    monkeypatch.setattr("colossal_lab.fallback.WARNED", set())
     if not strict:
         monkeypatch.delenv(switches.STRICT_ENV)
     q, k, v, do = _inputs(1, 4, 2, 17, 48)
@@ -239,7 +239,7 @@ def test_triton_without_gpu_or_interpreter(strict, monkeypatch):
     import colossal_lab.kernels
 
     monkeypatch.setattr(colossal_lab.kernels, "INTERPRET", False)
-    monkeypatch.setattr(switches, "WARNED", set())
+    monkeypatch.setattr("colossal_lab.fallback.WARNED", set())
     if not strict:
         monkeypatch.delenv(switches.STRICT_ENV)
         with pytest.warns(UserWarning, match="TRITON_INTERPRET=1; using 'sdpa'"):

@@ -117,7 +117,7 @@ def test_cast_kernel_without_gpu_or_interpreter(strict, monkeypatch):
     import colossal_lab.kernels
 
     monkeypatch.setattr(colossal_lab.kernels, "INTERPRET", False)
-    monkeypatch.setattr(switches, "WARNED", set())
+    monkeypatch.setattr("colossal_lab.fallback.WARNED", set())
     x = torch.randn(8, 16)
     if strict:
         with pytest.raises(switches.BackendUnavailable, match="use_triton=True"):
@@ -280,7 +280,7 @@ def test_delayed_gradient_history_updates():
 
 
 def test_convert_shares_parameters_and_state_dict(monkeypatch):
-    monkeypatch.setattr(switches, "WARNED", set())  # warned once per process: reset
+    monkeypatch.setattr("colossal_lab.fallback.WARNED", set())  # warned once per process: reset
     cfg = tiny()  # intermediate 172: the MLP linears cannot run in fp8
     m = build_model(cfg, Switches(precision="fp32"), "cpu")
     before = m.state_dict()

@@ -132,7 +132,7 @@ def test_backends_in_use_after_fallback_and_set_switches(monkeypatch):
     with pytest.raises(BackendUnavailable, match="head_dim"):
         backends_in_use(m)
     monkeypatch.delenv(switches_mod.STRICT_ENV)
-    monkeypatch.setattr(switches_mod, "WARNED", set())
+    monkeypatch.setattr("colossal_lab.fallback.WARNED", set())
     with pytest.warns(UserWarning, match="not 16; using 'sdpa'"):
         assert backends_in_use(m)["attention_backend"] == "sdpa"
 

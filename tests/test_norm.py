@@ -190,7 +190,7 @@ def test_missing_backend_falls_back(backend, module, monkeypatch):
     mode raises instead."""
     if backend in norm.available_backends(DEVICE):
         pytest.skip(f"{module} is installed here")
-    monkeypatch.setattr(switches, "WARNED", set())
+    monkeypatch.setattr("colossal_lab.fallback.WARNED", set())
     x, w = torch.randn(3, 16, device=DEVICE), torch.randn(16, device=DEVICE)
     with pytest.raises(switches.BackendUnavailable, match=f"'{backend}'.*refuses"):
         norm.rms_norm(x, w, backend=backend)
@@ -230,7 +230,7 @@ def test_triton_without_gpu_or_interpreter(strict, monkeypatch):
     import colossal_lab.kernels
 
     monkeypatch.setattr(colossal_lab.kernels, "INTERPRET", False)
-    monkeypatch.setattr(switches, "WARNED", set())
+    monkeypatch.setattr("colossal_lab.fallback.WARNED", set())
     if strict:
         with pytest.raises(switches.BackendUnavailable, match="TRITON_INTERPRET"):
             norm.resolve_backend("triton", "cpu")

@@ -154,7 +154,7 @@ def test_triton_swiglu_without_gpu_or_interpreter(strict, monkeypatch):
     from colossal_lab import switches
 
     monkeypatch.setattr(colossal_lab.kernels, "INTERPRET", False)
-    monkeypatch.setattr(switches, "WARNED", set())
+    monkeypatch.setattr("colossal_lab.fallback.WARNED", set())
     if strict:
         with pytest.raises(switches.BackendUnavailable, match="TRITON_INTERPRET"):
             projections.resolve_activation("triton", "cpu")

@@ -88,3 +88,52 @@ def test_bad_training_configs():
         train.train(tiny(), seq_len=10_000, steps=1, data="random", progress=False)
     with pytest.raises(ValueError, match="choose one of"):
         train.autocast("fp4", torch.device("cpu"))
+
+
+def test_gc_held_between_steps(monkeypatch):
+    """train() collects only at step boundaries, every `gc_every` steps, and leaves the
+    collector as it found it."""
+    import gc
+
+    calls = []
+    monkeypatch.setattr(train, "collect_now", lambda: calls.append(gc.isenabled()))
+    assert gc.isenabled()
+    train.train(tiny(), Switches(precision="fp32"), batch=2, seq_len=16, steps=5,
+                data="random", progress=False, gc_every=2)
+    assert calls == [False, False]  # after steps 2 and 4, automatic collection off
+    assert gc.isenabled()
+    with train.gc_between_steps(enabled=False):
+        assert gc.isenabled()
+
+
+def test_measure_step_keeps_every_step_and_gc_pause():
+    cfg = tiny()
+    model = build_model(cfg, Switches(precision="fp32"), "cpu")
+    step = train.make_step(model, train.make_optimizer(model), "fp32")
+    batches = data.random_batches(cfg.vocab_size, 2, 16, seed=0, device="cpu")
+    with pytest.raises(ValueError, match="gc_policy"):
+        train.measure_step(step, batches, cfg=cfg, setup="x", preset="tiny", batch=2,
+                           seq_len=16, gc_policy="sometimes", progress=False)
+    for policy in ("python", "between_steps"):
+        m = train.measure_step(step, batches, cfg=cfg, setup="x", preset="tiny", batch=2,
+                               seq_len=16, warmup=1, iters=5, gc_policy=policy,
+                               progress=False)
+        assert len(m.step_ms_all) == len(m.gc_ms_all) == m.steps_timed == 5
+        assert min(m.step_ms_all) <= m.step_ms <= max(m.step_ms_all)
+        assert m.gc_policy == policy and all(g >= 0 for g in m.gc_ms_all)
+
+
+def test_tf32_only_inside_the_step():
+    cfg = tiny()
+    model = build_model(cfg, Switches(precision="tf32"), "cpu")
+    seen = []
+
+    def loss_fn(m, ids, labels):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return m(ids, labels)
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    step = train.make_step(model, train.make_optimizer(model), "tf32", loss_fn)
+    ids = torch.randint(0, cfg.vocab_size, (2, 17))
+    assert torch.isfinite(step(ids[:, :-1], ids[:, 1:]))
+    assert seen == [True] and torch.backends.cuda.matmul.allow_tf32 == before

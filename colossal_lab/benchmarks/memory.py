@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from colossal_lab.benchmarks.steps import Setup
 
 GIB = 2**30
 
@@ -87,9 +83,10 @@ def capacity_gib(margin: float = 0.03) -> float:
 
 
 class Prober:
-    """Memory probes of one model at any batch, remembered by batch."""
+    """Memory probes of one model at any batch, remembered by batch (`setup`: the
+    `benchmarks.steps.Setup` being measured)."""
 
-    def __init__(self, model, loss_fn, setup: Setup, cfg, seq_len: int, device):
+    def __init__(self, model, loss_fn, setup, cfg, seq_len: int, device):
         self.model, self.loss_fn, self.setup = model, loss_fn, setup
         self.cfg, self.seq_len, self.device = cfg, seq_len, device
         inner = getattr(model, "model", None)

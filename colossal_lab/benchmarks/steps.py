@@ -159,7 +159,7 @@ def ran_backends(model, setup: Setup) -> dict:
     if setup.impl == "hf":
         return {"attention_backend": "hf-sdpa", "norm_backend": "liger" if setup.liger
                 else "hf-eager"}
-    from colossal_lab.switches import backends_in_use
+    from colossal_lab.switches.resolved import backends_in_use
 
     return backends_in_use(getattr(model, "_orig_mod", model))  # under torch.compile too
 

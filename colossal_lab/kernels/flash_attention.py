@@ -599,10 +599,28 @@ def tuned_configs() -> dict[str, dict[str, str]]:
             for name, k in kernels.items()}
 
 
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """The shape rules every attention backend shares (`switches.attention` checks them
+    for all of them); returns the group size Hq // Hkv."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be 4-D (B, H, S, D); got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    (b, hq, _, d), (bk, hkv, _, dk) = q.shape, k.shape
+    if hkv == 0:
+        raise ValueError("k and v have no heads (Hkv=0)")
+    if (b, d) != (bk, dk):
+        raise ValueError(f"batch/head_dim of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}: each key/value head "
+                         "must serve a whole group of query heads")
+    return hq // hkv
+
+
+
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     """Validate early, saying what to change; returns the group size Hq // Hkv."""
-    from colossal_lab.switches.attention import check_shapes  # the shared shape rules
-
     groups = check_shapes(q, k, v)
     s, sk, d = q.shape[2], k.shape[2], q.shape[3]
     if s != sk:

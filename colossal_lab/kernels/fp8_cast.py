@@ -176,11 +176,11 @@ def _fp8_cast_transpose_kernel(
 
 def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
     """None: the kernel on CUDA, torch ops elsewhere. True on a CPU tensor runs the
-    kernel under the interpreter; without it, torch ops through `switches.fallback`."""
+    kernel under the interpreter; without it, torch ops through `colossal_lab.fallback`."""
     if use_triton is None:
         return x.is_cuda
     if use_triton and not runs_on(x.device):
-        from colossal_lab.switches import fallback
+        from colossal_lab.fallback import fallback
 
         fallback("fp8 cast use_triton=True needs a CUDA device or TRITON_INTERPRET=1",
                  "torch ops")

@@ -18,28 +18,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from colossal_lab.switches import fallback
+from colossal_lab.fallback import fallback
+from colossal_lab.kernels.flash_attention import check_shapes
 
 BACKENDS = ("naive", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-math", "cudnn",
             "triton", "flash_attn")
-
-
-def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-    """Validate shapes; returns the group size Hq // Hkv."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("q, k, v must be 4-D (B, H, S, D); got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    (b, hq, _, d), (bk, hkv, _, dk) = q.shape, k.shape
-    if hkv == 0:
-        raise ValueError("k and v have no heads (Hkv=0)")
-    if (b, d) != (bk, dk):
-        raise ValueError(f"batch/head_dim of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
-    if hq % hkv:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}: each key/value head "
-                         "must serve a whole group of query heads")
-    return hq // hkv
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -50,8 +50,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
+from colossal_lab.fallback import warn_once
 from colossal_lab.kernels.fp8_cast import EPS, fp8_amax, fp8_cast_transpose, padded
-from colossal_lab.switches import checkpointing, warn_once
+from colossal_lab.switches import checkpointing
 
 
 @dataclass(frozen=True)

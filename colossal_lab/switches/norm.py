@@ -59,7 +59,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from colossal_lab.switches import fallback
+from colossal_lab.fallback import fallback
 
 BACKENDS = ("eager", "torch", "compile", "triton", "liger", "apex")
 

@@ -1,0 +1,49 @@
+"""What a model's switches resolve to on its device, after any fallback.
+
+A results row records these next to the switch values it asked for: a label says what
+was requested, `backends_in_use` what actually ran.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def backends_in_use(model: torch.nn.Module) -> dict:
+    """The backend each switch of `model` resolves to on its device and compute dtype,
+    after any fallback: what a results row should record next to the switch values.
+
+    Keys: "attention_backend" (`attention.BACKENDS`), "norm_backend"
+    (`norm.BACKENDS`), "swiglu_backend" ("eager" also for unfused projections, which
+    run silu(gate)·up eagerly), "fp8_backend" ("scaled_mm", "emulate", or None when no
+    linear is fp8). Read from the modules themselves, so an in-place `set_switches` is
+    seen; layers that disagree are listed joined by "+"."""
+    from colossal_lab.model import MLP, Attention
+    from colossal_lab.switches import attention, fp8, norm, projections
+    from colossal_lab.switches.precision import AUTOCAST_DTYPE
+
+    param = next(model.parameters())
+    device = param.device
+    precision = getattr(getattr(model, "switches", None), "precision", None)
+    dtype = AUTOCAST_DTYPE.get(precision) or param.dtype  # what q, k, v arrive in
+    head_dim = getattr(getattr(model, "cfg", None), "head_dim", None)
+    found: dict[str, list[str]] = {k: [] for k in ("attention_backend", "norm_backend",
+                                                   "swiglu_backend", "fp8_backend")}
+
+    def add(key, name):
+        if name not in found[key]:
+            found[key].append(name)
+
+    for m in model.modules():
+        if isinstance(m, Attention):
+            add("attention_backend", attention.resolve_backend(
+                m.attention_backend, device, dtype=dtype, head_dim=head_dim))
+        elif isinstance(m, (norm.RMSNorm, norm.LayerNorm)):
+            add("norm_backend", norm.resolve_backend(m.backend, device))
+        elif isinstance(m, MLP):
+            fused = m.fused and projections.is_fused(m.activation)
+            add("swiglu_backend", projections.resolve_activation(m.activation, device)
+                if fused else "eager")
+        elif isinstance(m, fp8.Fp8Linear):
+            add("fp8_backend", fp8.resolve_backend(m.fp8_config.backend, device))
+    return {k: "+".join(v) if v else None for k, v in found.items()}
