@@ -6,7 +6,7 @@ one sequence to fit; the kernels that never store the S×S scores run the whole 
     python -m colossal_lab bench flash_attention_step
 """
 
-from colossal_lab.benchmarks.steps import Setup, main_for, run_chapter
+from colossal_lab.benchmarks.steps import Setup, chapter_benchmark
 from colossal_lab.config import Switches
 
 SETUPS = (
@@ -21,13 +21,7 @@ SETUPS = (
 )
 
 
-def run(quick: bool = False) -> list[dict]:
-    return run_chapter("flash_attention_step", SETUPS, quick)
-
-
-def main(argv=None):
-    main_for("flash_attention_step", SETUPS, argv)
-
+run, main = chapter_benchmark("flash_attention_step", SETUPS)
 
 if __name__ == "__main__":
     main()

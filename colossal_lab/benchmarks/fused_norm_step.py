@@ -5,7 +5,7 @@ Switch 1 is on (the best attention backend on this device), bf16 autocast.
     python -m colossal_lab bench fused_norm_step
 """
 
-from colossal_lab.benchmarks.steps import Setup, main_for, run_chapter
+from colossal_lab.benchmarks.steps import Setup, chapter_benchmark
 from colossal_lab.config import Switches
 
 SETUPS = tuple(
@@ -18,13 +18,7 @@ SETUPS = tuple(
 )
 
 
-def run(quick: bool = False) -> list[dict]:
-    return run_chapter("fused_norm_step", SETUPS, quick)
-
-
-def main(argv=None):
-    main_for("fused_norm_step", SETUPS, argv)
-
+run, main = chapter_benchmark("fused_norm_step", SETUPS)
 
 if __name__ == "__main__":
     main()

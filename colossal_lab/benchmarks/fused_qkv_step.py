@@ -7,16 +7,9 @@ and fused with our Triton SwiGLU (`fused_qkv.SETUPS`).
 """
 
 from colossal_lab.benchmarks.fused_qkv import SETUPS
-from colossal_lab.benchmarks.steps import main_for, run_chapter
+from colossal_lab.benchmarks.steps import chapter_benchmark
 
-
-def run(quick: bool = False) -> list[dict]:
-    return run_chapter("fused_qkv_step", SETUPS, quick)
-
-
-def main(argv=None):
-    main_for("fused_qkv_step", SETUPS, argv)
-
+run, main = chapter_benchmark("fused_qkv_step", SETUPS)
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from colossal_lab.benchmarks.steps import Setup, main_for, run_chapter
+from colossal_lab.benchmarks.steps import Setup, chapter_benchmark
 from colossal_lab.config import Switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 
@@ -32,13 +32,7 @@ SETUPS = tuple(dataclasses.replace(s, name=f"{s.name}-{p}", gc_policy=p,
 scaling, the other noisy one, is timed with the collector held in `precision`)."""
 
 
-def run(quick: bool = False) -> list[dict]:
-    return run_chapter("step_noise", SETUPS, quick)
-
-
-def main(argv=None):
-    main_for("step_noise", SETUPS, argv)
-
+run, main = chapter_benchmark("step_noise", SETUPS)
 
 if __name__ == "__main__":
     main()

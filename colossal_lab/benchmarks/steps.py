@@ -289,6 +289,20 @@ def run_chapter(name: str, setups, quick: bool = False, *, preset_name: str = "l
     return run_setups(setups, preset_name=preset_name, seq_len=seq_len, batch=batch, tag=name)
 
 
+def chapter_benchmark(name: str, setups):
+    """`(run, main)` of a benchmark module that times `setups` side by side:
+    `run(quick=False) -> rows` (`run_chapter`) and `main(argv)`, the command line that
+    saves `results/<gpu>/<name>.json` (`main_for`)."""
+
+    def run(quick: bool = False) -> list[dict]:
+        return run_chapter(name, setups, quick)
+
+    def main(argv=None) -> None:
+        main_for(name, setups, argv)
+
+    return run, main
+
+
 def step_config(preset_name="llama-7b-8l", seq_len=4096, batch=4) -> dict:
     return {"preset": preset_name, "seq_len": seq_len, "batch": batch, "optimizer": "AdamW",
             "data": "random tokens", "mfu_peak": "dense bf16 datasheet peak",
