@@ -1,9 +1,14 @@
 """colossal_lab: ColossalAI's eight throughput switches, built from scratch and measured.
 
+    from colossal_lab import Switches, apply_switches, build_model, preset
+    model = apply_switches(build_model(preset("llama-7b-8l"), "cuda"),
+                           Switches(enable_flash_attention=True, precision="bf16"))
+
 The library behind the book: the MFU meter (`mfu`), timing and recorded results
-(`bench`, `results`), a compact LLaMA (`model`) whose parts the switches swap
-(`switches`), Triton kernels (`kernels`), a real-text corpus (`data`) and a trainer
-(`train`).
+(`timing`, `results`), a plain LLaMA (`model`), the switches and the one function that
+applies them (`switches`, `switches.apply`), Triton kernels (`kernels`), memory probes
+and model (`memory`), a real-text corpus (`data`), a trainer (`train`) and the
+experiments behind each chapter (`benchmarks`).
 """
 
 __version__ = "0.1.0"
@@ -18,3 +23,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from colossal_lab.config import ModelConfig, Switches, preset  # noqa: E402,F401
+
+_LAZY = {"build_model": "colossal_lab.model", "apply_switches": "colossal_lab.switches.apply"}
+"""Loaded on first use: the model and the switches import torch's kernels and Triton."""
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -135,13 +135,12 @@ def preset(name: str) -> ModelConfig:
 
 # ---------------------------------------------------------------------------- switches
 
-PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16", "fp8")
-
 
 @dataclass(frozen=True)
 class Switches:
     """The throughput switches. `False` is the naive reference, `True` the best backend
-    available on this device, and a string names a backend."""
+    available on this device, and a string names a backend. A value only: nothing
+    changes until `apply_switches(model, switches)` (`colossal_lab.switches.apply`)."""
 
     enable_flash_attention: Backend = False
     """Attention kernel: False = materialised scores; or "sdpa", "sdpa-flash", "cudnn",
@@ -156,7 +155,7 @@ class Switches:
     `enable_jit_fused`, which fuses bias+GeLU and bias+dropout+add."""
     precision: str = "bf16"
     """One of "fp32", "tf32" (fp32 with TF32 matmuls), "bf16" (autocast), "bf16-pure",
-    "fp16", "fp8"."""
+    "fp16", "fp8": what each decides is `switches.precision.POLICIES`."""
     gradient_checkpoint_config: object = None
     """None (keep every activation) or a `switches.checkpointing.GradientCheckpointConfig`
     (chapter 04): a `gradient_checkpointing_ratio` of each stage's layers, or
@@ -169,8 +168,9 @@ class Switches:
     "fp8_fast_accum_backward" (bool), "fp8_backend" ("auto" | "scaled_mm" | "emulate")."""
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r}; choose one of {PRECISIONS}")
+        from colossal_lab.switches.precision import policy
+
+        policy(self.precision)  # the precision module is the one that knows them
 
     def replace(self, **changes) -> Switches:
         return dataclasses.replace(self, **changes)

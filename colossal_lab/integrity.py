@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from colossal_lab import bench, mfu, notebook
+from colossal_lab import mfu, notebook, timing
 from colossal_lab.config import preset
 from colossal_lab.results import BANNER_PREFIX, REPO_ROOT
 
@@ -90,7 +90,7 @@ def _recompute(row: dict, scale: float = 1.0):
 def expected(row: dict) -> dict:
     """The derived fields of `row` recomputed from its inputs (those it has)."""
     from colossal_lab.benchmarks import flash_attention as fa
-    from colossal_lab.switches.checkpointing import largest_batch
+    from colossal_lab.memory import largest_batch
 
     want: dict = {}
     if all(_num(row.get(k)) for k in ("step_ms", "batch", "seq_len")):
@@ -111,18 +111,18 @@ def expected(row: dict) -> dict:
                 and _num(row.get("bwd_bytes")):
             nbytes = row["fwd_bytes"] + row["bwd_bytes"]
         if _num(ms) and ms > 0 and _num(nbytes):
-            want[f"{p}_gbps"] = bench.gbps(nbytes, ms)
+            want[f"{p}_gbps"] = timing.gbps(nbytes, ms)
         if _num(ms) and ms > 0 and _num(row.get(f"{p}_flops")):
-            want[f"{p}_tflops"] = bench.tflops(row[f"{p}_flops"], ms)
+            want[f"{p}_tflops"] = timing.tflops(row[f"{p}_flops"], ms)
     if row.get("kind") == "speed" and all(k in row for k in ("heads", "head_dim")):
         flops = fa.attention_flops(row["batch"], row["heads"], row["seq_len"],
                                    row["head_dim"], row["causal"])
         for p, f in (("fwd", flops), ("fwd_bwd", fa.FWD_BWD_FACTOR * flops)):
             if _num(row.get(f"{p}_ms")):
-                want[f"{p}_tflops"] = bench.tflops(f, row[f"{p}_ms"])
+                want[f"{p}_tflops"] = timing.tflops(f, row[f"{p}_ms"])
     times = row.get("step_ms_all")
     if isinstance(times, list) and len(times) >= 2:  # the summary of every timed step
-        q = statistics.quantiles(sorted(times), n=10)  # as bench._summary computes it
+        q = statistics.quantiles(sorted(times), n=10)  # as timing._summary computes it
         want.update(step_ms=statistics.median(times), step_ms_p10=q[0], step_ms_p90=q[-1],
                     steps_timed=len(times))
     if row.get("kind") == "loss_curve" and isinstance(row.get("losses"), list):
@@ -132,7 +132,7 @@ def expected(row: dict) -> dict:
         want["final_loss"] = sum(window) / len(window)
     if row.get("kind") == "gemm" and _num(row.get("ms")) and "in_features" in row:
         factor = 6 if row.get("pass") == "fwd_bwd" else 2  # precision.measure_gemm
-        want["tflops"] = bench.tflops(factor * row["tokens"] * row["in_features"]
+        want["tflops"] = timing.tflops(factor * row["tokens"] * row["in_features"]
                                       * row["out_features"], row["ms"])
     return want
 

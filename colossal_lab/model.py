@@ -1,9 +1,16 @@
-"""A compact LLaMA whose parts the switches swap.
+"""A plain LLaMA: the model every switch is applied to.
 
 RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU feed-forward,
 with module and parameter names identical to Hugging Face's `LlamaForCausalLM`, so its
-state dicts load both ways and the logits match (`tests/test_model.py`). The attention
-kernel and the norm kernel are chosen by `Switches`; the model stays readable.
+state dicts load both ways and the logits match (`tests/test_model.py`). No constructor
+here takes a switch: build the plain model, then `apply_switches(model, switches)`
+(`colossal_lab.switches.apply`) sets the kernels, fuses the projections, checkpoints
+layers and sets the precision, each switch through its own function, in place.
+
+What a switch changes is an attribute the forward reads, shown where it is read:
+`Attention.attention_backend` and `RMSNorm.backend` pick kernels; a fused `qkv_proj` /
+`gate_up_proj` child (switch 3) replaces the separate projections; a checkpointed
+decoder layer gets its forward wrapped (switch 4).
 
 Shapes: B batch, S sequence, d hidden, Hq/Hkv heads, D head dim, V vocabulary.
 """
@@ -14,15 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from colossal_lab.config import ModelConfig, Switches
-from colossal_lab.switches import checkpointing, projections
+from colossal_lab.config import ModelConfig
+from colossal_lab.switches import projections
 from colossal_lab.switches.attention import attention
 from colossal_lab.switches.norm import RMSNorm
-
-QKV = ("q_proj", "k_proj", "v_proj")
-"""Hugging Face's names of the projections that `qkv_proj` fuses, in row order."""
-GATE_UP = ("gate_proj", "up_proj")
-"""... and those that `gate_up_proj` fuses."""
 
 
 class RotaryEmbedding(nn.Module):
@@ -53,27 +55,28 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped-query heads; the kernel is `attention_backend`.
+    """Multi-head attention with grouped-query heads.
 
-    `fused_projections` (switch 3) holds q/k/v as one `qkv_proj` (rows [q; k; v]) instead
+    `attention_backend` is the attention kernel (switch 1; False: materialised scores).
+    Fused projections (switch 3) hold q/k/v as one `qkv_proj` (rows [q; k; v]) instead
     of `q_proj`, `k_proj`, `v_proj`; either way the state dict has the separate names."""
 
-    def __init__(self, cfg: ModelConfig, attention_backend=False, fused_projections=False):
+    attention_backend = False
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         d, D = cfg.hidden_size, cfg.head_dim
-        if projections.is_fused(fused_projections):  # (Hq·D + 2·Hkv·D, d): [q; k; v]
-            self.qkv_proj = nn.Linear(d, sum(self.qkv_sizes()), bias=False)
-        else:
-            self.q_proj = nn.Linear(d, cfg.num_attention_heads * D, bias=False)
-            self.k_proj = nn.Linear(d, cfg.num_key_value_heads * D, bias=False)
-            self.v_proj = nn.Linear(d, cfg.num_key_value_heads * D, bias=False)
+        self.q_proj = nn.Linear(d, cfg.num_attention_heads * D, bias=False)
+        self.k_proj = nn.Linear(d, cfg.num_key_value_heads * D, bias=False)
+        self.v_proj = nn.Linear(d, cfg.num_key_value_heads * D, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * D, d, bias=False)
-        self.attention_backend = attention_backend
-        projections.register_hf_layout(self, "qkv_proj", QKV, Attention.qkv_sizes)
+        # Hugging Face's names in the state dict, also for a fused `qkv_proj`
+        projections.register_hf_layout(self, "qkv_proj", projections.FUSIONS["qkv_proj"],
+                                       self.qkv_sizes())
 
     def qkv_sizes(self) -> list[int]:
-        """Widths of q, k, v: the row blocks of `qkv_proj.weight`."""
+        """Widths of q, k, v: the row blocks of a fused `qkv_proj.weight`."""
         c = self.cfg
         return list(projections.qkv_sizes(c.num_attention_heads, c.num_key_value_heads,
                                           c.head_dim))
@@ -81,15 +84,6 @@ class Attention(nn.Module):
     @property
     def fused(self) -> bool:
         return "qkv_proj" in self._modules
-
-    def set_fused(self, value) -> None:
-        """Apply the switch value: stack q/k/v into `qkv_proj` or split it back, in
-        place, values kept."""
-        fused = projections.is_fused(value)
-        if fused and not self.fused:
-            projections.fuse_linears(self, list(QKV), "qkv_proj")
-        elif not fused and self.fused:
-            projections.split_linear(self, "qkv_proj", list(QKV), self.qkv_sizes())
 
     def project_qkv(self, x: torch.Tensor):
         """(B, S, d) -> q (B, S, Hq*D), k and v (B, S, Hkv*D)."""
@@ -112,63 +106,41 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) (Shazeer 2020).
 
-    `fused_projections` (switch 3) holds gate/up as one `gate_up_proj` (rows [gate; up])
-    and picks the activation kernel that reads its (..., 2i) output; the state dict keeps
-    the separate names."""
+    Fused projections (switch 3) hold gate/up as one `gate_up_proj` (rows [gate; up])
+    and run `activation`, the SwiGLU kernel that reads its (..., 2i) output; the state
+    dict keeps the separate names."""
 
-    def __init__(self, cfg: ModelConfig, fused_projections=False):
+    activation = False
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, i = cfg.hidden_size, cfg.intermediate_size
-        if projections.is_fused(fused_projections):  # (2i, d): [gate; up]
-            self.gate_up_proj = nn.Linear(d, 2 * i, bias=False)
-        else:
-            self.gate_proj = nn.Linear(d, i, bias=False)
-            self.up_proj = nn.Linear(d, i, bias=False)
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
         self.down_proj = nn.Linear(i, d, bias=False)
-        self.intermediate_size = i
-        self.activation = fused_projections  # the SwiGLU kernel, when fused
-        projections.register_hf_layout(self, "gate_up_proj", GATE_UP,
-                                       lambda m: [m.intermediate_size] * 2)
+        projections.register_hf_layout(self, "gate_up_proj",
+                                       projections.FUSIONS["gate_up_proj"], [i, i])
 
     @property
     def fused(self) -> bool:
         return "gate_up_proj" in self._modules
 
-    def set_fused(self, value) -> None:
-        """Apply the switch value: stack gate/up into `gate_up_proj` or split it back, in
-        place, values kept; remember the activation backend."""
-        self.activation = value
-        if projections.is_fused(value) and not self.fused:
-            projections.fuse_linears(self, list(GATE_UP), "gate_up_proj")
-        elif not projections.is_fused(value) and self.fused:
-            projections.split_linear(self, "gate_up_proj", list(GATE_UP),
-                                     [self.intermediate_size] * 2)
-
-    def project_gate_up(self, x: torch.Tensor):
-        """(B, S, d) -> gate, up (B, S, i); views of one GEMM's output when fused."""
-        if self.fused:
-            return projections.split_gate_up(self.gate_up_proj(x))
-        return self.gate_proj(x), self.up_proj(x)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:  # the activation reads [gate | up] (B, S, 2i) as one tensor
             return self.down_proj(projections.swiglu(self.gate_up_proj(x), self.activation))
-        gate, up = self.project_gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). The add before the
     second norm is handed to the norm, which fuses it when its backend can."""
 
-    def __init__(self, cfg: ModelConfig, switches: Switches):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        norm = switches.enable_fused_normalization
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm)
-        self.self_attn = Attention(cfg, switches.enable_flash_attention,
-                                   switches.enable_fused_projections)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm)
-        self.mlp = MLP(cfg, switches.enable_fused_projections)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a = self.self_attn(self.input_layernorm(x), cos, sin)
@@ -177,65 +149,37 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, the decoder layers, the final norm.
+    """Embedding, the decoder layers, the final norm. A layer that switch 4
+    checkpoints (`switches.checkpointing.apply`) is called the same way: its forward
+    recomputes in the backward."""
 
-    Switch 4 (`switches.gradient_checkpoint_config`, chapter 04) is applied in the layer
-    loop: the layers it picks run under `checkpointing.checkpoint` while training with
-    gradients on. This module is one pipeline stage; `stage` says which (stage,
-    num_stages, model_chunk_id, num_model_chunks) once pipeline code has sliced
-    `layers`, and is None for the whole model (one stage)."""
-
-    def __init__(self, cfg: ModelConfig, switches: Switches):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, switches)
-                                    for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
-                            switches.enable_fused_normalization)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta)
-        self.stage: tuple[int, int, int, int] | None = None
-        self.set_gradient_checkpointing(switches.gradient_checkpoint_config)
-
-    def set_gradient_checkpointing(self, config) -> LlamaModel:
-        """Apply a `GradientCheckpointConfig` (None: store everything); checked now, so
-        a bad per-stage list fails here and not in the first training step."""
-        self.gradient_checkpoint_config = checkpointing.resolve(config)
-        self.checkpointed_layers()
-        return self
-
-    def checkpointed_layers(self) -> tuple[bool, ...]:
-        """One flag per layer held here: does it recompute its forward in the backward?"""
-        config, n = self.gradient_checkpoint_config, len(self.layers)
-        if config is None:
-            return (False,) * n
-        stage, num_stages, chunk, num_chunks = self.stage or (0, 1, 0, 1)
-        k = config.num_ckpt_layers(stage, num_stages, n, chunk, num_chunks)
-        return (True,) * k + (False,) * (n - k)  # the first k, as ColossalAI
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (B, S, d)
         cos, sin = self.rotary_emb(input_ids.shape[1], input_ids.device)
-        recompute = self.training and torch.is_grad_enabled()
-        mode = self.gradient_checkpoint_config and self.gradient_checkpoint_config.mode
-        for layer, ckpt in zip(self.layers, self.checkpointed_layers()):
-            if ckpt and recompute:  # keep x only (or the GEMM outputs: selective)
-                x = checkpointing.checkpoint(layer, x, cos, sin, mode=mode,
-                                             skip_gemm_k=checkpointing.last_gemm_k(layer))
-            else:
-                x = layer(x, cos, sin)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
         return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + output head. `forward(input_ids, labels=None)` returns the logits, or
-    the mean next-token cross-entropy when `labels` (already shifted) are given."""
+    the mean next-token cross-entropy when `labels` (already shifted) are given.
 
-    def __init__(self, cfg: ModelConfig, switches: Switches | None = None):
+    `switches` records what `apply_switches` last applied (None on a plain model)."""
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.switches = switches or Switches.naive()
-        self.model = LlamaModel(cfg, self.switches)
+        self.switches = None
+        self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -259,32 +203,6 @@ class LlamaForCausalLM(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    # ------------------------------------------------------------ switches, in place
-
-    def set_switches(self, switches: Switches) -> LlamaForCausalLM:
-        """Re-point every part at the kernels `switches` picks. Weights keep their
-        values; switch 3 restacks the projections in place (new Parameters: make the
-        optimizer afterwards). The precision is fixed when building (parameter dtype,
-        fp8 linears), so a different one is an error rather than silently ignored."""
-        if switches.precision != self.switches.precision:
-            raise ValueError(
-                f"set_switches cannot change precision {self.switches.precision!r} to "
-                f"{switches.precision!r} in place yet (it sets the parameter dtype and "
-                "the fp8 linears when building): rebuild with "
-                "build_model(cfg, switches)")
-        self.switches = switches
-        for m in self.modules():
-            if isinstance(m, Attention):
-                m.attention_backend = switches.enable_flash_attention
-                m.set_fused(switches.enable_fused_projections)
-            elif isinstance(m, MLP):
-                m.set_fused(switches.enable_fused_projections)
-            elif isinstance(m, RMSNorm):
-                m.backend = switches.enable_fused_normalization
-            elif isinstance(m, LlamaModel):
-                m.set_gradient_checkpointing(switches.gradient_checkpoint_config)
-        return self
-
     # ------------------------------------------------------- Hugging Face round trip
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -302,11 +220,13 @@ class LlamaForCausalLM(nn.Module):
         return self.load_state_dict(sd, strict=strict)
 
     @classmethod
-    def from_hf(cls, hf_model, switches: Switches | None = None) -> LlamaForCausalLM:
-        """Build from a `transformers.LlamaForCausalLM` (its config and weights)."""
-        model = cls(ModelConfig.from_hf(hf_model.config), switches)
+    def from_hf(cls, hf_model) -> LlamaForCausalLM:
+        """A plain model from a `transformers.LlamaForCausalLM` (its config and
+        weights), on its device; apply switches afterwards."""
+        device = next(hf_model.parameters()).device
+        model = build_model(ModelConfig.from_hf(hf_model.config), device)
         model.load_hf_state_dict(hf_model.state_dict())
-        return model.to(next(hf_model.parameters()).device)
+        return model
 
     def to_hf(self):
         """An equivalent `transformers.LlamaForCausalLM` holding copies of our weights."""
@@ -325,34 +245,17 @@ def _is_slice(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() != t.numel() * t.element_size()
 
 
-def build_model(cfg: ModelConfig, switches: Switches | None = None,
-                device: torch.device | str | None = None) -> LlamaForCausalLM:
-    """Construct directly on `device` (no CPU detour for multi-GB models), weights fp32.
-
-    bf16-pure keeps bf16 parameters (the optimizer keeps fp32 masters); every other
-    precision keeps fp32 parameters and autocasts the matmuls (fp16: with dynamic loss
-    scaling in `train.make_step`). fp8 also swaps every `nn.Linear` whose shape allows
-    it for an `Fp8Linear` sharing its weight (`switches.fp8.convert_to_fp8`; options
-    from `switches.extra`: fp8_scaling, fp8_history, fp8_skip, fp8_backend, ...)."""
-    switches = switches or Switches.naive()
+def build_model(cfg: ModelConfig, device: torch.device | str | None = None
+                ) -> LlamaForCausalLM:
+    """The plain model, constructed directly on `device` (no CPU detour for multi-GB
+    models; default: the GPU when there is one), fp32 weights, every switch off.
+    Then `apply_switches(model, switches)`."""
+    if device is not None and not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            f"build_model(cfg, device) builds the plain model; got a "
+            f"{type(device).__name__} for device. Switches are applied afterwards: "
+            "apply_switches(build_model(cfg, device), switches)")
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
-    if switches.precision == "fp8":
-        from colossal_lab.switches import fp8
-
-        fp8.check_fp8_supported(device)  # before allocating a multi-GB model
-        ckpt = switches.gradient_checkpoint_config
-        if (switches.extra.get("fp8_scaling") == "delayed"
-                and getattr(ckpt, "mode", "full") != "full"):
-            raise ValueError(
-                "fp8_scaling='delayed' updates its amax history inside the forward, so a "
-                f"selective recompute (mode={ckpt.mode!r}) replays different ops; use "
-                "fp8_scaling='dynamic' or GradientCheckpointConfig(mode='full')")
     with device:
-        model = LlamaForCausalLM(cfg, switches)
-    if switches.precision == "bf16-pure":
-        model = model.to(torch.bfloat16)
-    elif switches.precision == "fp8":
-        fp8.convert_to_fp8(model, fp8.Fp8Config.from_extra(switches.extra),
-                           skip=tuple(switches.extra.get("fp8_skip", ())))
-    return model
+        return LlamaForCausalLM(cfg)

@@ -1,8 +1,11 @@
-"""Compose config → model → switches → a training loop that reports MFU honestly.
+"""Compose config → plain model → `apply_switches` → a training loop that reports MFU
+honestly.
 
 `train()` is the loop a reader runs (real text, a progress bar with loss, tokens/s, both
 MFUs and peak memory); `measure_step()` is the same step timed for the benchmarks. Both
-use `make_step`, so what is measured is what is trained.
+use `make_step`, so what is measured is what is trained. The step asks the precision
+module (`switches.precision`) for its autocast, TF32 mode, loss scaler and optimizer:
+the precision is the one the model was given.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from colossal_lab import bench, hardware, mfu
+from colossal_lab import hardware, mfu, timing
 from colossal_lab.config import ModelConfig, Switches
 from colossal_lab.model import build_model
 from colossal_lab.switches import precision as precision_mod
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.switches.apply import check as check_switches
+from colossal_lab.switches.precision import make_optimizer  # noqa: F401  (re-exported)
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -34,33 +40,17 @@ def hf_loss(model, input_ids, labels):
     return model(input_ids=input_ids, labels=input_ids).loss
 
 
-def autocast(precision: str, device: torch.device):
-    """The autocast context for `precision` (fp32 and bf16-pure need none; fp8 linears
-    run inside a bf16 autocast). See `switches.precision`."""
-    return precision_mod.autocast(precision, device)
-
-
-def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.1):
-    """AdamW, the fused CUDA kernel when the parameters are on a GPU. Parameters stored
-    in bf16/fp16 (bf16-pure) get `MasterAdamW`: fp32 master weights and moments."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if precision_mod.is_low_precision(params):
-        return precision_mod.MasterAdamW(params, lr=lr, betas=(0.9, 0.95),
-                                         weight_decay=weight_decay)
-    on_cuda = params[0].is_cuda
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
-                             fused=on_cuda or None)
-
-
-def make_step(model, optimizer, precision: str, loss_fn: LossFn = our_loss,
-              micro_batches: int = 1, clip: float | None = 1.0):
+def make_step(model, optimizer, loss_fn: LossFn = our_loss, micro_batches: int = 1,
+              clip: float | None = 1.0):
     """A function `step(input_ids, labels) -> loss tensor` doing forward, backward over
-    `micro_batches` slices of the batch (gradient accumulation) and the optimizer step.
+    `micro_batches` slices of the batch (gradient accumulation) and the optimizer step,
+    in the precision the model was given (`apply_switches`; a plain model is fp32).
 
     fp16 scales the loss dynamically (`step.scaler`, a `DynamicLossScaler`): gradients
     are unscaled before clipping and an overflowing step is skipped, all on device."""
     device = next(model.parameters()).device
-    scaler = precision_mod.DynamicLossScaler() if precision == "fp16" else None
+    precision = precision_mod.of(model)
+    scaler = precision_mod.loss_scaler(precision)
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with precision_mod.matmul_mode(precision):  # "tf32": the backward's matmuls too
@@ -69,7 +59,7 @@ def make_step(model, optimizer, precision: str, loss_fn: LossFn = our_loss,
     def _step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), device=device)
         for ids, lab in zip(input_ids.chunk(micro_batches), labels.chunk(micro_batches)):
-            with autocast(precision, device):
+            with precision_mod.autocast(precision, device):
                 loss = loss_fn(model, ids, lab) / micro_batches
             (loss if scaler is None else scaler.scale(loss)).backward()
             total += loss.detach()
@@ -86,6 +76,7 @@ def make_step(model, optimizer, precision: str, loss_fn: LossFn = our_loss,
         return total
 
     step.scaler = scaler
+    step.precision = precision
     return step
 
 
@@ -206,7 +197,7 @@ def measure_step(step: Callable, batches: Iterator, *, cfg: ModelConfig, setup: 
     if peak is None:  # CPU or unknown GPU: MFU against the measured matmul ceiling
         peak = hardware.measure_matmul_tflops(dtype=torch.float32)
     data = list(_take(batches, warmup + iters))
-    bench.reset_peak_memory()
+    timing.reset_peak_memory()
     bar = _progress(warmup + iters, setup, progress)
     pauses, gc_ms = GcPauses(), []
 
@@ -221,19 +212,19 @@ def measure_step(step: Callable, batches: Iterator, *, cfg: ModelConfig, setup: 
 
     times: list[float] = []
     with gc_between_steps(gc_policy == "between_steps"), pauses:
-        timing = bench.time_iterations(one, warmup=warmup, iters=iters,
+        timed_steps = timing.time_iterations(one, warmup=warmup, iters=iters,
                                        before_step=lambda i: pauses.take(), on_step=timed)
     bar.close()
     stats = mfu.step_stats(cfg, batch=batch, seq_len=seq_len,
-                           step_time_s=timing.median_ms / 1e3, peak_tflops=peak,
+                           step_time_s=timed_steps.median_ms / 1e3, peak_tflops=peak,
                            recompute_flops=recompute_flops)
     return StepMeasurement(
         setup=setup, preset=preset, batch=batch, seq_len=seq_len,
-        micro_batch=micro_batch or batch, step_ms=timing.median_ms,
-        step_ms_p10=timing.p10_ms, step_ms_p90=timing.p90_ms,
+        micro_batch=micro_batch or batch, step_ms=timed_steps.median_ms,
+        step_ms_p10=timed_steps.p10_ms, step_ms_p90=timed_steps.p90_ms,
         tokens_per_s=stats.tokens_per_s, mfu=stats.mfu, mfu_attn=stats.mfu_attn,
-        hfu=stats.hfu, peak_mem_gib=bench.peak_memory_gib(), n_params=stats.n_params,
-        peak_tflops=peak, achieved_tflops=stats.achieved_tflops, steps_timed=timing.n,
+        hfu=stats.hfu, peak_mem_gib=timing.peak_memory_gib(), n_params=stats.n_params,
+        peak_tflops=peak, achieved_tflops=stats.achieved_tflops, steps_timed=timed_steps.n,
         step_ms_all=times, gc_ms_all=gc_ms, gc_policy=gc_policy, extra=extra or {})
 
 
@@ -273,6 +264,7 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
     switches = switches or Switches()
     torch.manual_seed(seed)
     device = torch.device(device) if device else hardware.default_device()
+    check_switches(switches, device)  # before loading data or allocating a model
     micro = micro_batch or batch
     if batch % micro:
         raise ValueError(f"micro_batch={micro} must divide batch={batch}")
@@ -292,16 +284,16 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
     else:
         raise ValueError(f"data={data!r}; choose 'corpus' or 'random'")
 
-    model = build_model(cfg, switches, device)
+    model = apply_switches(build_model(cfg, device), switches)
     opt = make_optimizer(model, lr)
-    step = make_step(model, opt, switches.precision, micro_batches=batch // micro)
+    step = make_step(model, opt, micro_batches=batch // micro)
     dev = hardware.detect()
     peak = dev.peak_tflops("bf16") or hardware.measure_matmul_tflops(dtype=torch.float32)
     # HFU counts what checkpointing runs twice; MFU does not (same as measure_step)
     recompute = checkpointing.recompute_flops(
-        cfg, batch, seq_len, model.model.gradient_checkpoint_config,
+        cfg, batch, seq_len, switches.gradient_checkpoint_config,
         attention_backend=backends_in_use(model)["attention_backend"])
-    bench.reset_peak_memory()
+    timing.reset_peak_memory()
 
     from tqdm import tqdm
 
@@ -320,7 +312,7 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
                 dt = (time.perf_counter() - window_t) / window_steps
                 stats = mfu.step_stats(cfg, batch=batch, seq_len=seq_len, step_time_s=dt,
                                        peak_tflops=peak, recompute_flops=recompute)
-                mem = bench.peak_memory_gib()
+                mem = timing.peak_memory_gib()
                 bar.set_postfix(loss=f"{losses_now:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
                                 mfu=f"{stats.mfu:.1%}", mfu_attn=f"{stats.mfu_attn:.1%}",
                                 mem=f"{mem:.1f}G" if mem else "-", refresh=False)
@@ -329,21 +321,23 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
             if gc_every and (i + 1) % gc_every == 0:
                 collect_now()
     losses = [x.item() for x in losses]
-    val = evaluate(model, val_seqs, batch, switches.precision, eval_batches) \
+    val = evaluate(model, val_seqs, batch, eval_batches) \
         if val_seqs is not None else None
-    return TrainResult(losses, val, stats, bench.peak_memory_gib(),
+    return TrainResult(losses, val, stats, timing.peak_memory_gib(),
                        time.perf_counter() - t_start)
 
 
 @torch.no_grad()
-def evaluate(model, seqs: torch.Tensor, batch: int, precision: str, max_batches: int) -> float:
-    """Mean validation loss over the first `max_batches` batches of `seqs`."""
+def evaluate(model, seqs: torch.Tensor, batch: int, max_batches: int) -> float:
+    """Mean validation loss over the first `max_batches` batches of `seqs`, in the
+    model's precision."""
     device = next(model.parameters()).device
+    precision = precision_mod.of(model)
     model.eval()
     total, n = 0.0, 0
     for i in range(0, min(len(seqs), batch * max_batches), batch):
         chunk = seqs[i:i + batch].to(device)
-        with autocast(precision, device):
+        with precision_mod.step_context(precision, device):
             total += model(chunk[:, :-1], chunk[:, 1:]).item()
         n += 1
     model.train()

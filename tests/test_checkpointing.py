@@ -9,13 +9,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from colossal_lab import mfu, train
+from colossal_lab import memory, mfu, train
 from colossal_lab.benchmarks import checkpointing as bench_ckpt
-from colossal_lab.benchmarks import memory, steps
+from colossal_lab.benchmarks import steps
 from colossal_lab.config import ModelConfig, Switches, preset, tiny
 from colossal_lab.correctness import check_close
 from colossal_lab.model import build_model
 from colossal_lab.switches import checkpointing as ck
+from colossal_lab.switches import precision as P
+from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig as Ckpt
 
 MHA4 = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=100, num_hidden_layers=4,
@@ -58,16 +60,17 @@ def test_list_length_must_match_stages():
     with pytest.raises(ValueError, match="3 .*stages"):
         c.num_ckpt_layers(0, 3, 8)
     with pytest.raises(ValueError, match="exactly one entry"):  # early: at model build
-        build_model(tiny(), Switches(precision="fp32", gradient_checkpoint_config=c), "cpu")
+        apply_switches(build_model(tiny(), "cpu"),
+                       Switches(precision="fp32", gradient_checkpoint_config=c))
 
 
 def test_count_larger_than_stage():
     with pytest.raises(ValueError, match="holds only 3"):
         ck.checkpoint_plan(Ckpt(num_ckpt_layers_per_stage=[2, 4]), layers_per_stage=[5, 3])
     with pytest.raises(ValueError, match="holds only 2"):
-        build_model(tiny(), Switches(precision="fp32",
-                                     gradient_checkpoint_config=Ckpt(
-                                         num_ckpt_layers_per_stage=[3])), "cpu")
+        apply_switches(build_model(tiny(), "cpu"),
+                       Switches(precision="fp32",
+                                gradient_checkpoint_config=Ckpt(num_ckpt_layers_per_stage=[3])))
 
 
 def test_stage_indices_checked():
@@ -140,15 +143,19 @@ def test_split_layers():
         ck.checkpoint_plan(Ckpt(), 9, ck.split_layers(10, 4))
 
 
-def test_model_stage_attribute():
-    """A pipeline stage holding a slice of the layers checkpoints the first of *its*."""
-    m = build_model(MHA4, Switches(precision="fp32"), "cpu").model
-    m.set_gradient_checkpointing(Ckpt(gradient_checkpointing_ratio=0.5))
-    assert m.checkpointed_layers() == (True, True, False, False)
-    m.layers = m.layers[:3]  # stage 1 of 2 after a split 1 + 3
-    m.stage = (1, 2, 0, 1)
-    m.gradient_checkpoint_config = Ckpt(num_ckpt_layers_per_stage=[0, 2])
-    assert m.checkpointed_layers() == (True, True, False)
+def test_apply_to_a_pipeline_stage():
+    """A pipeline stage holding a slice of the layers checkpoints the first of *its*;
+    a later config takes the earlier one's wrapping away."""
+    m = build_model(MHA4, "cpu")
+    assert ck.apply(m, Ckpt(gradient_checkpointing_ratio=0.5)) == 2
+    assert ck.checkpointed(m) == (True, True, False, False)
+    m.model.layers = m.model.layers[:3]  # stage 1 of 2 after a split 1 + 3
+    assert ck.apply(m, Ckpt(num_ckpt_layers_per_stage=[0, 1]), stage=(1, 2, 0, 1)) == 1
+    assert ck.checkpointed(m) == (True, False, False)
+    with pytest.raises(ValueError, match="2 entries for 1"):
+        ck.apply(m, Ckpt(num_ckpt_layers_per_stage=[0, 1]))
+    assert ck.apply(m, None) == 0 and ck.checkpointed(m) == (False,) * 3
+    assert all("forward" not in layer.__dict__ for layer in m.model.layers)
 
 
 # ------------------------------------------------------------------ FLOPs and gradients
@@ -162,10 +169,10 @@ def _step(cfg, conf, *, batch=2, seq=37, attn=False, norm=False, fused=False,
     sw = Switches(precision=precision, enable_flash_attention=attn,
                   enable_fused_normalization=norm, enable_fused_projections=fused,
                   gradient_checkpoint_config=conf)
-    model = build_model(cfg, sw, "cpu")
+    model = apply_switches(build_model(cfg, "cpu"), sw)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     with FlopCounterMode(display=False) as counter:
-        with train.autocast(precision, torch.device("cpu")):
+        with P.autocast(precision, torch.device("cpu")):
             loss = model(ids, ids)
         loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
@@ -220,10 +227,10 @@ def test_full_recompute_skips_only_the_last_gemm():
 
 def test_no_recompute_without_grad_or_in_eval():
     cfg = MHA4
-    model = build_model(cfg, Switches(precision="fp32", gradient_checkpoint_config=Ckpt()),
-                        "cpu")
+    model = apply_switches(build_model(cfg, "cpu"),
+                           Switches(precision="fp32", gradient_checkpoint_config=Ckpt()))
     ids = torch.randint(0, cfg.vocab_size, (1, 16))
-    ref = build_model(cfg, Switches(precision="fp32"), "cpu")
+    ref = apply_switches(build_model(cfg, "cpu"), Switches(precision="fp32"))
     ref.load_state_dict(model.state_dict())
     check_close(model(ids), ref(ids), atol=0.0, rtol=0.0)
     model.eval()
@@ -277,11 +284,11 @@ def test_policy_recognises_gemms():
 
 
 def test_last_gemm_k():
-    model = build_model(MHA4, Switches(precision="fp32"), "cpu")
+    model = apply_switches(build_model(MHA4, "cpu"), Switches(precision="fp32"))
     assert ck.last_gemm_k(model.model.layers[0]) == MHA4.intermediate_size
     same = MHA4.replace(intermediate_size=64)  # ambiguous with o_proj: keep every GEMM
-    assert ck.last_gemm_k(build_model(same, Switches(precision="fp32"),
-                                      "cpu").model.layers[0]) is None
+    assert ck.last_gemm_k(apply_switches(build_model(same, "cpu"),
+                                         Switches(precision="fp32")).model.layers[0]) is None
     assert ck.last_gemm_k(torch.nn.Linear(2, 2)) is None
 
 
@@ -352,17 +359,17 @@ def test_memory_model_per_layer():
 
 
 def test_memory_model_choices():
-    mm = ck.MemoryModel(fixed_gib=100.0, per_sample_none_gib=22.0, per_sample_full_gib=3.0,
+    mm = memory.MemoryModel(fixed_gib=100.0, per_sample_none_gib=22.0, per_sample_full_gib=3.0,
                         num_layers=32, capacity_gib=135.0)
     assert mm.largest_batch(0) == 1
     assert mm.largest_batch(32) == 11
     k = mm.min_ckpt_layers(2)
     assert mm.peak(2, k) <= 135.0 < mm.peak(2, k - 1)
     assert mm.min_ckpt_layers(20) is None
-    assert ck.largest_batch(10.0, 2.0, 9.0) == 0
-    assert ck.largest_batch(10.0, 0.5, 12.0) == 4
+    assert memory.largest_batch(10.0, 2.0, 9.0) == 0
+    assert memory.largest_batch(10.0, 0.5, 12.0) == 4
     with pytest.raises(ValueError):
-        ck.largest_batch(1.0, 0.0, 2.0)
+        memory.largest_batch(1.0, 0.0, 2.0)
 
 
 # ------------------------------------------------------------- benchmark machinery
@@ -394,8 +401,8 @@ class FakeProber:
         self.calls = []
 
     def __call__(self, batch):
-        inner = self.model.model
-        k, n = sum(inner.checkpointed_layers()), len(inner.layers)
+        flags = ck.checkpointed(self.model)
+        k, n = sum(flags), len(flags)
         peak = self.fixed + batch * (self.none - k / n * (self.none - self.full))
         self.calls.append((batch, k))
         if peak > self.real:
@@ -419,7 +426,7 @@ def _timer(probe, opt):
 @pytest.fixture
 def tiny_model():
     cfg = tiny()
-    model = build_model(cfg, Switches.naive("fp32"), "cpu")
+    model = apply_switches(build_model(cfg, "cpu"), Switches.naive("fp32"))
     return cfg, model, train.make_optimizer(model)
 
 
@@ -430,7 +437,8 @@ def test_auto_ratio_picks_fewest_layers(tiny_model, monkeypatch):
     out = memory.auto_ratio(probe, model, opt, batch=2)
     # none: 10 + 2·2 = 14 > 13.5; one of two layers: 10 + 2·1.25 = 12.5 fits
     assert out["auto_ratio_ckpt_layers"] == 1
-    assert model.model.checkpointed_layers() == (True, False)
+    assert ck.checkpointed(model) == (True, False)
+    assert model.switches.gradient_checkpoint_config.gradient_checkpointing_ratio == 0.5
     assert out["mem_fixed_gib"] == pytest.approx(10.0)
     assert out["mem_per_sample_none_gib"] == pytest.approx(2.0)
     assert out["mem_per_sample_full_gib"] == pytest.approx(0.5)
@@ -493,9 +501,9 @@ def test_measure_one_predicts_and_verifies_the_largest_batch(monkeypatch):
 
 def test_memory_probe_is_empty_on_cpu():
     cfg = tiny()
-    model = build_model(cfg, Switches.naive("fp32"), "cpu")
+    model = apply_switches(build_model(cfg, "cpu"), Switches.naive("fp32"))
     ids = torch.randint(0, cfg.vocab_size, (1, 8))
-    assert memory.memory_probe(model, train.our_loss, "fp32", ids, ids) == {}
+    assert memory.memory_probe(model, train.our_loss, ids, ids) == {}
 
 
 ROW_FIELDS = ("setup", "preset", "batch", "seq_len", "tokens_per_s", "mfu", "mfu_attn", "hfu",
@@ -526,7 +534,7 @@ def test_benchmark_setups_declared():
     names = bench_ckpt.SETUP_NAMES
     assert len(set(names)) == len(names)
     full_7b = [s for s in bench_ckpt.SETUPS if s.preset == "llama-7b"]
-    assert all(s.precision == "bf16-pure" == s.switches.precision for s in full_7b)
+    assert all(s.switches.precision == "bf16-pure" for s in full_7b)
     assert {s.name for s in bench_ckpt.SETUPS if s.find_largest_batch} == {
         s.name for s in bench_ckpt.SWEEP}
     assert all(s.iters >= 20 for s in bench_ckpt.SETUPS)
@@ -558,8 +566,9 @@ def test_attention_kernel_recomputed_or_kept(mode, attention_runs):
     layer without recompute or when "elementwise" keeps its output, twice otherwise."""
     cfg = MHA4
     conf = None if mode is None else Ckpt(mode=mode)
-    model = build_model(cfg, Switches(precision="fp32", enable_flash_attention="sdpa",
-                                      gradient_checkpoint_config=conf), "cpu")
+    model = apply_switches(build_model(cfg, "cpu"),
+                           Switches(precision="fp32", enable_flash_attention="sdpa",
+                                    gradient_checkpoint_config=conf))
     ids = torch.randint(0, cfg.vocab_size, (2, 24))
     with _CountOps() as ops:
         model(ids, ids).backward()
@@ -575,5 +584,5 @@ def test_delayed_fp8_with_selective_recompute_is_a_clear_error():
     sw = Switches(precision="fp8", extra={"fp8_scaling": "delayed"},
                   gradient_checkpoint_config=GradientCheckpointConfig(mode="selective"))
     with pytest.raises(ValueError, match="fp8_scaling='dynamic'"):
-        build_model(tiny(), sw, "cpu")
-    build_model(tiny(), sw.replace(extra={"fp8_scaling": "dynamic"}), "cpu")
+        apply_switches(build_model(tiny(), "cpu"), sw)
+    apply_switches(build_model(tiny(), "cpu"), sw.replace(extra={"fp8_scaling": "dynamic"}))

@@ -65,9 +65,36 @@ def test_setup_rules():
 
     with pytest.raises(ValueError, match="at least 20"):
         Setup("short", "short", iters=8)
-    assert Setup("p", "p", switches=Switches(precision="fp16")).precision == "fp16"
+    assert not hasattr(Setup("p", "p"), "precision")  # the switches hold it, only they
     with pytest.raises(ValueError, match="Hugging Face"):
         from colossal_lab.benchmarks.steps import build
 
         build(Setup("hf", "hf", impl="hf", switches=Switches(precision="fp8")), "tiny",
               torch.device("cpu"))
+
+
+def test_spot_check_rows_and_quick_run():
+    """`bench spot_check`: the recorded row found by FILE:SETUP, the verdict from
+    `compare.versus`, and the quick CPU run compares a fresh row with itself."""
+    from colossal_lab.benchmarks import spot_check
+
+    setup, recorded, prov = spot_check.find("precision_step:fp8-delayed", gpu="h200")
+    assert setup.switches.precision == "fp8" and recorded["setup"] == "fp8-delayed"
+    assert prov["git_sha"]
+    with pytest.raises(ValueError, match="FILE:SETUP"):
+        spot_check.find("precision_step")
+    with pytest.raises(ValueError, match="recorded rows"):
+        spot_check.find("precision_step:fp9", gpu="h200")
+    slower = {**recorded, "step_ms": recorded["step_ms_p90"] * 1.2,
+              "step_ms_p10": recorded["step_ms_p90"] * 1.1,
+              "step_ms_p90": recorded["step_ms_p90"] * 1.3}
+    row = spot_check.spot_row("x", recorded, prov, slower)
+    assert row["verdict"] == "slower" and not row["level"]
+    assert row["speedup_vs_recorded"] == pytest.approx(1 / 1.2 * recorded["step_ms"]
+                                                       / recorded["step_ms_p90"])
+    assert spot_check.spot_row("x", recorded, prov, recorded)["verdict"] == "level"
+    failed = spot_check.spot_row("x", recorded, prov, {"error": "out of memory"})
+    assert failed["error"] == "out of memory" and "verdict" not in failed
+    rows = spot_check.run(quick=True)
+    assert rows[0]["verdict"] == "level" and rows[0]["speedup_vs_recorded"] == 1.0
+    assert "level" in spot_check.summary(rows)

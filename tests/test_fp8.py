@@ -15,6 +15,7 @@ from colossal_lab.correctness import check_close
 from colossal_lab.kernels import fp8_cast
 from colossal_lab.model import build_model
 from colossal_lab.switches import fp8
+from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 from tests.conftest import requires_cuda
 
@@ -282,7 +283,7 @@ def test_delayed_gradient_history_updates():
 def test_convert_shares_parameters_and_state_dict(monkeypatch):
     monkeypatch.setattr("colossal_lab.fallback.WARNED", set())  # warned once per process: reset
     cfg = tiny()  # intermediate 172: the MLP linears cannot run in fp8
-    m = build_model(cfg, Switches(precision="fp32"), "cpu")
+    m = apply_switches(build_model(cfg, "cpu"), Switches(precision="fp32"))
     before = m.state_dict()
     params = {n: p for n, p in m.named_parameters()}
     with pytest.warns(UserWarning, match=r"mlp\.gate_proj \(64->172\)"):
@@ -314,10 +315,10 @@ def test_fp8_model_trains_close_to_fp32():
     cfg = tiny().replace(intermediate_size=176)
     ids = torch.randint(0, cfg.vocab_size, (2, 33))
     torch.manual_seed(0)
-    m32 = build_model(cfg, Switches(precision="fp32"), "cpu")
+    m32 = apply_switches(build_model(cfg, "cpu"), Switches(precision="fp32"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing may stay in bf16 here
-        m8 = build_model(cfg, Switches(precision="fp8"), "cpu")
+        m8 = apply_switches(build_model(cfg, "cpu"), Switches(precision="fp8"))
     m8.load_state_dict(m32.state_dict())
     assert len(fp8.fp8_modules(m8)) == cfg.num_hidden_layers * 7 + 1
     l32 = m32(ids[:, :-1], ids[:, 1:])
@@ -345,8 +346,9 @@ def test_full_checkpointing_recomputes_the_same_fp8(scaling, monkeypatch):
         return real_cast(*args, **kwargs)
 
     monkeypatch.setattr(fp8, "fp8_cast_transpose", counting_cast)
-    models = [build_model(cfg, Switches(precision="fp8", extra=extra,
-                                        gradient_checkpoint_config=ckpt), "cpu")
+    models = [apply_switches(build_model(cfg, "cpu"),
+                             Switches(precision="fp8", extra=extra,
+                                      gradient_checkpoint_config=ckpt))
               for ckpt in (None, GradientCheckpointConfig(mode="full"))]
     models[1].load_state_dict(models[0].state_dict())
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]

@@ -1,7 +1,8 @@
 """The package's import graph has no cycles, and the kernels import nothing above them.
 
 Read with `ast` from the source (every `import`, at module level or inside a function or
-an `if TYPE_CHECKING:` block), so a cycle that Python tolerates because one side imports
+an `if TYPE_CHECKING:` block, and the modules a package's `_LAZY` table loads on first
+attribute access), so a cycle that Python tolerates because one side imports
 lazily still fails here: a lazy import hides a design knot, it does not untie it.
 """
 
@@ -44,6 +45,9 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
                     up = package.split(".")[:len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
                 targets = [f"{base}.{a.name}" for a in node.names]
+            elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                  and any(getattr(t, "id", "") == "_LAZY" for t in node.targets)):
+                targets = [v.value for v in node.value.values]  # name -> module, lazily
             for t in targets:
                 if t.split(".")[0] == top and (dep := known(t)) and dep != mod:
                     graph[mod].add(dep)

@@ -7,6 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from colossal_lab import mfu
 from colossal_lab.config import ModelConfig, Switches, preset, tiny
 from colossal_lab.model import build_model
+from colossal_lab.switches.apply import apply_switches
 
 CFGS = [tiny(), ModelConfig(vocab_size=300, hidden_size=96, intermediate_size=200,
                             num_hidden_layers=3, num_attention_heads=3,
@@ -16,7 +17,7 @@ CFGS = [tiny(), ModelConfig(vocab_size=300, hidden_size=96, intermediate_size=20
 @pytest.mark.parametrize("cfg", CFGS, ids=["tiny", "mqa"])
 @pytest.mark.parametrize("batch,seq_len", [(2, 37), (1, 64)])
 def test_flops_match_flop_counter(cfg, batch, seq_len):
-    model = build_model(cfg, Switches.naive("fp32"), "cpu")
+    model = apply_switches(build_model(cfg, "cpu"), Switches.naive("fp32"))
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))
     with FlopCounterMode(display=False) as counter:
         model(ids, ids).backward()
@@ -25,7 +26,7 @@ def test_flops_match_flop_counter(cfg, batch, seq_len):
 
 def test_forward_only_is_a_third():
     cfg = tiny()
-    model = build_model(cfg, Switches.naive("fp32"), "cpu")
+    model = apply_switches(build_model(cfg, "cpu"), Switches.naive("fp32"))
     ids = torch.randint(0, cfg.vocab_size, (2, 40))
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(ids)

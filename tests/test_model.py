@@ -8,6 +8,7 @@ from colossal_lab import switches as switches_mod
 from colossal_lab.config import ModelConfig, Switches, preset, tiny
 from colossal_lab.model import build_model
 from colossal_lab.switches import BackendUnavailable, backends_in_use
+from colossal_lab.switches.apply import apply_switches
 from tests.conftest import MODEL_CONFIGS
 
 transformers = pytest.importorskip("transformers")
@@ -20,7 +21,7 @@ CONFIGS = {k: MODEL_CONFIGS[k] for k in ("tiny-gqa", "mha-odd", "mqa-tied")}
 def test_logits_equal_transformers(name, seq_len):
     cfg = CONFIGS[name]
     hf = transformers.LlamaForCausalLM(cfg.to_hf()).eval()
-    ours = build_model(cfg, Switches.naive("fp32"), "cpu").eval()
+    ours = apply_switches(build_model(cfg, "cpu"), Switches.naive("fp32")).eval()
     ours.load_hf_state_dict(hf.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, seq_len))
     with torch.no_grad():
@@ -34,7 +35,7 @@ def test_logits_equal_transformers(name, seq_len):
 def test_loss_and_grads_equal_transformers():
     cfg = tiny()
     hf = transformers.LlamaForCausalLM(cfg.to_hf())
-    ours = build_model(cfg, Switches.naive("fp32"), "cpu")
+    ours = apply_switches(build_model(cfg, "cpu"), Switches.naive("fp32"))
     ours.load_hf_state_dict(hf.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, 33))
     hf_loss = hf(input_ids=ids, labels=ids).loss
@@ -49,10 +50,10 @@ def test_loss_and_grads_equal_transformers():
 
 def test_state_dict_round_trip_is_exact():
     cfg = CONFIGS["mqa-tied"]
-    a = build_model(cfg, Switches.naive("fp32"), "cpu")
+    a = apply_switches(build_model(cfg, "cpu"), Switches.naive("fp32"))
     hf = a.to_hf()
-    b = build_model(cfg, Switches(enable_flash_attention=True,
-                                  enable_fused_normalization=True), "cpu")
+    b = apply_switches(build_model(cfg, "cpu"),
+                       Switches(enable_flash_attention=True, enable_fused_normalization=True))
     b.load_hf_state_dict(hf.state_dict())
     for k, v in a.hf_state_dict().items():
         assert torch.equal(v, b.hf_state_dict()[k]), k
@@ -68,9 +69,10 @@ def test_from_hf_config_round_trip():
 @pytest.mark.parametrize("norm", ["torch", True])
 def test_switches_keep_the_function(attn, norm):
     cfg = tiny()
-    naive = build_model(cfg, Switches.naive("fp32"), "cpu")
-    fast = build_model(cfg, Switches(enable_flash_attention=attn,
-                                     enable_fused_normalization=norm, precision="fp32"), "cpu")
+    naive = apply_switches(build_model(cfg, "cpu"), Switches.naive("fp32"))
+    fast = apply_switches(build_model(cfg, "cpu"),
+                          Switches(enable_flash_attention=attn, enable_fused_normalization=norm,
+                                   precision="fp32"))
     fast.load_state_dict(naive.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, 40))
     l1, l2 = naive(ids, ids), fast(ids, ids)
@@ -80,24 +82,6 @@ def test_switches_keep_the_function(attn, norm):
     g2 = dict(fast.named_parameters())
     for k, p in naive.named_parameters():
         assert torch.allclose(p.grad, g2[k].grad, atol=1e-5, rtol=1e-4), k
-
-
-def test_set_switches_in_place():
-    m = build_model(tiny(), Switches.naive("fp32"), "cpu")
-    m.set_switches(Switches(enable_flash_attention="sdpa",
-                            enable_fused_normalization="torch", precision="fp32"))
-    assert m.model.layers[0].self_attn.attention_backend == "sdpa"
-    assert m.model.norm.backend == "torch"
-
-
-def test_set_switches_refuses_another_precision():
-    """The precision shapes the model when it is built (bf16 parameters, fp8 linears):
-    set_switches cannot swap it and says to rebuild instead of ignoring it."""
-    m = build_model(tiny(), Switches.naive("fp32"), "cpu")
-    for precision in ("bf16", "bf16-pure", "fp8"):
-        with pytest.raises(ValueError, match=f"'fp32' to '{precision}'.*build_model"):
-            m.set_switches(Switches.naive(precision))
-    assert m.switches.precision == "fp32"
 
 
 HEAD_DIM_32 = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
@@ -119,16 +103,16 @@ def test_backends_in_use(switches, expected):
     under the interpreter, True means SDPA / torch / eager, fp8 "auto" emulates)."""
     if torch.cuda.is_available():
         pytest.skip("the expected names are the CPU's")
-    m = build_model(HEAD_DIM_32, switches, "cpu")
+    m = apply_switches(build_model(HEAD_DIM_32, "cpu"), switches)
     keys = ("attention_backend", "norm_backend", "swiglu_backend", "fp8_backend")
     assert backends_in_use(m) == dict(zip(keys, expected))
 
 
-def test_backends_in_use_after_fallback_and_set_switches(monkeypatch):
+def test_backends_in_use_after_fallback_and_a_swap(monkeypatch):
     """A backend that cannot run is recorded as what runs instead (strict mode: an
-    error), and an in-place switch change is seen."""
-    m = build_model(tiny(), Switches.naive("fp32"), "cpu")  # head_dim 16
-    m.set_switches(Switches.naive("fp32").replace(enable_flash_attention="triton"))
+    error), and a switch swapped in place is seen."""
+    m = apply_switches(build_model(tiny(), "cpu"), Switches.naive("fp32"))  # head_dim 16
+    apply_switches(m, Switches.naive("fp32").replace(enable_flash_attention="triton"))
     with pytest.raises(BackendUnavailable, match="head_dim"):
         backends_in_use(m)
     monkeypatch.delenv(switches_mod.STRICT_ENV)

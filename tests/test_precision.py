@@ -7,10 +7,12 @@ import torch
 import torch.nn as nn
 
 from colossal_lab import train
-from colossal_lab.config import PRECISIONS, Switches, tiny
+from colossal_lab.config import Switches, tiny
 from colossal_lab.correctness import check_close
 from colossal_lab.model import build_model
 from colossal_lab.switches import precision as P
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.switches.precision import PRECISIONS
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -94,9 +96,9 @@ def test_fp16_step_skips_overflow_end_to_end():
     """make_step in fp16: an absurd scale overflows, the weights stay, the scale halves;
     with the default scale training proceeds."""
     cfg = tiny()
-    m = build_model(cfg, Switches(precision="fp16"), "cpu")
+    m = apply_switches(build_model(cfg, "cpu"), Switches(precision="fp16"))
     opt = train.make_optimizer(m)
-    step = train.make_step(m, opt, "fp16")
+    step = train.make_step(m, opt)
     step.scaler.init_scale = 2.0**127
     ids = torch.randint(0, cfg.vocab_size, (2, 17))
     before = [p.detach().clone() for p in m.parameters()]
@@ -214,10 +216,10 @@ def test_master_adamw_state_dict_round_trip():
 
 
 def test_make_optimizer_picks_masters_for_bf16_params():
-    m = build_model(tiny(), Switches(precision="bf16-pure"), "cpu")
+    m = apply_switches(build_model(tiny(), "cpu"), Switches(precision="bf16-pure"))
     assert next(m.parameters()).dtype == torch.bfloat16
     assert isinstance(train.make_optimizer(m), P.MasterAdamW)
-    m32 = build_model(tiny(), Switches(precision="bf16"), "cpu")
+    m32 = apply_switches(build_model(tiny(), "cpu"), Switches(precision="bf16"))
     assert type(train.make_optimizer(m32)) is torch.optim.AdamW
 
 
@@ -229,9 +231,9 @@ def test_every_precision_learns(precision):
     """A repeated batch: the loss falls in every precision (clipping on)."""
     cfg = tiny().replace(intermediate_size=176)
     torch.manual_seed(0)
-    m = build_model(cfg, Switches(precision=precision), "cpu")
+    m = apply_switches(build_model(cfg, "cpu"), Switches(precision=precision))
     opt = train.make_optimizer(m, lr=3e-3)
-    step = train.make_step(m, opt, precision, micro_batches=2)
+    step = train.make_step(m, opt, micro_batches=2)
     ids = torch.randint(0, cfg.vocab_size, (4, 33))
     losses = [step(ids[:, :-1], ids[:, 1:]).item() for _ in range(6)]
     assert all(x == x for x in losses)

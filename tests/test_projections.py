@@ -13,7 +13,8 @@ from colossal_lab.benchmarks.steps import Setup
 from colossal_lab.config import ModelConfig, Switches, tiny
 from colossal_lab.correctness import check_close
 from colossal_lab.model import MLP, Attention, RotaryEmbedding, build_model
-from colossal_lab.switches import projections
+from colossal_lab.switches import attention, projections
+from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.projections import swiglu_fused_ref, swiglu_ref
 from tests.conftest import MODEL_CONFIGS, count_launches, requires_cuda
 
@@ -23,9 +24,23 @@ CONFIGS = {k: MODEL_CONFIGS[k] for k in ("tiny-gqa", "gqa-6:2-odd", "mha-3", "mq
 FUSED = ["eager", "triton"]  # the switch values; "compile" has its own test
 
 
+def _attention(cfg, value):
+    """One attention module (naive kernel) with the projections switch applied."""
+    m = Attention(cfg)
+    attention.apply(m, "naive")
+    projections.apply(m, value)
+    return m
+
+
+def _mlp(cfg, value):
+    m = MLP(cfg)
+    projections.apply(m, value)
+    return m
+
+
 def _model(cfg, value, precision="fp32"):
     sw = Switches.naive(precision).replace(enable_fused_projections=value)
-    return build_model(cfg, sw, "cpu")
+    return apply_switches(build_model(cfg, "cpu"), sw)
 
 
 def _grads_in_hf_layout(model) -> dict[str, torch.Tensor]:
@@ -36,7 +51,7 @@ def _grads_in_hf_layout(model) -> dict[str, torch.Tensor]:
         if name.endswith("qkv_proj.weight"):
             parts, sizes = ("q_proj", "k_proj", "v_proj"), mod.qkv_sizes()
         elif name.endswith("gate_up_proj.weight"):
-            parts, sizes = ("gate_proj", "up_proj"), [mod.intermediate_size] * 2
+            parts, sizes = ("gate_proj", "up_proj"), [mod.down_proj.in_features] * 2
         else:
             out[name] = p.grad
             continue
@@ -143,7 +158,7 @@ def test_triton_swiglu_runs_the_kernels(monkeypatch):
 
     launches = count_launches(monkeypatch, sk._swiglu_forward_kernel,
                               sk._swiglu_backward_kernel)
-    mlp = MLP(CONFIGS["tiny-gqa"], "triton").to(DEVICE)
+    mlp = _mlp(CONFIGS["tiny-gqa"], "triton").to(DEVICE)
     mlp(torch.randn(2, 5, 64, device=DEVICE)).sum().backward()
     assert launches == {"_swiglu_forward_kernel": 1, "_swiglu_backward_kernel": 1}
 
@@ -194,7 +209,7 @@ def _pair(module_fn, value):
 @pytest.mark.parametrize("value", FUSED)
 def test_attention_fused_equals_separate(name, value):
     cfg = CONFIGS[name]
-    sep, fused = _pair(lambda v: Attention(cfg, "naive", v), value)
+    sep, fused = _pair(lambda v: _attention(cfg, v), value)
     assert fused.fused and not sep.fused and type(fused.qkv_proj) is nn.Linear
     x = torch.randn(2, 11, cfg.hidden_size)
     cos, sin = RotaryEmbedding(cfg.head_dim, 64, cfg.rope_theta)(11, x.device)
@@ -216,7 +231,7 @@ def test_attention_fused_equals_separate(name, value):
 
 def test_fused_qkv_split_makes_no_copy():
     cfg = CONFIGS["gqa-6:2-odd"]
-    attn = Attention(cfg, "naive", True)
+    attn = _attention(cfg, True)
     q, k, v = attn.project_qkv(torch.randn(2, 5, cfg.hidden_size))
     assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() \
         == v.untyped_storage().data_ptr()
@@ -229,7 +244,7 @@ def test_mlp_fused_equals_separate(name, value):
     if value == "compile":
         pytest.importorskip("torch._inductor")
     cfg = CONFIGS[name]
-    sep, fused = _pair(lambda v: MLP(cfg, v), value)
+    sep, fused = _pair(lambda v: _mlp(cfg, v), value)
     x = torch.randn(3, 7, cfg.hidden_size)
     xs, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
     ys, yf = sep(xs), fused(xf)
@@ -332,14 +347,14 @@ def test_loss_and_grads_equal_transformers_with_fused_projections():
 # --------------------------------------------------------- conversion in place, fp8 swap
 
 
-def test_set_switches_converts_in_place_keeping_values():
+def test_apply_converts_in_place_keeping_values():
     cfg = CONFIGS["gqa-6:2-odd"]
     m = _model(cfg, False)
     before = {k: v.clone() for k, v in m.state_dict().items()}
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     with torch.no_grad():
         ref = m(ids)
-    m.set_switches(Switches.naive("fp32").replace(enable_fused_projections="triton"))
+    apply_switches(m, Switches.naive("fp32").replace(enable_fused_projections="triton"))
     layer = m.model.layers[0]
     assert layer.self_attn.fused and layer.mlp.fused and layer.mlp.activation == "triton"
     assert [n for n, _ in layer.self_attn.named_children()] == ["qkv_proj", "o_proj"]
@@ -349,9 +364,9 @@ def test_set_switches_converts_in_place_keeping_values():
     with torch.no_grad():
         check_close(m(ids), ref, name="fused", atol=1e-5, rtol=1e-5)
     w = layer.self_attn.qkv_proj.weight
-    m.set_switches(Switches.naive("fp32").replace(enable_fused_projections="eager"))
+    apply_switches(m, Switches.naive("fp32").replace(enable_fused_projections="eager"))
     assert layer.self_attn.qkv_proj.weight is w  # a backend change does not restack
-    m.set_switches(Switches.naive("fp32"))
+    apply_switches(m, Switches.naive("fp32"))
     assert [n for n, _ in layer.self_attn.named_children()] == ["q_proj", "k_proj",
                                                                  "v_proj", "o_proj"]
     for k, v in m.state_dict().items():
@@ -386,7 +401,7 @@ def test_linear_swap_keeps_hf_state_dict_and_blocks_conversion():
     assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
     m.load_state_dict(ref)
     with pytest.raises(TypeError, match="before swapping"):
-        m.set_switches(Switches.naive("fp32"))
+        projections.apply(m, False)
 
 
 # ------------------------------------------------------------------------ benchmark
@@ -458,8 +473,9 @@ def test_fused_step_matches_separate_on_gpu():
     step agrees, fused + Triton SwiGLU against separate."""
     cfg = ModelConfig(vocab_size=1024, num_hidden_layers=2, num_key_value_heads=8)
     base = Switches(enable_flash_attention=True)
-    sep = build_model(cfg, base, "cuda")
-    fused = build_model(cfg, base.replace(enable_fused_projections="triton"), "cuda")
+    sep = apply_switches(build_model(cfg, "cuda"), base)
+    fused = apply_switches(build_model(cfg, "cuda"),
+                           base.replace(enable_fused_projections="triton"))
     fused.load_state_dict(sep.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, 512), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -7,7 +7,8 @@ import torch
 from colossal_lab import data, mfu, train
 from colossal_lab.config import Switches, tiny
 from colossal_lab.model import build_model
-from colossal_lab.switches import checkpointing
+from colossal_lab.switches import checkpointing, precision
+from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 
 
@@ -17,9 +18,9 @@ def test_micro_batches_give_the_same_update():
     params = []
     for micro in (1, 4):
         torch.manual_seed(0)
-        m = build_model(cfg, Switches.naive("fp32"), "cpu")
+        m = apply_switches(build_model(cfg, "cpu"), Switches.naive("fp32"))
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        step = train.make_step(m, opt, "fp32", micro_batches=micro, clip=None)
+        step = train.make_step(m, opt, micro_batches=micro, clip=None)
         loss = step(ids[:, :-1], ids[:, 1:])
         params.append((loss, [p.detach().clone() for p in m.parameters()]))
     (l1, p1), (l4, p4) = params
@@ -49,8 +50,8 @@ def test_bf16_autocast_trains():
 
 def test_measure_step_row_fields():
     cfg = tiny()
-    m = build_model(cfg, Switches.naive("fp32"), "cpu")
-    step = train.make_step(m, train.make_optimizer(m), "fp32")
+    m = apply_switches(build_model(cfg, "cpu"), Switches.naive("fp32"))
+    step = train.make_step(m, train.make_optimizer(m))
     batches = data.random_batches(cfg.vocab_size, 2, 32, seed=0)
     meas = train.measure_step(step, batches, cfg=cfg, setup="x", preset="tiny", batch=2,
                               seq_len=32, warmup=1, iters=3, progress=False,
@@ -87,7 +88,7 @@ def test_bad_training_configs():
     with pytest.raises(ValueError, match="max_position_embeddings"):
         train.train(tiny(), seq_len=10_000, steps=1, data="random", progress=False)
     with pytest.raises(ValueError, match="choose one of"):
-        train.autocast("fp4", torch.device("cpu"))
+        precision.autocast("fp4", torch.device("cpu"))
 
 
 def test_gc_held_between_steps(monkeypatch):
@@ -108,8 +109,8 @@ def test_gc_held_between_steps(monkeypatch):
 
 def test_measure_step_keeps_every_step_and_gc_pause():
     cfg = tiny()
-    model = build_model(cfg, Switches(precision="fp32"), "cpu")
-    step = train.make_step(model, train.make_optimizer(model), "fp32")
+    model = apply_switches(build_model(cfg, "cpu"), Switches(precision="fp32"))
+    step = train.make_step(model, train.make_optimizer(model))
     batches = data.random_batches(cfg.vocab_size, 2, 16, seed=0, device="cpu")
     with pytest.raises(ValueError, match="gc_policy"):
         train.measure_step(step, batches, cfg=cfg, setup="x", preset="tiny", batch=2,
@@ -125,7 +126,7 @@ def test_measure_step_keeps_every_step_and_gc_pause():
 
 def test_tf32_only_inside_the_step():
     cfg = tiny()
-    model = build_model(cfg, Switches(precision="tf32"), "cpu")
+    model = apply_switches(build_model(cfg, "cpu"), Switches(precision="tf32"))
     seen = []
 
     def loss_fn(m, ids, labels):
@@ -133,7 +134,7 @@ def test_tf32_only_inside_the_step():
         return m(ids, labels)
 
     before = torch.backends.cuda.matmul.allow_tf32
-    step = train.make_step(model, train.make_optimizer(model), "tf32", loss_fn)
+    step = train.make_step(model, train.make_optimizer(model), loss_fn)
     ids = torch.randint(0, cfg.vocab_size, (2, 17))
     assert torch.isfinite(step(ids[:, :-1], ids[:, 1:]))
     assert seen == [True] and torch.backends.cuda.matmul.allow_tf32 == before

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "fused_qkv": "colossal_lab.benchmarks.fused_qkv",
     "fused_qkv_step": "colossal_lab.benchmarks.fused_qkv_step",
     "precision": "colossal_lab.benchmarks.precision",
+    "spot_check": "colossal_lab.benchmarks.spot_check",
     "step_noise": "colossal_lab.benchmarks.step_noise",
 }
 

@@ -146,10 +146,10 @@ def versus_none(rows: list[dict], baseline: str = "ckpt-none") -> list[dict]:
 
 
 def memory_model(rows: list[dict], none: str = "ckpt-none", full: str = "ckpt-full"):
-    """`checkpointing.MemoryModel` from two measured rows (their fixed and per-sample
+    """`memory.MemoryModel` from two measured rows (their fixed and per-sample
     memory); None when the rows lack the probes (a CPU run)."""
     from colossal_lab.config import preset
-    from colossal_lab.switches.checkpointing import MemoryModel
+    from colossal_lab.memory import MemoryModel
 
     by = ok_rows(rows)
     a, b = by.get(none), by.get(full)

@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch
 
-from colossal_lab.bench import peak_memory_gib, reset_peak_memory, tflops, time_fn
 from colossal_lab.results import save_results
+from colossal_lab.timing import peak_memory_gib, reset_peak_memory, tflops, time_fn
 
 SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 TOKENS = 16384

@@ -26,10 +26,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from colossal_lab.bench import gbps, time_fn, time_kernels
 from colossal_lab.hardware import measure_copy_gbps
 from colossal_lab.results import save_results
 from colossal_lab.switches import norm
+from colossal_lab.timing import gbps, time_fn, time_kernels
 
 OPS = ("rms_norm", "layer_norm", "add_rms_norm")
 PROVIDERS = ("eager", "torch", "compile", "triton", "liger", "apex", "separate")

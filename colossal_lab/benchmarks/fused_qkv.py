@@ -18,7 +18,7 @@ Two kinds of rows in one results file (`kind`), and the training step in its own
   projections separate, fused, and fused + Triton SwiGLU (`SETUPS`, each in its own
   process): `python -m colossal_lab bench fused_qkv_step` -> fused_qkv_step.json.
 
-Kernels are timed as CUDA-graph replays (`bench.time_cuda_graph`: the kernels alone,
+Kernels are timed as CUDA-graph replays (`timing.time_cuda_graph`: the kernels alone,
 L2 flushed before each replay) and, in the `*_eager_ms` columns, eagerly with
 `do_bench` (Python launches included: where three launches cost more than one).
 
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from colossal_lab import bench
+from colossal_lab import timing
 from colossal_lab.benchmarks.steps import Setup
 from colossal_lab.config import Switches, preset
 from colossal_lab.hardware import measure_copy_gbps, measure_matmul_tflops
@@ -97,11 +97,11 @@ def _time(fn, device) -> dict:
     """Eager (`do_bench`, ~50 ms of runs; CPU: a loop) and, on a GPU, CUDA-graph replay
     times in ms, with as many replays as fit in ~0.1 s (10 to 100): the whole GPU run
     stays within a few minutes."""
-    eager = bench.time_fn(fn, device=device, warmup_ms=10, rep_ms=50).median_ms
+    eager = timing.time_fn(fn, device=device, warmup_ms=10, rep_ms=50).median_ms
     if device.type != "cuda":
         return {"ms": eager, "eager_ms": eager, "timing": "perf_counter"}
     reps = int(min(100, max(10, 100 / max(eager, 1e-3))))
-    kernels, how = bench.time_kernels(fn, device=device, reps=reps)
+    kernels, how = timing.time_kernels(fn, device=device, reps=reps)
     return {"ms": kernels.median_ms, "eager_ms": eager, "timing": how}
 
 
@@ -148,8 +148,8 @@ def gemm_case(model: str, shape: Shape, proj: str, tokens: int, dtype, device,
             continue
         row.update(fwd_ms=f["ms"], fwd_bwd_ms=fb["ms"], fwd_eager_ms=f["eager_ms"],
                    fwd_bwd_eager_ms=fb["eager_ms"], timing=f["timing"],
-                   fwd_tflops=bench.tflops(fwd_flops, f["ms"]),
-                   fwd_bwd_tflops=bench.tflops(3 * fwd_flops, fb["ms"]))
+                   fwd_tflops=timing.tflops(fwd_flops, f["ms"]),
+                   fwd_bwd_tflops=timing.tflops(3 * fwd_flops, fb["ms"]))
         rows.append(row)
     sep = next((r for r in rows if r["provider"] == "separate" and "error" not in r), None)
     for r in rows:  # > 1: faster than three separate GEMMs, in this same run
@@ -229,7 +229,7 @@ def swiglu_case(provider: str, tokens: int, inter: int, dtype, device) -> dict:
     for k, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes),
                       ("fwd_bwd", fwd_bytes + bwd_bytes)):
         row[f"{k}_ms"] = timings[k]["ms"]
-        row[f"{k}_gbps"] = bench.gbps(nbytes, timings[k]["ms"])
+        row[f"{k}_gbps"] = timing.gbps(nbytes, timings[k]["ms"])
     return row
 
 

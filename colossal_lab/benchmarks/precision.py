@@ -34,10 +34,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from colossal_lab.bench import tflops, time_kernels
 from colossal_lab.benchmarks.steps import Setup, run_setups, step_config
 from colossal_lab.config import ModelConfig, Switches, tiny
 from colossal_lab.switches import fp8
+from colossal_lab.switches import precision as P
+from colossal_lab.timing import tflops, time_kernels
 
 LINEARS = (("q/k/v/o_proj", 4096, 4096), ("qkv_proj", 4096, 12288),
            ("gate/up_proj", 4096, 11008), ("gate_up_proj", 4096, 22016),
@@ -97,7 +98,7 @@ def _linear_fn(provider: str, x, w, dy):
                                      use_fast_accum=True)
     if provider == "bf16_linear":
         def bf16_linear():
-            with torch.autocast(dev, dtype=torch.bfloat16):
+            with P.autocast("bf16", dev):
                 y = F.linear(x, w)
             return torch.autograd.grad(y, (x, w), dy)
         return bf16_linear
@@ -107,7 +108,7 @@ def _linear_fn(provider: str, x, w, dy):
     mod = fp8.Fp8Linear.from_linear(lin, fp8.Fp8Config(scaling=scaling))
 
     def fp8_linear():
-        with torch.autocast(dev, dtype=torch.bfloat16):
+        with P.autocast("bf16", dev):
             y = mod(x)
         return torch.autograd.grad(y, (x, w), dy)
     return fp8_linear

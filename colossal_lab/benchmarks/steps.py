@@ -6,7 +6,7 @@ out-of-memory in one cannot poison the next and compile caches do not leak betwe
 them; a failure becomes a row with an `error` field. The chapters declare their setups
 (`baseline.SETUPS`, `switch_deltas`), this module times them.
 
-Memory is measured too, on a GPU (`benchmarks.memory`): the activation memory of one
+Memory is measured too, on a GPU (`colossal_lab.memory`): the activation memory of one
 extra forward+backward, and, when a setup asks, the largest batch that fits
 (`Setup.find_largest_batch`) or the fewest checkpointed layers that fit its batch
 (`Setup.auto_ratio`, chapter 04).
@@ -37,7 +37,8 @@ class Setup:
     label: str
     impl: str = "ours"
     switches: Switches = field(default_factory=Switches)
-    """What to turn on; its `precision` is the setup's, for Hugging Face's model too."""
+    """What to turn on (`apply_switches`); its `precision` is the setup's, for Hugging
+    Face's model too (which takes only the precision)."""
     compile: bool = False
     liger: bool = False
     micro_batch: int | None = None
@@ -64,11 +65,6 @@ class Setup:
             raise ValueError(f"{self.name}: iters={self.iters}; time at least 20 steps "
                              "on a GPU, or the p10-p90 spread means nothing")
 
-    @property
-    def precision(self) -> str:
-        """One place holds the precision: the switches (no second field to disagree)."""
-        return self.switches.precision
-
     def to_json(self) -> str:
         d = dataclasses.asdict(self)  # nested dataclasses (a checkpoint config) as dicts
         return json.dumps(d)
@@ -87,21 +83,23 @@ class Setup:
 
 
 def build(setup: Setup, preset_name: str, device: torch.device):
-    """The model for `setup` on `device` with fp32 weights, and its loss function."""
+    """The model for `setup` on `device`, its switches applied (`apply_switches`), and
+    its loss function."""
     from colossal_lab import train
     from colossal_lab.model import build_model
+    from colossal_lab.switches.apply import apply_switches
 
     cfg = preset(preset_name)
     if setup.impl == "ours":
-        model = build_model(cfg, setup.switches, device)
+        model = apply_switches(build_model(cfg, device), setup.switches)
         if setup.compile:
             model = torch.compile(model)
         return model, train.our_loss
     if setup.impl != "hf":
         raise ValueError(f"impl={setup.impl!r}; choose 'ours' or 'hf'")
-    if setup.precision not in ("bf16", "fp32"):
+    if setup.switches.precision not in ("bf16", "fp32"):
         raise ValueError(f"{setup.name}: Hugging Face setups run 'bf16' (autocast) or "
-                         f"'fp32', not {setup.precision!r}")
+                         f"'fp32', not {setup.switches.precision!r}")
     from transformers import AutoModelForCausalLM
 
     if setup.liger:
@@ -113,6 +111,7 @@ def build(setup: Setup, preset_name: str, device: torch.device):
     with device:
         model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
     model.train()
+    apply_switches(model, setup.switches)  # its precision; a kernel switch is an error
     if setup.compile:
         model = torch.compile(model)
     return model, train.hf_loss
@@ -125,8 +124,8 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
     On a GPU the row also carries the memory probes' fields (`memory.memory_probe`)
     and, when the setup asks, the largest batch (`find_largest_batch`) and the ratio
     chosen to fit (`auto_ratio`)."""
-    from colossal_lab import train
-    from colossal_lab.benchmarks import memory
+    from colossal_lab import memory, train
+    from colossal_lab.switches import precision
 
     preset_name, batch = setup.preset or preset_name, setup.batch or batch
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -136,7 +135,8 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
     micro = min(setup.micro_batch or batch, batch)
     opt = train.make_optimizer(model)
     quick = device.type == "cpu"
-    extra = {"label": setup.label, "precision": setup.precision, **ran_backends(model, setup)}
+    extra = {"label": setup.label, "precision": precision.of(model),
+             **ran_backends(model, setup)}
     probe = memory.Prober(model, loss_fn, setup, cfg, seq_len, device)
     if setup.auto_ratio:
         extra.update(memory.auto_ratio(probe, model, opt, batch))
@@ -174,7 +174,7 @@ def time_setup(model, opt, loss_fn, setup: Setup, cfg, preset_name: str, batch: 
     from colossal_lab import data, train
 
     micro = micro or batch
-    step = train.make_step(model, opt, setup.precision, loss_fn, micro_batches=batch // micro)
+    step = train.make_step(model, opt, loss_fn, micro_batches=batch // micro)
     batches = data.random_batches(cfg.vocab_size, batch, seq_len, seed=seed, device=device)
     recompute = recompute_accounting(model, setup, cfg, batch, seq_len, device)
     m = train.measure_step(step, batches, cfg=cfg, setup=setup.name, preset=preset_name,
@@ -196,7 +196,7 @@ def recompute_accounting(model, setup: Setup, cfg, batch: int, seq_len: int,
     from colossal_lab.switches import checkpointing
     from colossal_lab.switches.attention import resolve_backend
 
-    config = getattr(getattr(model, "model", None), "gradient_checkpoint_config", None)
+    config = getattr(model, "_orig_mod", model).switches.gradient_checkpoint_config
     if setup.impl != "ours" or config is None:
         return {"recompute_flops": 0.0, "ckpt_mode": None, "ckpt_layers": 0,
                 "ckpt_ratio": 0.0}

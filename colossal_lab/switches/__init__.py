@@ -1,4 +1,6 @@
-"""One module per throughput switch: reference, dispatch, autograd wiring, module.
+"""One module per throughput switch: reference, dispatch, autograd wiring, and the
+`apply(model, value)` that sets it on a model in place; `apply_switches`
+(`switches.apply`) applies them all in their fixed order.
 
 A backend asked for by name that cannot run here goes through `fallback` (one warning,
 or `BackendUnavailable` under ``COLOSSAL_LAB_STRICT=1``; see `colossal_lab.fallback`,
@@ -17,12 +19,15 @@ from colossal_lab.fallback import (  # noqa: F401  (re-exported)
     warn_once,
 )
 
+_LAZY = {"backends_in_use": "colossal_lab.switches.resolved",
+         "apply_switches": "colossal_lab.switches.apply"}
+"""Loaded on use: `backends_in_use` inspects the model, which imports the switches, and
+`apply_switches` imports every switch; importing one switch imports neither."""
+
 
 def __getattr__(name: str):
-    # `backends_in_use` inspects the model, which imports the switches: loaded on use,
-    # so that importing a switch never imports the model back
-    if name == "backends_in_use":
-        from colossal_lab.switches.resolved import backends_in_use
+    if name in _LAZY:
+        import importlib
 
-        return backends_in_use
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

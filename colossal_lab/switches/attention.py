@@ -193,3 +193,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                               causal=causal)  # (B, S, H, D) layout
         return out.transpose(1, 2)
     raise AssertionError(name)
+
+
+def apply(model: torch.nn.Module, backend) -> int:
+    """Switch 1 on `model`, in place: every attention module (one whose class has an
+    `attention_backend`, like `model.Attention`) runs `backend` from its next call;
+    returns how many modules were set.
+    The name is checked now; whether it runs on this device is decided per call
+    (`resolve_backend`), where the dtype and head dim are known."""
+    if not (backend is True or backend is False or backend is None or backend in BACKENDS):
+        raise ValueError(f"enable_flash_attention={backend!r}; choose False (naive), True "
+                         f"(best available) or one of {BACKENDS}")
+    count = 0
+    for m in model.modules():
+        if hasattr(type(m), "attention_backend"):
+            m.attention_backend = backend
+            count += 1
+    return count

@@ -98,11 +98,12 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from colossal_lab.switches.replay import Replay, ReplayPhase, current_replay  # noqa: F401
 
 MODES = ("full", "selective", "elementwise")
 _EPS = 1e-9  # tolerance of floor(ratio * layers) against binary floating point
@@ -241,6 +242,58 @@ def checkpoint_plan(config: GradientCheckpointConfig | None, num_layers: int | N
     return tuple(flags)
 
 
+# ------------------------------------------------------------------------- the switch
+
+
+def layer_lists(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
+    """The transformer-layer lists of `model`: every `nn.ModuleList` named `layers`
+    (ours, Hugging Face's, one per pipeline chunk once pipelines slice them)."""
+    return [m for name, m in model.named_modules()
+            if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"]
+
+
+def _recomputing_forward(layer, mode: str, skip_gemm_k: int | None, *args, **kwargs):
+    """A checkpointed layer's forward: the class's own forward, recomputed in the
+    backward while training with gradients on, run as it is otherwise (evaluation)."""
+    plain = functools.partial(type(layer).forward, layer, **kwargs)
+    if layer.training and torch.is_grad_enabled():
+        return checkpoint(plain, *args, mode=mode, skip_gemm_k=skip_gemm_k)
+    return plain(*args)
+
+
+def apply(model: torch.nn.Module, config, stage: tuple[int, int, int, int] | None = None
+          ) -> int:
+    """Switch 4 on `model`, in place: the layers `config` picks recompute their forward
+    in the backward (None: none does); returns how many.
+
+    A checkpointed layer keeps its class and its parameters (state dicts and names do
+    not change); it gets an instance `forward` that runs the class's forward under
+    `checkpoint`, and loses it again when a later config leaves it out. `stage` is
+    (stage, num_stages, model_chunk_id, num_model_chunks) of the layers held here, for
+    pipeline code; None: the whole model is one stage. Checked now, so a bad
+    per-stage list fails here and not in the first training step."""
+    config = resolve(config)
+    stage_id, num_stages, chunk, num_chunks = stage or (0, 1, 0, 1)
+    count = 0
+    for layers in layer_lists(model):
+        n = len(layers)
+        k = 0 if config is None else config.num_ckpt_layers(stage_id, num_stages, n,
+                                                            chunk, num_chunks)
+        for i, layer in enumerate(layers):
+            layer.__dict__.pop("forward", None)  # back to the class's forward
+            if i < k:  # the first k, as ColossalAI
+                layer.forward = functools.partial(_recomputing_forward, layer,
+                                                  config.mode, last_gemm_k(layer))
+        count += k
+    return count
+
+
+def checkpointed(model: torch.nn.Module) -> tuple[bool, ...]:
+    """One flag per transformer layer of `model`, in order: does it recompute?"""
+    return tuple("forward" in layer.__dict__ for layers in layer_lists(model)
+                 for layer in layers)
+
+
 # ----------------------------------------------------------------- what is recomputed
 
 
@@ -306,68 +359,6 @@ def last_gemm_k(layer) -> int | None:
     return None if k in others else k
 
 
-class Replay:
-    """What a checkpointed forward hands to its recompute, for layers that have state.
-
-    A recompute must compute what the original forward computed. Stateless layers do
-    (same inputs; `torch.utils.checkpoint` restores the RNG and autocast state). A layer
-    that reads and advances state in its forward would not: fp8 delayed scaling takes
-    its scale from an amax history that each cast extends, so a recompute would scale
-    with a history the original forward already advanced, and advance it again. Such a
-    layer asks `current_replay()`: in the original forward it `put`s what it used, in
-    the recompute (`recomputing` True) it `take`s that back and leaves its state alone.
-    One Replay per checkpointed call, held by that call's contexts: a forward whose
-    backward never runs leaves nothing behind."""
-
-    def __init__(self) -> None:
-        self.recomputing = False
-        self._values: dict[object, list] = {}  # owner -> values, in call order
-        self._taken: dict[object, int] = {}
-
-    def put(self, owner, value) -> None:
-        self._values.setdefault(owner, []).append(value)
-
-    def take(self, owner):
-        i = self._taken.get(owner, 0)
-        values = self._values.get(owner, [])
-        if i >= len(values):
-            raise RuntimeError(f"the recompute called {owner!r} more often than the "
-                               "checkpointed forward did: not a deterministic layer")
-        self._taken[owner] = i + 1
-        return values[i]
-
-
-_LOCAL = threading.local()  # the recompute runs in the autograd engine's thread
-
-
-class _ReplayPhase:
-    """Makes `replay` current in this thread for the original forward or for the
-    recompute, inside `inner` (a selective policy's context or None). Re-enterable: a
-    graph run backward twice recomputes twice."""
-
-    def __init__(self, replay: Replay, recomputing: bool, inner=None):
-        self.replay, self.recomputing, self.inner = replay, recomputing, inner
-
-    def __enter__(self):
-        if self.inner is not None:
-            self.inner.__enter__()
-        self.prev = getattr(_LOCAL, "replay", None)
-        self.replay.recomputing = self.recomputing
-        self.replay._taken.clear()
-        _LOCAL.replay = self.replay
-        return self
-
-    def __exit__(self, *exc):
-        _LOCAL.replay = self.prev
-        return self.inner.__exit__(*exc) if self.inner is not None else False
-
-
-def current_replay() -> Replay | None:
-    """The `Replay` of the checkpointed call running now in this thread (its original
-    forward or its recompute), or None outside checkpointed layers."""
-    return getattr(_LOCAL, "replay", None)
-
-
 def checkpoint(fn, *args, mode: str = "full", skip_gemm_k: int | None = None):
     """`fn(*args)` with its activations recomputed in the backward (non-reentrant
     `torch.utils.checkpoint`); `mode` picks what is kept (see the module docstring),
@@ -385,7 +376,7 @@ def checkpoint(fn, *args, mode: str = "full", skip_gemm_k: int | None = None):
     def context_fn():
         replay = Replay()
         fwd, rec = selective() if selective is not None else (None, None)
-        return _ReplayPhase(replay, False, fwd), _ReplayPhase(replay, True, rec)
+        return ReplayPhase(replay, False, fwd), ReplayPhase(replay, True, rec)
 
     return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
 
@@ -482,52 +473,3 @@ def activation_elements_per_token(cfg, mode: str | None) -> dict:
     if mode == "elementwise":
         return {**gemm, "attn out": q}
     raise ValueError(f"mode={mode!r}; choose None or one of {MODES}")
-
-
-# ------------------------------------------------------------------ choosing the ratio
-
-
-@dataclass(frozen=True)
-class MemoryModel:
-    """Peak memory of a training step as a straight line in the batch:
-
-        peak(batch, k) = fixed + batch · (none − k / L · (none − full))
-
-    `fixed` is what does not grow with the batch (weights, gradients, optimizer
-    states, workspaces); `none` / `full` the memory one more sequence costs with no / all
-    L layers checkpointed. Fitted from a few measured passes (`benchmarks.steps`), it
-    answers the two questions of chapter 04: how large a batch fits, and the smallest
-    number of checkpointed layers that fits a batch."""
-
-    fixed_gib: float
-    per_sample_none_gib: float
-    per_sample_full_gib: float
-    num_layers: int
-    capacity_gib: float
-    """What the allocator can hand out (device memory less the CUDA context), less a
-    safety margin for fragmentation."""
-
-    def per_sample(self, ckpt_layers: int) -> float:
-        saved = self.per_sample_none_gib - self.per_sample_full_gib
-        return self.per_sample_none_gib - ckpt_layers / self.num_layers * saved
-
-    def peak(self, batch: int, ckpt_layers: int) -> float:
-        return self.fixed_gib + batch * self.per_sample(ckpt_layers)
-
-    def largest_batch(self, ckpt_layers: int) -> int:
-        """The largest batch whose peak fits (0 when not even one sequence does)."""
-        return largest_batch(self.fixed_gib, self.per_sample(ckpt_layers), self.capacity_gib)
-
-    def min_ckpt_layers(self, batch: int) -> int | None:
-        """The fewest checkpointed layers that fit `batch` (None: not even all do)."""
-        for k in range(self.num_layers + 1):
-            if self.peak(batch, k) <= self.capacity_gib:
-                return k
-        return None
-
-
-def largest_batch(fixed_gib: float, per_sample_gib: float, capacity_gib: float) -> int:
-    """floor((capacity − fixed) / per sample), at least 0."""
-    if per_sample_gib <= 0:
-        raise ValueError(f"per-sample memory {per_sample_gib} GiB must be positive")
-    return max(0, math.floor((capacity_gib - fixed_gib) / per_sample_gib + _EPS))

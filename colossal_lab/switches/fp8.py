@@ -52,7 +52,7 @@ import torch.nn as nn
 
 from colossal_lab.fallback import warn_once
 from colossal_lab.kernels.fp8_cast import EPS, fp8_amax, fp8_cast_transpose, padded
-from colossal_lab.switches import checkpointing
+from colossal_lab.switches.replay import current_replay
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ class _Scaler:
     cast (while training) writes its amax into the ring. Nothing here syncs the host.
 
     Under gradient checkpointing a layer's forward runs twice; the recompute takes the
-    scale source the original forward used (`checkpointing.Replay`), so it quantises
+    scale source the original forward used (`replay.Replay`), so it quantises
     bit for bit as the forward did and the history advances once per step."""
 
     def __init__(self, module: Fp8Linear, role: str, fmt: Fp8Format):
@@ -232,7 +232,7 @@ class _Scaler:
         cfg = self.module.fp8_config
         delayed = cfg.scaling == "delayed"
         amax_out = None
-        replay = checkpointing.current_replay()  # inside a checkpointed layer?
+        replay = current_replay()  # inside a checkpointed layer?
         recompute = replay is not None and replay.recomputing
         if recompute:  # the scale of the original forward; the history moves once
             src = replay.take(self)
@@ -403,6 +403,38 @@ def convert_to_fp8(model: nn.Module, config: Fp8Config | None = None, *,
     return converted
 
 
+def revert(model: nn.Module) -> int:
+    """The inverse of `convert_to_fp8`, in place: every `Fp8Linear` becomes a plain
+    `nn.Linear` holding the same Parameters (amax histories are dropped); returns how
+    many modules were swapped."""
+    done: dict[int, nn.Linear] = {}
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, Fp8Linear):
+                continue
+            if id(child) not in done:
+                lin = nn.Linear(child.in_features, child.out_features,
+                                bias=child.bias is not None, device="meta")
+                lin.weight, lin.bias = child.weight, child.bias
+                lin.train(child.training)
+                done[id(child)] = lin
+            setattr(parent, name, done[id(child)])
+            count += 1
+    return count
+
+
+def check_with_checkpointing(extra: dict, checkpoint_config) -> None:
+    """Delayed scaling updates its amax history inside the forward, so a selective
+    recompute (which replays some ops and not others) cannot hand it back: refused."""
+    if (extra.get("fp8_scaling") == "delayed"
+            and getattr(checkpoint_config, "mode", "full") != "full"):
+        raise ValueError(
+            "fp8_scaling='delayed' updates its amax history inside the forward, so a "
+            f"selective recompute (mode={checkpoint_config.mode!r}) replays different "
+            "ops; use fp8_scaling='dynamic' or GradientCheckpointConfig(mode='full')")
+
+
 def fp8_modules(model: nn.Module) -> list[Fp8Linear]:
     return [m for m in model.modules() if isinstance(m, Fp8Linear)]
 
@@ -415,5 +447,6 @@ def with_config(model: nn.Module, **changes) -> None:
 
 __all__ = ["E4M3", "E5M2", "Fp8Config", "Fp8Format", "Fp8Linear", "Fp8LinearFunction",
            "amax_to_scale", "check_fp8_supported", "convert_to_fp8", "dequantize",
-           "fp8_eligible", "fp8_linear", "fp8_linear_ref", "fp8_modules", "padded",
-           "quantize", "resolve_backend", "scaled_mm", "with_config"]
+           "check_with_checkpointing", "fp8_eligible", "fp8_linear", "fp8_linear_ref",
+           "fp8_modules", "padded", "quantize", "resolve_backend", "revert", "scaled_mm",
+           "with_config"]

@@ -350,3 +350,18 @@ class LayerNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}, "
                 f"backend={self.backend!r}")
+
+
+def apply(model: nn.Module, backend) -> int:
+    """Switch 2 on `model`, in place: every `RMSNorm` and `LayerNorm` runs `backend`
+    from its next call (checked now; fallback decided per call, `resolve_backend`);
+    returns how many modules were set."""
+    if not (backend is True or backend is False or backend is None or backend in BACKENDS):
+        raise ValueError(f"enable_fused_normalization={backend!r}; choose False (eager), "
+                         f"True (best available) or one of {BACKENDS}")
+    count = 0
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, LayerNorm)):
+            m.backend = backend
+            count += 1
+    return count

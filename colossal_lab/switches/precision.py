@@ -31,18 +31,120 @@ the optimizer only: `MasterAdamW` updates fp32 masters with fp32 Adam moments an
 the rounded result back into the bf16 parameters.
 
 fp8 is its own module, `colossal_lab.switches.fp8`.
+
+**The one place.** `POLICIES` is that table as data, and this module is where the rest
+of the library asks: `apply` sets the parameter dtype and the fp8 linears (called by
+`apply_switches`), `step_context` gives the autocast and TF32 mode of a step,
+`loss_scaler` the fp16 loss scaler, `make_optimizer` the optimizer with or without
+master weights, and `of(model)` what a model was given.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
-AUTOCAST_DTYPE = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "bf16-pure": None,
-                  "fp16": torch.float16, "fp8": torch.bfloat16}
-"""The autocast dtype of each precision (fp8 linears run inside a bf16 autocast)."""
+PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Everything a precision decides; the rest of the library asks `policy(name)`."""
+
+    name: str
+    param_dtype: torch.dtype
+    """What the parameters (and so their gradients) are stored in."""
+    autocast_dtype: torch.dtype | None
+    """The autocast dtype of forward and loss (None: no autocast)."""
+    tf32: bool
+    """fp32 matmuls run on the tensor cores in TF32 (`matmul_mode`)."""
+    loss_scaling: bool
+    """Dynamic loss scaling (`DynamicLossScaler`)."""
+    fp8: bool
+    """Eligible linears become `fp8.Fp8Linear` (options from `Switches.extra`)."""
+    master_weights: bool
+    """The optimizer keeps fp32 master weights (`MasterAdamW`): low-precision params."""
+
+
+POLICIES = {p.name: p for p in (
+    Policy("fp32", torch.float32, None, False, False, False, False),
+    Policy("tf32", torch.float32, None, True, False, False, False),
+    Policy("bf16", torch.float32, torch.bfloat16, False, False, False, False),
+    Policy("bf16-pure", torch.bfloat16, None, False, False, False, True),
+    Policy("fp16", torch.float32, torch.float16, False, True, False, False),
+    Policy("fp8", torch.float32, torch.bfloat16, False, False, True, False),
+)}
+"""The table of the module docstring, as data (fp8 linears run in a bf16 autocast). MFU
+is reported against the bf16 peak for every precision, so that a faster format shows
+as a higher MFU."""
+
+AUTOCAST_DTYPE = {name: p.autocast_dtype for name, p in POLICIES.items()}
+"""The autocast dtype of each precision."""
+
+
+def policy(precision: str) -> Policy:
+    """The `Policy` of a precision name; a clear error for an unknown one."""
+    try:
+        return POLICIES[precision]
+    except KeyError:
+        raise ValueError(f"precision={precision!r}; choose one of {PRECISIONS}") from None
+
+
+def of(model: torch.nn.Module) -> str:
+    """The precision applied to `model` (`apply_switches`), "fp32" for a plain one."""
+    model = getattr(model, "_orig_mod", model)  # through torch.compile's wrapper
+    switches = getattr(model, "switches", None)
+    return "fp32" if switches is None else switches.precision
+
+
+def apply(model: torch.nn.Module, precision: str, extra: dict | None = None) -> int:
+    """Switch 6 on `model`, in place: parameters stored in the policy's dtype and, for
+    "fp8", every eligible `nn.Linear` swapped for an `Fp8Linear` sharing its weight
+    (options in `extra`: fp8_scaling, fp8_history, fp8_skip, fp8_backend, ...). fp8
+    linears from an earlier application are first turned back into plain ones (their
+    amax histories restart). Autocast, TF32, loss scaling and the optimizer are
+    applied per step: `step_context`, `loss_scaler`, `make_optimizer`. Returns how many
+    linears are fp8."""
+    from colossal_lab.switches import fp8
+
+    pol, extra = policy(precision), extra or {}
+    fp8.revert(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != pol.param_dtype:
+                p.data = p.data.to(pol.param_dtype)
+    if not pol.fp8:
+        return 0
+    fp8.check_fp8_supported(next(model.parameters()).device)
+    return len(fp8.convert_to_fp8(model, fp8.Fp8Config.from_extra(extra),
+                                  skip=tuple(extra.get("fp8_skip", ()))))
+
+
+@contextlib.contextmanager
+def step_context(precision: str, device: torch.device | str):
+    """Around a forward and its loss: the policy's TF32 matmul mode and autocast."""
+    with matmul_mode(precision), autocast(precision, device):
+        yield
+
+
+def loss_scaler(precision: str) -> DynamicLossScaler | None:
+    """A fresh `DynamicLossScaler` when the policy scales the loss (fp16), else None."""
+    return DynamicLossScaler() if policy(precision).loss_scaling else None
+
+
+def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.1):
+    """AdamW for `model`'s precision: `MasterAdamW` (fp32 masters and moments) when its
+    parameters are stored in low precision, else torch's AdamW, the fused CUDA kernel
+    when the parameters are on a GPU. Build it after `apply_switches`: fusing
+    projections makes new Parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if policy(of(model)).master_weights or is_low_precision(params):
+        return MasterAdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
+                             fused=params[0].is_cuda or None)
 
 
 @contextlib.contextmanager
@@ -50,7 +152,7 @@ def matmul_mode(precision: str):
     """Around a whole step (forward, backward, optimizer): "tf32" lets fp32 matmuls and
     convolutions run on the tensor cores in TF32; PyTorch's default, which "fp32"
     keeps, is full fp32 (on an H100/H200 about 8x slower). The flags are restored."""
-    if precision != "tf32":
+    if not policy(precision).tf32:
         yield
         return
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -63,9 +165,7 @@ def matmul_mode(precision: str):
 
 def autocast(precision: str, device: torch.device | str):
     """The autocast context for `precision` (fp32 and bf16-pure need none)."""
-    if precision not in AUTOCAST_DTYPE:
-        raise ValueError(f"precision={precision!r}; choose one of {tuple(AUTOCAST_DTYPE)}")
-    dtype = AUTOCAST_DTYPE[precision]
+    dtype = policy(precision).autocast_dtype
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=dtype)

@@ -180,8 +180,8 @@ def _check_plain(lin: nn.Module, name: str) -> None:
     if type(lin) is not nn.Linear:
         raise TypeError(
             f"{name} is a {type(lin).__name__}, not a plain nn.Linear: convert the "
-            "projections (set_switches / enable_fused_projections) before swapping the "
-            "linear layers (e.g. for fp8), not after")
+            "projections (enable_fused_projections) before swapping the linear layers "
+            "(e.g. for fp8), not after; apply_switches does so in that order")
 
 
 def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: bool
@@ -241,12 +241,18 @@ def split_linear(module: nn.Module, fused: str, parts: list[str], sizes: list[in
 
 
 def register_hf_layout(module: nn.Module, fused: str, parts: tuple[str, ...],
-                       sizes_fn) -> None:
+                       sizes: list[int]) -> None:
     """Make `module` save and load the separate layout (children `parts`) whether it
-    holds them or one fused child `fused`; `sizes_fn(module)` gives the row split.
+    holds them or one fused child `fused` of `sizes` rows each. Registered once per
+    module and fused child (`apply` calls it when it fuses).
 
     Hooks sit on the parent, not in a Linear subclass, so the fused child stays a plain
     nn.Linear that other passes may swap."""
+    known = module.__dict__.setdefault("_fused_sizes", {})
+    first = fused not in known
+    known[fused] = list(sizes)
+    if not first:
+        return
 
     def save(mod, state_dict, prefix, local_metadata):
         key = prefix + fused + "."
@@ -257,7 +263,7 @@ def register_hf_layout(module: nn.Module, fused: str, parts: tuple[str, ...],
         keys = list(state_dict)
         first = next(i for i, k in enumerate(keys) if k.startswith(key))
         tail = [(k, state_dict.pop(k)) for k in keys[first:]]
-        sizes = sizes_fn(mod)
+        sizes = mod._fused_sizes[fused]
         for k, v in tail:
             if k.startswith(key):
                 with torch.no_grad():  # row views: no copy, no autograd history
@@ -280,9 +286,38 @@ def register_hf_layout(module: nn.Module, fused: str, parts: tuple[str, ...],
             return
         key = prefix + fused + "."
         for k in [k for k in state_dict if k.startswith(key)]:  # fused keys -> parts
-            pieces = state_dict.pop(k).split(sizes_fn(mod))
+            pieces = state_dict.pop(k).split(mod._fused_sizes[fused])
             for p, piece in zip(parts, pieces):
                 state_dict[prefix + p + "." + k[len(key):]] = piece
 
     module._register_state_dict_hook(save)  # public alias: register_state_dict_post_hook
     module._register_load_state_dict_pre_hook(load, with_module=True)
+
+
+# ---------------------------------------------------------------------------- the switch
+
+FUSIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""Each fused linear and Hugging Face's names of the projections it stacks, in row
+order."""
+
+
+def apply(model: nn.Module, value) -> int:
+    """Switch 3 on `model`, in place: stack every q/k/v and gate/up trio or pair of
+    plain `nn.Linear` children into one (values kept, new Parameters: make the optimizer
+    afterwards), or split them back for False; modules with an `activation` (the MLP)
+    run the SwiGLU kernel `value` picks. The state dict keeps the separate names.
+    Returns how many fused linears the model holds afterwards."""
+    fused = is_fused(value)  # validates
+    count = 0
+    for m in list(model.modules()):
+        for name, parts in FUSIONS.items():
+            if fused and all(p in m._modules for p in parts):
+                sizes = [m._modules[p].out_features for p in parts]
+                fuse_linears(m, list(parts), name)
+                register_hf_layout(m, name, parts, sizes)
+            elif not fused and name in m._modules:
+                split_linear(m, name, list(parts), m._fused_sizes[name])
+            count += name in m._modules
+        if hasattr(type(m), "activation"):
+            m.activation = value
+    return count

@@ -16,16 +16,14 @@ def backends_in_use(model: torch.nn.Module) -> dict:
     Keys: "attention_backend" (`attention.BACKENDS`), "norm_backend"
     (`norm.BACKENDS`), "swiglu_backend" ("eager" also for unfused projections, which
     run silu(gate)·up eagerly), "fp8_backend" ("scaled_mm", "emulate", or None when no
-    linear is fp8). Read from the modules themselves, so an in-place `set_switches` is
-    seen; layers that disagree are listed joined by "+"."""
+    linear is fp8). Read from the modules themselves, so a switch applied to just some
+    of them is seen; layers that disagree are listed joined by "+"."""
     from colossal_lab.model import MLP, Attention
-    from colossal_lab.switches import attention, fp8, norm, projections
-    from colossal_lab.switches.precision import AUTOCAST_DTYPE
+    from colossal_lab.switches import attention, fp8, norm, precision, projections
 
     param = next(model.parameters())
     device = param.device
-    precision = getattr(getattr(model, "switches", None), "precision", None)
-    dtype = AUTOCAST_DTYPE.get(precision) or param.dtype  # what q, k, v arrive in
+    dtype = precision.policy(precision.of(model)).autocast_dtype or param.dtype  # q, k, v
     head_dim = getattr(getattr(model, "cfg", None), "head_dim", None)
     found: dict[str, list[str]] = {k: [] for k in ("attention_backend", "norm_backend",
                                                    "swiglu_backend", "fp8_backend")}

@@ -1,28 +1,86 @@
-"""Memory of a training step, measured: what the forward keeps, what one more sequence
-costs, the largest batch that fits and the fewest checkpointed layers that fit a batch.
+"""Memory of a training step, measured and modelled: what the forward keeps, what one
+more sequence costs, the largest batch that fits and the fewest checkpointed layers that
+fit a batch.
 
-`benchmarks.steps.measure_one` uses these on a GPU (chapter 04): one extra forward +
+`MemoryModel` is the model: peak memory as a straight line in the batch.
+`benchmarks.steps.measure_one` uses the probes on a GPU (chapter 04): one extra forward +
 backward (`memory_probe`) records the activation memory (peak during forward+backward
 minus what was allocated just before the forward: parameters and optimizer states) and
 what each decoder layer leaves allocated; a second probe at another batch gives the
 memory per sequence, from which `verify_largest_batch` predicts the largest batch and
 verifies it in one run, and `auto_ratio` picks the fewest checkpointed layers that fit
-(`switches.checkpointing.MemoryModel`). On a CPU the probes return nothing.
+(`MemoryModel`). On a CPU the probes return nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import math
+from dataclasses import dataclass
 
 import torch
 
 GIB = 2**30
 
 
-def memory_probe(model, loss_fn, precision: str, input_ids: torch.Tensor,
-                 labels: torch.Tensor, layers=None) -> dict:
-    """One forward + backward (no optimizer step), measured by the CUDA allocator.
+# ------------------------------------------------------------------------ the model
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Peak memory of a training step as a straight line in the batch:
+
+        peak(batch, k) = fixed + batch · (none − k / L · (none − full))
+
+    `fixed` is what does not grow with the batch (weights, gradients, optimizer
+    states, workspaces); `none` / `full` the memory one more sequence costs with no / all
+    L layers checkpointed. Fitted from a few measured passes (`auto_ratio`,
+    `benchmarks.checkpointing`), it answers the two questions of chapter 04: how large a
+    batch fits, and the smallest number of checkpointed layers that fits a batch."""
+
+    fixed_gib: float
+    per_sample_none_gib: float
+    per_sample_full_gib: float
+    num_layers: int
+    capacity_gib: float
+    """What the allocator can hand out (device memory less the CUDA context), less a
+    safety margin for fragmentation."""
+
+    def per_sample(self, ckpt_layers: int) -> float:
+        saved = self.per_sample_none_gib - self.per_sample_full_gib
+        return self.per_sample_none_gib - ckpt_layers / self.num_layers * saved
+
+    def peak(self, batch: int, ckpt_layers: int) -> float:
+        return self.fixed_gib + batch * self.per_sample(ckpt_layers)
+
+    def largest_batch(self, ckpt_layers: int) -> int:
+        """The largest batch whose peak fits (0 when not even one sequence does)."""
+        return largest_batch(self.fixed_gib, self.per_sample(ckpt_layers), self.capacity_gib)
+
+    def min_ckpt_layers(self, batch: int) -> int | None:
+        """The fewest checkpointed layers that fit `batch` (None: not even all do)."""
+        for k in range(self.num_layers + 1):
+            if self.peak(batch, k) <= self.capacity_gib:
+                return k
+        return None
+
+
+def largest_batch(fixed_gib: float, per_sample_gib: float, capacity_gib: float) -> int:
+    """floor((capacity − fixed) / per sample), at least 0."""
+    if per_sample_gib <= 0:
+        raise ValueError(f"per-sample memory {per_sample_gib} GiB must be positive")
+    fits = (capacity_gib - fixed_gib) / per_sample_gib
+    return max(0, math.floor(fits + 1e-9))  # 1e-9: tolerate binary rounding
+
+
+# ----------------------------------------------------------------------- the probes
+
+
+def memory_probe(model, loss_fn, input_ids: torch.Tensor, labels: torch.Tensor,
+                 layers=None) -> dict:
+    """One forward + backward (no optimizer step) in the model's precision, measured by
+    the CUDA allocator.
 
     Returns (GiB) `before` (allocated just before the forward: parameters, optimizer
     states), `peak`, `activation` (= peak − before: everything the forward keeps and
@@ -30,7 +88,7 @@ def memory_probe(model, loss_fn, precision: str, input_ids: torch.Tensor,
     before: what the forward keeps for the backward, and the loss) and `per_layer`: what
     each decoder layer in `layers` left allocated when its forward returned (from the
     second layer on). Empty on a CPU, which has no allocator statistics."""
-    from colossal_lab import train
+    from colossal_lab.switches import precision
 
     if input_ids.device.type != "cuda":
         return {}
@@ -42,7 +100,7 @@ def memory_probe(model, loss_fn, precision: str, input_ids: torch.Tensor,
     hooks = [layer.register_forward_hook(lambda *_: marks.append(torch.cuda.memory_allocated()))
              for layer in (layers or ())]
     try:
-        with train.autocast(precision, input_ids.device):
+        with precision.step_context(precision.of(model), input_ids.device):
             loss = loss_fn(model, input_ids, labels)
     finally:
         for h in hooks:
@@ -100,8 +158,7 @@ class Prober:
 
         ids, labels = next(data.random_batches(self.cfg.vocab_size, batch, self.seq_len,
                                                seed=1, device=self.device))
-        r = memory_probe(self.model, self.loss_fn, self.setup.precision, ids, labels,
-                         self.layers)
+        r = memory_probe(self.model, self.loss_fn, ids, labels, self.layers)
         self.results[batch] = r
         return r
 
@@ -126,8 +183,9 @@ class Prober:
         return out
 
     def _flags(self):
-        inner = getattr(self.model, "model", None)
-        return inner.checkpointed_layers() if hasattr(inner, "checkpointed_layers") else None
+        from colossal_lab.switches import checkpointing
+
+        return checkpointing.checkpointed(self.model) or None
 
 
 def _mean(xs):
@@ -141,31 +199,37 @@ def _slope(a: dict, b: dict, ba: int, bb: int, key: str = "peak") -> float:
 def auto_ratio(probe: Prober, model, opt, batch: int) -> dict:
     """Set the fewest checkpointed layers (first of each stage, full recomputation)
     that fit `batch`, from probes at batch 1 and 2 with every layer checkpointed and at
-    batch 1 with none (`checkpointing.MemoryModel`)."""
+    batch 1 with none (`MemoryModel`). The checkpoint configs are applied through
+    `apply_switches`, so `model.switches` says what was timed."""
     from colossal_lab import data, train
-    from colossal_lab.switches.checkpointing import GradientCheckpointConfig, MemoryModel
+    from colossal_lab.switches.apply import apply_switches
+    from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 
     if not probe.available:
         return {}
     inner = model.model
-    base = inner.gradient_checkpoint_config or GradientCheckpointConfig()
-    with_ratio = lambda r: dataclasses.replace(  # noqa: E731
-        base, gradient_checkpointing_ratio=r, num_ckpt_layers_per_stage=None)
-    inner.set_gradient_checkpointing(with_ratio(1.0))
-    warm = train.make_step(model, opt, probe.setup.precision, probe.loss_fn)
+    base = model.switches.gradient_checkpoint_config or GradientCheckpointConfig()
+
+    def set_ratio(r: float) -> None:
+        ckpt = dataclasses.replace(base, gradient_checkpointing_ratio=r,
+                                   num_ckpt_layers_per_stage=None)
+        apply_switches(model, model.switches.replace(gradient_checkpoint_config=ckpt))
+
+    set_ratio(1.0)
+    warm = train.make_step(model, opt, probe.loss_fn)
     warm(*next(data.random_batches(probe.cfg.vocab_size, 1, probe.seq_len, seed=3,
                                    device=probe.device)))  # optimizer states exist now
     one, two = probe(1), probe(2)
     full = _slope(one, two, 1, 2)
     fixed = one["peak"] - full
-    inner.set_gradient_checkpointing(with_ratio(0.0))
+    set_ratio(0.0)
     none, _ = guarded(probe, 1, model=model)
     n_layers = len(inner.layers)
     mm = MemoryModel(fixed, none["peak"] - fixed if none else float("inf"), full,
                      n_layers, capacity_gib())
     k = mm.min_ckpt_layers(batch) if none else n_layers
     k = n_layers if k is None else k
-    inner.set_gradient_checkpointing(with_ratio(k / n_layers))
+    set_ratio(k / n_layers)
     probe.results.clear()  # those were other configurations
     return {"auto_ratio_ckpt_layers": k, "mem_fixed_gib": fixed,
             "mem_per_sample_none_gib": mm.per_sample_none_gib if none else None,
@@ -178,8 +242,6 @@ def verify_largest_batch(probe: Prober, row: dict, time_at) -> dict:
     then verify it with `time_at(batch) -> row`, a few timed steps at that batch (one
     step down if it does not fit). A prediction from one batch would mix the fixed
     memory into the slope."""
-    from colossal_lab.switches.checkpointing import largest_batch
-
     model = probe.model
     batch = row["batch"]
     other = batch // 2 if batch >= 2 else 2

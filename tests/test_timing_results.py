@@ -3,34 +3,34 @@ import json
 import pytest
 import torch
 
-from colossal_lab import bench, results
+from colossal_lab import results, timing
 
 
 def test_time_fn_and_iterations_on_cpu():
     x = torch.randn(256, 256)
-    t = bench.time_fn(lambda: x @ x, cpu_reps=5)
+    t = timing.time_fn(lambda: x @ x, cpu_reps=5)
     assert t.n == 5 and 0 < t.p10_ms <= t.median_ms <= t.p90_ms
     seen = []
-    t2 = bench.time_iterations(lambda i: x @ x, warmup=1, iters=4,
+    t2 = timing.time_iterations(lambda i: x @ x, warmup=1, iters=4,
                                on_step=lambda i, ms: seen.append(i))
     assert t2.n == 4 and seen == [1, 2, 3, 4]
-    assert bench.tflops(2e12, 1000) == pytest.approx(2.0)
-    assert bench.gbps(4e9, 2) == pytest.approx(2000.0)
+    assert timing.tflops(2e12, 1000) == pytest.approx(2.0)
+    assert timing.gbps(4e9, 2) == pytest.approx(2000.0)
 
 
 def test_time_kernels_says_how_it_timed(monkeypatch):
     x = torch.randn(64, 64)
-    t, how = bench.time_kernels(lambda: x @ x, device="cpu")
+    t, how = timing.time_kernels(lambda: x @ x, device="cpu")
     assert how == "perf_counter" and t.median_ms > 0
 
     def no_capture(fn, reps):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     # a GPU whose capture fails falls back to eager timing and labels it "events"
-    monkeypatch.setattr(bench, "_on_cuda", lambda device: True)
-    monkeypatch.setattr(bench, "time_cuda_graph", no_capture)
-    monkeypatch.setattr(bench, "time_fn", lambda fn, device=None: bench._summary([1.5]))
-    t, how = bench.time_kernels(lambda: x @ x, device="cuda")
+    monkeypatch.setattr(timing, "_on_cuda", lambda device: True)
+    monkeypatch.setattr(timing, "time_cuda_graph", no_capture)
+    monkeypatch.setattr(timing, "time_fn", lambda fn, device=None: timing._summary([1.5]))
+    t, how = timing.time_kernels(lambda: x @ x, device="cuda")
     assert how == "events" and t.median_ms == 1.5
 
 
