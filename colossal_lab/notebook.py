@@ -72,12 +72,13 @@ def _fmt(v, spec: str | None) -> str:
         return "–"
     if spec and isinstance(v, (int, float)):
         return format(v, spec)
-    return str(v)
+    return str(v).replace("|", "\\|")  # a pipe inside a cell would end the cell
 
 
 def table(rows: list[dict], columns: dict[str, str | None], *, headers: dict | None = None):
     """A Markdown table of `rows`; `columns` maps a row key to a format spec
-    (e.g. {"setup": None, "tokens_per_s": ",.0f", "mfu": ".1%"})."""
+    (e.g. {"setup": None, "tokens_per_s": ",.0f", "mfu": ".1%"}). The book renders it as
+    a table (`nb_render_markdown_format: myst`); a `|` inside a value is escaped."""
     from IPython.display import Markdown
 
     headers = headers or {}
@@ -86,7 +87,8 @@ def table(rows: list[dict], columns: dict[str, str | None], *, headers: dict | N
     for r in rows:
         cells = [_fmt(r.get(c), spec) for c, spec in columns.items()]
         if "error" in r:  # keep what was measured; say what failed
-            cells[-1] = f"{cells[-1] if cells[-1] != '–' else ''} failed: {r['error'][:60]}"
+            why = _fmt(r["error"][:60], None)
+            cells[-1] = f"{cells[-1] if cells[-1] != '–' else ''} failed: {why}"
         out.append("| " + " | ".join(cells) + " |")
     return Markdown("\n".join(out))
 

@@ -234,9 +234,9 @@ def _take(it: Iterator, n: int):
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
+    from colossal_lab.progress import Progress
 
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=False)
+    return Progress(total=total, desc=desc, enabled=enabled, leave=False)
 
 
 @dataclass
@@ -295,12 +295,12 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
         attention_backend=backends_in_use(model)["attention_backend"])
     timing.reset_peak_memory()
 
-    from tqdm import tqdm
+    from colossal_lab.progress import Progress
 
     losses, stats = [], None
     t_start = time.perf_counter()
-    bar = tqdm(range(steps), desc=f"train {cfg.num_hidden_layers}L", disable=not progress,
-               mininterval=5.0)
+    bar = Progress(range(steps), desc=f"train {cfg.num_hidden_layers}L", enabled=progress,
+                   mininterval=5.0)
     window_t, window_steps = time.perf_counter(), 0
     with gc_between_steps():  # no automatic collection inside a step
         for i in bar:

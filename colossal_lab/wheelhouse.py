@@ -7,7 +7,7 @@ to execute notebooks and Liger-Kernel (a provider in the benchmarks). Copy the f
 over, then on the node install into the Python that holds its CUDA torch; pip resolves
 against what is installed and adds only what is missing:
 
-    python -m pip install --no-index --find-links .whl nbclient nbformat ipykernel liger-kernel
+    python -m pip install --no-index --find-links .whl nbclient nbformat ipykernel ipywidgets liger-kernel
 
 torch, triton and the CUDA libraries are never downloaded: the node's image has them.
 """
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 # Executing notebooks (nbclient + a kernel), with their whole dependency trees.
-NOTEBOOK_PACKAGES = ["nbclient", "nbformat", "ipykernel"]
+NOTEBOOK_PACKAGES = ["nbclient", "nbformat", "ipykernel", "ipywidgets"]
 # Pulled without dependencies: their own needs (torch, triton, transformers) are on the node.
 NO_DEPS_PACKAGES = ["liger-kernel"]
 # Never worth carrying: the node's image has them, and several are gigabytes.

@@ -138,3 +138,23 @@ def test_tf32_only_inside_the_step():
     ids = torch.randint(0, cfg.vocab_size, (2, 17))
     assert torch.isfinite(step(ids[:, :-1], ids[:, 1:]))
     assert seen == [True] and torch.backends.cuda.matmul.allow_tf32 == before
+
+
+def test_progress_is_one_line_in_a_notebook(monkeypatch, capsys):
+    """In a Jupyter kernel the bar prints one plain stdout line when it closes (no
+    widget, no carriage returns on stderr); on a terminal it is tqdm's bar."""
+    from colossal_lab import progress
+
+    monkeypatch.setattr(progress, "in_notebook", lambda: True)
+    bar = progress.Progress(range(5), desc="train 2L")
+    for _ in bar:
+        bar.set_postfix(loss="3.100")
+    out = capsys.readouterr()
+    assert out.err == ""
+    assert out.out.count("\n") == 1 and "\r" not in out.out
+    assert out.out.startswith("train 2L: 5/5 in ") and out.out.rstrip().endswith("loss=3.100")
+    monkeypatch.setattr(progress, "in_notebook", lambda: False)
+    quiet = progress.Progress(total=3, desc="x", enabled=False)
+    quiet.update(3)
+    quiet.close()
+    assert capsys.readouterr() == ("", "")

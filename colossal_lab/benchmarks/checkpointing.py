@@ -183,13 +183,13 @@ def plot_tradeoff(rows: list[dict], *, memory: str = "activation_mem_gib", ax=No
             ax.plot(r["tokens_per_s"], r[memory], "s", color=ORANGE, ms=8)
         text = r["ckpt_mode"] if sel else (f"ratio {r['ckpt_ratio']:g}")
         ax.annotate(text, (r["tokens_per_s"], r[memory]), textcoords="offset points",
-                    xytext=(6, 4), fontsize=8, color=ORANGE if sel else GREY)
+                    xytext=(6, 4), fontsize=9, color=ORANGE if sel else GREY)
     ax.plot([], [], "s", color=ORANGE, label="selective modes (every layer)")
     ax.set_xlabel("tokens/s")
     ax.set_ylabel({"activation_mem_gib": "activation memory (GiB)",
                    "saved_mem_gib": "kept by the forward (GiB)"}.get(memory, memory))
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(fontsize=9, frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     return ax
 
@@ -213,15 +213,15 @@ def plot_largest_batch(rows: list[dict], ax=None):
                     else None)
             tps = r.get("largest_batch_tokens_per_s")
             note = f"{v}" + (f"  {tps:,.0f} tok/s" if tps else "")
-            ax.text(v + 0.2, yi - 0.2, note, va="center", fontsize=8)
+            ax.text(v + 0.2, yi - 0.2, note, va="center", fontsize=9)
         else:
             ax.text(0.2, yi - 0.2, f"not verified: {r.get('largest_batch_note', '')}",
-                    va="center", fontsize=8, color=ORANGE)
+                    va="center", fontsize=9, color=ORANGE)
     ax.set_yticks(list(y))
     ax.set_yticklabels([f"{r['setup']} ({r['preset']})" for r in pts])
     ax.set_xlabel("sequences per step")
     if pts:
-        ax.legend(fontsize=8, frameon=False, loc="lower right")
+        ax.legend(fontsize=9, frameon=False, loc="lower right")
     ax.spines[["top", "right"]].set_visible(False)
     return ax
 
