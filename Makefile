@@ -18,12 +18,20 @@ book: $(VENV)/.installed
 	$(VENV)/bin/jupyter-book build --all .
 	@echo "open _build/html/index.html"
 
-## test: unit tests, every notebook executed on this machine (nbval), lint, book build
+## test: unit tests, every notebook executed on this machine (nbval), lint, book build,
+## then the built book opened in headless Chromium (tests/test_book_browser.py)
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not browser" tests
 	$(PY) -m pytest -q --nbval-lax --nbval-current-env book/
 	$(VENV)/bin/ruff check colossal_lab tests
 	$(MAKE) book
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+	  echo "$(PY) -m pytest -q -rfEs -m browser tests/test_book_browser.py"; \
+	  $(PY) -m pytest -q -rfEs -m browser tests/test_book_browser.py; \
+	else \
+	  echo "browser test could not run: no Chromium (apt-get install chromium)"; \
+	  case "$${CI:-}" in ""|0|false|False|FALSE|no) ;; *) exit 1 ;; esac; \
+	fi
 
 ## test-gpu: the GPU-only tests (kernels compiled for the device, bf16 rules)
 test-gpu:

@@ -47,32 +47,6 @@ def cmd_env(a) -> None:
         print("saved", save_results("env", [row], command="python -m colossal_lab env --save"))
 
 
-def cmd_train(a) -> None:
-    from colossal_lab import train
-    from colossal_lab.config import Switches, preset
-
-    cfg = preset(a.preset)
-    if a.seq_len > cfg.max_position_embeddings:
-        cfg = cfg.replace(max_position_embeddings=a.seq_len)
-    sw = Switches(enable_flash_attention=_backend(a.attention),
-                  enable_fused_normalization=_backend(a.norm), precision=a.precision)
-    if a.vocab_size and a.vocab_size != cfg.vocab_size:
-        cfg = cfg.replace(vocab_size=a.vocab_size)
-    r = train.train(cfg, sw, batch=a.batch, seq_len=a.seq_len, steps=a.steps, lr=a.lr,
-                    micro_batch=a.micro_batch, data=a.data, max_files=a.max_files,
-                    log_every=a.log_every)
-    print(f"final loss {r.losses[-1]:.4f}" + (f", validation {r.val_loss:.4f}"
-                                               if r.val_loss is not None else ""))
-    if r.stats:
-        print(r.stats)
-    if r.peak_mem_gib:
-        print(f"peak memory {r.peak_mem_gib:.1f} GiB")
-
-
-def _backend(v: str):
-    return {"false": False, "off": False, "true": True, "on": True}.get(v.lower(), v)
-
-
 def cmd_bench(a, rest) -> None:
     from colossal_lab import benchmarks
 
@@ -88,20 +62,11 @@ def main(argv=None) -> None:
     e.add_argument("--no-measure", action="store_true", help="skip the ceiling measurements")
     e.add_argument("--save", action="store_true", help="save results/<gpu>/env.json")
 
-    t = sub.add_parser("train", help="train a preset on the real-text corpus")
-    t.add_argument("--preset", default="tiny")
-    t.add_argument("--steps", type=int, default=50)
-    t.add_argument("--batch", type=int, default=8)
-    t.add_argument("--micro-batch", type=int)
-    t.add_argument("--seq-len", type=int, default=128)
-    t.add_argument("--lr", type=float, default=3e-4)
-    t.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
-    t.add_argument("--attention", default="true", help="false, true or a backend name")
-    t.add_argument("--norm", default="true", help="false, true or a backend name")
-    t.add_argument("--data", default="corpus", choices=["corpus", "random"])
-    t.add_argument("--vocab-size", type=int, help="tokenizer vocabulary (default: preset's)")
-    t.add_argument("--max-files", type=int, help="use a subset of the corpus")
-    t.add_argument("--log-every", type=int, default=10)
+    t = sub.add_parser("train", help="train a preset with any switches; checkpoints, "
+                       "exact resume, Hugging Face export")
+    from colossal_lab import cli_train
+
+    cli_train.add_arguments(t)
 
     b = sub.add_parser("bench", help="run a GPU benchmark and save its results",
                        add_help=False)
@@ -126,7 +91,9 @@ def main(argv=None) -> None:
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     del w
-    {"env": cmd_env, "train": cmd_train}[a.cmd](a)
+    if a.cmd == "train":
+        return cli_train.run(a, t.error)
+    cmd_env(a)
 
 
 if __name__ == "__main__":

@@ -430,6 +430,7 @@ def batches(
     seed: int = 0,
     device: str | torch.device | None = None,
     loop: bool = True,
+    start: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Shuffled ``(input_ids, labels)`` batches from `packed_sequences` rows.
 
@@ -442,6 +443,8 @@ def batches(
             rows are gathered into pinned memory and copied with ``non_blocking=True``,
             so the copy overlaps the previous step's GPU work.
         loop: True: epochs forever; False: stop after one epoch.
+        start: skip the first `start` batches of this sequence without gathering
+            them (a resumed run continues where it stopped, batch for batch).
 
     Yields:
         ``(input_ids, labels)``, LongTensors of shape ``(B, T)`` with
@@ -457,9 +460,11 @@ def batches(
             f"batch_size={batch_size} but data has {data.size(0)} rows; use a batch_size "
             f"between 1 and {data.size(0)}, a shorter seq_len or more files"
         )
+    if start < 0:
+        raise ValueError(f"start={start} must be >= 0")
     target = torch.device(device) if device is not None else data.device
     pin = target.type == "cuda" and data.device.type == "cpu"
-    return _batches(data, batch_size, seed, target, pin, loop)
+    return _batches(data, batch_size, seed, target, pin, loop, start)
 
 
 def _batches(
@@ -469,17 +474,25 @@ def _batches(
     device: torch.device,
     pin: bool,
     loop: bool,
+    skip: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     n_seq = data.size(0)
+    per_epoch = n_seq // batch_size
     while True:
         order = torch.randperm(n_seq, generator=generator).to(data.device)
-        for start in range(0, n_seq - batch_size + 1, batch_size):
+        if skip >= per_epoch:  # a whole skipped epoch: only its permutation was drawn
+            skip -= per_epoch
+            if not loop:
+                return
+            continue
+        for start in range(skip * batch_size, n_seq - batch_size + 1, batch_size):
             rows = data[order[start : start + batch_size]]  # (B, T + 1), still int32
             if pin:
                 rows = rows.pin_memory()
             # Copy the narrow dtype, widen on the device: half the bytes over PCIe.
             yield _split_rows(rows.to(device, non_blocking=True))
+        skip = 0
         if not loop:
             return
 
@@ -491,6 +504,7 @@ def random_batches(
     *,
     seed: int = 0,
     device: str | torch.device | None = None,
+    start: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless batches of uniformly random tokens, for throughput runs.
 
@@ -500,6 +514,7 @@ def random_batches(
         seed: seeds a generator on ``device``; same seed and device, same batches.
         device: where the tokens are drawn (default CPU); on a GPU no host work or copy
             competes with the step being timed.
+        start: skip the first `start` batches (drawn and dropped: the same sequence).
 
     Yields:
         ``(input_ids, labels)`` LongTensors of shape ``(B, T)``, labels shifted by one
@@ -514,6 +529,9 @@ def random_batches(
     generator = torch.Generator(device=target).manual_seed(seed)
 
     def endless() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(start):
+            torch.randint(vocab_size, (batch_size, seq_len + 1), generator=generator,
+                          device=target)
         while True:
             rows = torch.randint(  # (B, T + 1)
                 vocab_size, (batch_size, seq_len + 1), generator=generator, device=target

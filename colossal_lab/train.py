@@ -248,45 +248,91 @@ class TrainResult:
     seconds: float
 
 
-def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
-          seq_len: int = 256, steps: int = 100, lr: float = 3e-4, micro_batch: int | None = None,
-          data: str = "corpus", vocab_size: int | None = None, max_files: int | None = None,
-          seed: int = 0, device=None, progress: bool = True, log_every: int = 10,
-          eval_batches: int = 4, gc_every: int = 100) -> TrainResult:
-    """Train `cfg` on the real-text corpus (`data="corpus"`) or random tokens
-    (`data="random"`), with a progress bar showing loss, tokens/s, MFU and memory.
-    Python's garbage collector is held out of the steps (`gc_between_steps`) and runs a
-    young collection every `gc_every` steps, between two of them."""
-    from colossal_lab import data as data_mod
-    from colossal_lab.switches import checkpointing
-    from colossal_lab.switches.resolved import backends_in_use
-
-    switches = switches or Switches()
-    torch.manual_seed(seed)
-    device = torch.device(device) if device else hardware.default_device()
-    check_switches(switches, device)  # before loading data or allocating a model
-    micro = micro_batch or batch
+def _check_run(cfg: ModelConfig, *, batch: int, micro: int, seq_len: int, steps: int,
+               lr: float, data: str, vocab: int, save_every: int) -> None:
+    """Refuse a run that cannot work, before any data is read or memory allocated."""
+    for name, value in (("steps", steps), ("batch", batch), ("micro_batch", micro),
+                        ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a whole number >= 1")
     if batch % micro:
         raise ValueError(f"micro_batch={micro} must divide batch={batch}")
     if seq_len > cfg.max_position_embeddings:
         raise ValueError(f"seq_len={seq_len} > max_position_embeddings="
                          f"{cfg.max_position_embeddings}; raise it in the config")
-    vocab = vocab_size or cfg.vocab_size
-    if vocab > cfg.vocab_size:
-        raise ValueError(f"tokenizer vocab {vocab} > model vocab {cfg.vocab_size}")
-    if data == "corpus":
-        train_seqs = data_mod.packed_sequences("train", seq_len, vocab, max_files=max_files)
-        val_seqs = data_mod.packed_sequences("val", seq_len, vocab, max_files=max_files)
-        batches = data_mod.batches(train_seqs, batch, seed=seed, device=device)
-    elif data == "random":
-        val_seqs = None
-        batches = data_mod.random_batches(vocab, batch, seq_len, seed=seed, device=device)
-    else:
+    if not lr > 0 or not math.isfinite(lr):
+        raise ValueError(f"lr={lr} must be a positive number")
+    if vocab > cfg.vocab_size or vocab < 2:
+        raise ValueError(f"tokenizer vocab {vocab} must be in [2, model vocab "
+                         f"{cfg.vocab_size}]")
+    if data not in ("corpus", "random"):
         raise ValueError(f"data={data!r}; choose 'corpus' or 'random'")
+    if save_every < 0:
+        raise ValueError(f"save_every={save_every} must be >= 0")
+
+
+def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
+          seq_len: int = 256, steps: int = 100, lr: float = 3e-4, micro_batch: int | None = None,
+          data: str = "corpus", vocab_size: int | None = None, max_files: int | None = None,
+          seed: int = 0, device=None, progress: bool = True, log_every: int = 10,
+          eval_batches: int = 4, gc_every: int = 100, save_dir=None, save_every: int = 0,
+          resume: bool = False, export_hf=None) -> TrainResult:
+    """Train `cfg` on the real-text corpus (`data="corpus"`) or random tokens
+    (`data="random"`), with a progress bar showing loss, tokens/s, MFU and memory.
+
+    Checkpoints (`colossal_lab.checkpoint`): with `save_dir`, every `save_every` steps
+    and at the end; `resume=True` continues from the newest one there exactly (same
+    batches, same optimizer and loss-scale state: the loss trajectory of an
+    uninterrupted run). `export_hf` writes a `transformers` checkpoint at the end.
+    Python's garbage collector is held out of the steps (`gc_between_steps`) and runs a
+    young collection every `gc_every` steps, between two of them."""
+    from colossal_lab import checkpoint
+    from colossal_lab import data as data_mod
+    from colossal_lab.switches import checkpointing
+    from colossal_lab.switches.resolved import backends_in_use
+
+    switches = switches or Switches()
+    micro = micro_batch or batch
+    vocab = vocab_size or cfg.vocab_size
+    _check_run(cfg, batch=batch, micro=micro, seq_len=seq_len, steps=steps, lr=lr,
+               data=data, vocab=vocab, save_every=save_every)
+    if resume and save_dir is None:
+        raise ValueError("resume needs save_dir: the folder the checkpoints are in")
+    torch.manual_seed(seed)
+    device = torch.device(device) if device else hardware.default_device()
+    check_switches(switches, device)  # before loading data or allocating a model
+    made_with = checkpoint.describe(switches, cfg)
+    if resume:
+        checkpoint.find(save_dir)  # fail before building anything
 
     model = apply_switches(build_model(cfg, device), switches)
     opt = make_optimizer(model, lr)
     step = make_step(model, opt, micro_batches=batch // micro)
+    losses, start = [], 0
+    if resume:
+        state = checkpoint.load(save_dir, model, opt, expect=made_with, scaler=step.scaler)
+        losses, start = list(state["losses"]), state["step"]
+        if state.get("run") != {"batch": batch, "seq_len": seq_len, "data": data,
+                                "seed": seed, "vocab": vocab, "max_files": max_files}:
+            raise checkpoint.CheckpointError(
+                f"the checkpoint in {save_dir} was made with {state.get('run')}: resume "
+                "with the same batch, seq_len, data, seed, vocab and max_files")
+    run = {"batch": batch, "seq_len": seq_len, "data": data, "seed": seed, "vocab": vocab,
+           "max_files": max_files}
+    if data == "corpus":
+        train_seqs = data_mod.packed_sequences("train", seq_len, vocab, max_files=max_files)
+        val_seqs = data_mod.packed_sequences("val", seq_len, vocab, max_files=max_files)
+        batches = data_mod.batches(train_seqs, batch, seed=seed, device=device, start=start)
+    else:
+        val_seqs = None
+        batches = data_mod.random_batches(vocab, batch, seq_len, seed=seed, device=device,
+                                          start=start)
+
+    def save(done: int) -> None:
+        checkpoint.save(save_dir, done, model, opt, scaler=step.scaler, train_state={
+            "losses": [x if isinstance(x, float) else x.item() for x in losses],
+            "made_with": made_with, "run": run})
+
     dev = hardware.detect()
     peak = dev.peak_tflops("bf16") or hardware.measure_matmul_tflops(dtype=torch.float32)
     # HFU counts what checkpointing runs twice; MFU does not (same as measure_step)
@@ -297,10 +343,10 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
 
     from colossal_lab.progress import Progress
 
-    losses, stats = [], None
+    stats = None
     t_start = time.perf_counter()
-    bar = Progress(range(steps), desc=f"train {cfg.num_hidden_layers}L", enabled=progress,
-                   mininterval=5.0)
+    bar = Progress(range(start, steps), desc=f"train {cfg.num_hidden_layers}L",
+                   enabled=progress, mininterval=5.0)
     window_t, window_steps = time.perf_counter(), 0
     with gc_between_steps():  # no automatic collection inside a step
         for i in bar:
@@ -318,11 +364,18 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
                                 mem=f"{mem:.1f}G" if mem else "-", refresh=False)
                 window_t, window_steps = time.perf_counter(), 0
             losses.append(loss)
+            if save_dir is not None and save_every and (i + 1) % save_every == 0 \
+                    and i + 1 < steps:
+                save(i + 1)
             if gc_every and (i + 1) % gc_every == 0:
                 collect_now()
-    losses = [x.item() for x in losses]
+    losses = [x if isinstance(x, float) else x.item() for x in losses]
+    if save_dir is not None and start < steps:
+        save(steps)
     val = evaluate(model, val_seqs, batch, eval_batches) \
         if val_seqs is not None else None
+    if export_hf is not None:
+        model.to_hf().save_pretrained(export_hf)
     return TrainResult(losses, val, stats, timing.peak_memory_gib(),
                        time.perf_counter() - t_start)
 

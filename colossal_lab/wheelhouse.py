@@ -7,7 +7,8 @@ to execute notebooks and Liger-Kernel (a provider in the benchmarks). Copy the f
 over, then on the node install into the Python that holds its CUDA torch; pip resolves
 against what is installed and adds only what is missing:
 
-    python -m pip install --no-index --find-links .whl nbclient nbformat ipykernel ipywidgets liger-kernel
+    python -m pip install --no-index --find-links .whl \
+        nbclient nbformat ipykernel ipywidgets liger-kernel
 
 torch, triton and the CUDA libraries are never downloaded: the node's image has them.
 """

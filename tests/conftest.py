@@ -45,13 +45,28 @@ def _seed():
     yield
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "browser: opens the built book in headless Chromium (tests/test_book_browser"
+        ".py); runs only with `-m browser`, after `make book`")
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test skipped for want of CUDA is also marked `gpu`, so `pytest -m gpu`
-    (`make test-gpu`) runs all of them on a GPU node, whichever decorator they use."""
+    (`make test-gpu`) runs all of them on a GPU node, whichever decorator they use.
+
+    Browser tests need a built book and Chromium: a run whose `-m` does not name
+    `browser` (a plain `pytest tests`) deselects them; `make test` runs them after
+    `make book` with `-m browser`."""
     for item in items:
         if any(m.name == "skipif" and m.kwargs.get("reason") == "needs a CUDA GPU"
                for m in item.iter_markers()):
             item.add_marker(pytest.mark.gpu)
+    if "browser" not in (config.option.markexpr or ""):
+        browser = [item for item in items if item.get_closest_marker("browser")]
+        if browser:
+            config.hook.pytest_deselected(items=browser)
+            items[:] = [item for item in items if not item.get_closest_marker("browser")]
 
 
 def count_launches(monkeypatch, *kernels) -> dict[str, int]:

@@ -98,3 +98,78 @@ def test_spot_check_rows_and_quick_run():
     rows = spot_check.run(quick=True)
     assert rows[0]["verdict"] == "level" and rows[0]["speedup_vs_recorded"] == 1.0
     assert "level" in spot_check.summary(rows)
+
+
+BAD_TRAIN_ARGS = [
+    (["--steps", "0"], "--steps: 0 must be >= 1"),
+    (["--steps", "x"], "'x' is not a whole number"),
+    (["--batch", "0"], "--batch: 0 must be >= 1"),
+    (["--micro-batch", "0"], "--micro-batch: 0 must be >= 1"),
+    (["--batch", "4", "--micro-batch", "3"], "micro_batch=3 must divide batch=4"),
+    (["--seq-len", "1"], "--seq-len: 1 must be >= 2"),
+    (["--lr", "0"], "--lr: 0.0 must be a positive number"),
+    (["--lr", "nan"], "--lr: nan must be a positive number"),
+    (["--preset", "gpt5"], "invalid choice: 'gpt5'"),
+    (["--data", "web"], "invalid choice: 'web'"),
+    (["--vocab-size", "1"], "--vocab-size: 1 must be >= 2"),
+    (["--max-files", "0"], "--max-files: 0 must be >= 1"),
+    (["--seed", "-1"], "--seed: -1 must be >= 0"),
+    (["--log-every", "0"], "--log-every: 0 must be >= 1"),
+    (["--attention", "fast"], "'fast'; choose true, false or one of"),
+    (["--norm", "apex2"], "'apex2'; choose true, false or one of"),
+    (["--projections", "cuda"], "'cuda'; choose true, false or one of"),
+    (["--checkpointing", "half"], "invalid choice: 'half'"),
+    (["--ckpt-ratio", "1.5"], "--ckpt-ratio: 1.5 must be in [0, 1]"),
+    (["--precision", "fp4"], "invalid choice: 'fp4'"),
+    (["--fp8-scaling", "lazy"], "invalid choice: 'lazy'"),
+    (["--switches", "fastest"], "neither a set"),
+    (["--save-every", "-2"], "--save-every: -2 must be >= 0"),
+    (["--resume"], "resume needs save_dir"),
+    (["--precision", "fp8", "--fp8-scaling", "delayed", "--checkpointing", "selective"],
+     "fp8_scaling='delayed'"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_TRAIN_ARGS, ids=lambda x: " ".join(x)
+                         if isinstance(x, list) else None)
+def test_train_cli_bad_input_is_one_line(args, message, capsys):
+    """Every bad value ends in argparse's way: exit status 2 and one error line, never
+    a traceback from inside the run."""
+    from colossal_lab.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--data", "random", "--steps", "2", "--batch", "2", "--seq-len",
+              "16", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m colossal_lab train: error: ")
+    assert message in err[-1], err[-1]
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_train_cli_switches_file_and_resume(tmp_path, capsys):
+    """A switches file, flags over it, a checkpoint, an exact resume, a corrupt file."""
+    import json
+
+    from colossal_lab.__main__ import main
+    from colossal_lab.cli_train import load_switches
+
+    f = tmp_path / "sw.json"
+    f.write_text(json.dumps({"precision": "fp32", "enable_fused_projections": "eager",
+                             "gradient_checkpoint_config": {"mode": "selective"}}))
+    sw = load_switches(str(f))
+    assert sw.precision == "fp32" and sw.gradient_checkpoint_config.mode == "selective"
+    base = ["train", "--data", "random", "--batch", "2", "--seq-len", "16", "--switches",
+            str(f), "--norm", "torch", "--log-every", "1", "--save-dir", str(tmp_path / "c")]
+    main([*base, "--steps", "2"])
+    main([*base, "--steps", "3", "--resume"])
+    out = capsys.readouterr().out
+    assert "checkpoint:" in out and (tmp_path / "c" / "latest").read_text() == "step_3"
+    f.write_text("{\"precision\": ")
+    with pytest.raises(SystemExit):
+        main([*base, "--steps", "1"])
+    assert "not valid JSON" in capsys.readouterr().err
+    f.write_text(json.dumps({"precison": "fp32"}))
+    with pytest.raises(SystemExit):
+        main([*base, "--steps", "1"])
+    assert "unknown fields ['precison']" in capsys.readouterr().err

@@ -323,3 +323,19 @@ def test_batches_on_cuda_match_cpu(rows):
         assert torch.equal(x, xg.cpu()) and torch.equal(y, yg.cpu())
     inputs, labels = next(data.random_batches(1000, 2, 8, device="cuda"))
     assert inputs.device.type == "cuda" and torch.equal(labels[:, :-1], inputs[:, 1:])
+
+
+def test_batches_start_skips_exactly():
+    """`start=k` yields what the (k+1)-th batch onwards would have been, across epoch
+    boundaries, for corpus rows and for random tokens: what an exact resume needs."""
+    rows = torch.arange(10 * 5, dtype=torch.int32).reshape(10, 5)
+    full = [b for b, _ in zip(data.batches(rows, 3, seed=4), range(9))]
+    for k in (0, 1, 3, 4, 7):
+        got = [b for b, _ in zip(data.batches(rows, 3, seed=4, start=k), range(9 - k))]
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                   for a, b in zip(full[k:], got)), k
+    rnd = [b for b, _ in zip(data.random_batches(50, 2, 4, seed=1), range(5))]
+    got = next(data.random_batches(50, 2, 4, seed=1, start=3))
+    assert torch.equal(got[0], rnd[3][0])
+    with pytest.raises(ValueError, match="start"):
+        data.batches(rows, 3, start=-1)

@@ -344,6 +344,15 @@ class Fp8Linear(nn.Linear):
         self._scalers = {"x": _Scaler(self, "x", E4M3), "w": _Scaler(self, "w", E4M3),
                          "grad": _Scaler(self, "grad", E5M2)}
 
+    def scaling_state(self) -> dict:
+        """Where each delayed-scaling history writes next and whether it has started:
+        host-side state a checkpoint keeps next to the amax histories (buffers)."""
+        return {role: {"pos": s.pos, "seen": s.seen} for role, s in self._scalers.items()}
+
+    def load_scaling_state(self, state: dict) -> None:
+        for role, st in state.items():
+            self._scalers[role].pos, self._scalers[role].seen = st["pos"], st["seen"]
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None) -> Fp8Linear:
         """An Fp8Linear holding `linear`'s very Parameter objects (no copy)."""

@@ -195,13 +195,15 @@ class DynamicLossScaler:
         self._scale: torch.Tensor | None = None  # 0-dim fp32 on the loss's device
         self._growth: torch.Tensor | None = None  # 0-dim int32: clean steps in a row
         self._found_inf: torch.Tensor | None = None
+        self._init_growth = 0  # clean steps in a row to start from (a resumed run's)
         self.skipped_steps = 0  # counted only where a sync happens anyway (non-fused)
 
     def _lazy_init(self, device: torch.device) -> None:
         if self._scale is None:
             self._scale = torch.full((), self.init_scale, dtype=torch.float32,
                                      device=device)
-            self._growth = torch.zeros((), dtype=torch.int32, device=device)
+            self._growth = torch.full((), self._init_growth, dtype=torch.int32,
+                                      device=device)
 
     @property
     def scale_value(self) -> float:
@@ -263,14 +265,14 @@ class DynamicLossScaler:
                 "growth_interval": self.growth_interval}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore S and the growth count; the tensors are made on the next loss's
+        device (a checkpoint written on one device resumes on another)."""
         self.init_scale = state["scale"]
         self.growth_factor, self.backoff_factor = state["growth_factor"], \
             state["backoff_factor"]
         self.growth_interval = state["growth_interval"]
-        device = self._scale.device if self._scale is not None else "cpu"
-        self._scale = torch.full((), state["scale"], dtype=torch.float32, device=device)
-        self._growth = torch.full((), state["growth_tracker"], dtype=torch.int32,
-                                  device=device)
+        self._init_growth = state["growth_tracker"]
+        self._scale = self._growth = self._found_inf = None
 
 
 def _params(optimizer_or_params) -> Iterable[torch.Tensor]:

@@ -1,0 +1,195 @@
+"""`python -m colossal_lab train`: every switch from the command line, one run.
+
+    python -m colossal_lab train --preset llama-7b-8l --seq-len 4096 --batch 4 \\
+        --switches best --steps 200 --save-dir runs/a --save-every 50
+    python -m colossal_lab train ... --save-dir runs/a --resume     # continues exactly
+    python -m colossal_lab train ... --export-hf runs/a/hf          # transformers loads it
+
+The switches come from a named set (`SWITCH_SETS`: naive, bf16, best, best-fp8) or a
+JSON file of `Switches` fields (`--switches FILE`), then each flag overrides one field.
+Bad input of any kind (a value out of range, an unknown name, an unreadable switches
+file, a checkpoint that cannot be resumed) ends with one line and exit status 2, as
+argparse's own errors do: never a traceback from inside the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from colossal_lab.config import PRESETS, Switches
+
+SWITCH_SETS = {
+    "naive": Switches.naive("fp32"),
+    "bf16": Switches.naive("bf16"),
+    "best": Switches(enable_flash_attention=True, enable_fused_normalization=True,
+                     enable_fused_projections=True, precision="bf16"),
+    "best-fp8": Switches(enable_flash_attention=True, enable_fused_normalization=True,
+                         enable_fused_projections=True, precision="fp8",
+                         extra={"fp8_scaling": "delayed"}),
+}
+"""Named switch sets for `--switches`; "best" is every single-GPU switch in bf16."""
+
+CKPT_MODES = ("none", "full", "selective", "elementwise")
+
+
+def _whole(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a positive number")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive_float(text) if text.strip() not in ("0", "0.0") else 0.0
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1]")
+    return value
+
+
+def _backend(names: tuple[str, ...]):
+    """A switch value: true/false (on/off) or one of `names`."""
+    def parse(text: str):
+        low = text.lower()
+        if low in ("true", "on"):
+            return True
+        if low in ("false", "off"):
+            return False
+        if text not in names:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}; choose true, false or one of {', '.join(names)}")
+        return text
+    return parse
+
+
+def add_arguments(t: argparse.ArgumentParser) -> None:
+    from colossal_lab.switches import attention, norm, projections
+    from colossal_lab.switches.precision import PRECISIONS
+
+    run = t.add_argument_group("run")
+    run.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    run.add_argument("--steps", type=_whole(1), default=50)
+    run.add_argument("--batch", type=_whole(1), default=8)
+    run.add_argument("--micro-batch", type=_whole(1))
+    run.add_argument("--seq-len", type=_whole(2), default=128)
+    run.add_argument("--lr", type=_positive_float, default=3e-4)
+    run.add_argument("--data", default="corpus", choices=["corpus", "random"])
+    run.add_argument("--vocab-size", type=_whole(2), help="tokenizer vocabulary "
+                     "(default: the preset's)")
+    run.add_argument("--max-files", type=_whole(1), help="use a subset of the corpus")
+    run.add_argument("--seed", type=_whole(0), default=0)
+    run.add_argument("--log-every", type=_whole(1), default=10)
+    run.add_argument("--device", help="cuda, cuda:1, cpu (default: the GPU if any)")
+    sw = t.add_argument_group("switches (a set or file, then one flag per field)")
+    sw.add_argument("--switches", default="best", help=f"one of {', '.join(SWITCH_SETS)} "
+                    "or a JSON file of Switches fields (default: best)")
+    sw.add_argument("--attention", type=_backend(attention.BACKENDS))
+    sw.add_argument("--norm", type=_backend(norm.BACKENDS))
+    sw.add_argument("--projections", type=_backend(projections.ACTIVATIONS))
+    sw.add_argument("--checkpointing", choices=CKPT_MODES)
+    sw.add_argument("--ckpt-ratio", type=_fraction, help="share of layers to checkpoint")
+    sw.add_argument("--precision", choices=PRECISIONS)
+    sw.add_argument("--fp8-scaling", choices=["dynamic", "delayed"])
+    ck = t.add_argument_group("checkpoints")
+    ck.add_argument("--save-dir", help="folder for checkpoints (step_N/, latest)")
+    ck.add_argument("--save-every", type=_whole(0), default=0, help="steps between "
+                    "checkpoints (0: only at the end)")
+    ck.add_argument("--resume", action="store_true", help="continue from --save-dir's "
+                    "newest checkpoint")
+    ck.add_argument("--export-hf", help="write a transformers checkpoint here at the end")
+
+
+def load_switches(spec: str) -> Switches:
+    """A named set or a JSON file of `Switches` fields; ValueError saying what is wrong."""
+    if spec in SWITCH_SETS:
+        return SWITCH_SETS[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--switches {spec!r}: neither a set ({', '.join(SWITCH_SETS)}) "
+                         "nor a file")
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--switches {spec}: not valid JSON ({e})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--switches {spec}: expected a JSON object of Switches fields")
+    known = set(Switches.__dataclass_fields__)
+    if unknown := sorted(set(fields) - known):
+        raise ValueError(f"--switches {spec}: unknown fields {unknown}; "
+                         f"Switches has {sorted(known)}")
+    from colossal_lab.switches.checkpointing import resolve
+
+    try:
+        fields["gradient_checkpoint_config"] = resolve(fields.get("gradient_checkpoint_config"))
+    except TypeError as e:
+        raise ValueError(f"--switches {spec}: {e}") from None
+    return Switches(**fields)
+
+
+def switches_from(a: argparse.Namespace) -> Switches:
+    """The set or file, then each given flag over its field."""
+    from colossal_lab.switches.checkpointing import GradientCheckpointConfig
+
+    sw = load_switches(a.switches)
+    changes = {k: v for k, v in (("enable_flash_attention", a.attention),
+                                 ("enable_fused_normalization", a.norm),
+                                 ("enable_fused_projections", a.projections),
+                                 ("precision", a.precision)) if v is not None}
+    if a.checkpointing == "none":
+        changes["gradient_checkpoint_config"] = None
+    elif a.checkpointing is not None or a.ckpt_ratio is not None:
+        changes["gradient_checkpoint_config"] = GradientCheckpointConfig(
+            gradient_checkpointing_ratio=a.ckpt_ratio, mode=a.checkpointing or "full")
+    if a.fp8_scaling is not None:
+        changes["extra"] = {**sw.extra, "fp8_scaling": a.fp8_scaling}
+    return sw.replace(**changes)
+
+
+def run(a: argparse.Namespace, error) -> None:
+    """Train as `a` says; `error(message)` ends the program with status 2."""
+    from colossal_lab import train
+    from colossal_lab.checkpoint import CheckpointError
+    from colossal_lab.config import preset
+    from colossal_lab.fallback import BackendUnavailable
+
+    try:
+        sw = switches_from(a)
+        cfg = preset(a.preset)
+        if a.seq_len > cfg.max_position_embeddings:
+            cfg = cfg.replace(max_position_embeddings=a.seq_len)
+        if a.vocab_size and a.vocab_size != cfg.vocab_size:
+            cfg = cfg.replace(vocab_size=a.vocab_size)
+        r = train.train(cfg, sw, batch=a.batch, seq_len=a.seq_len, steps=a.steps, lr=a.lr,
+                        micro_batch=a.micro_batch, data=a.data, max_files=a.max_files,
+                        seed=a.seed, device=a.device, log_every=a.log_every,
+                        save_dir=a.save_dir, save_every=a.save_every, resume=a.resume,
+                        export_hf=a.export_hf)
+    except (ValueError, CheckpointError, BackendUnavailable) as e:
+        error(str(e).splitlines()[0])
+        return
+    print(f"final loss {r.losses[-1]:.4f}" + (f", validation {r.val_loss:.4f}"
+                                               if r.val_loss is not None else ""))
+    if r.stats:
+        print(r.stats)
+    if r.peak_mem_gib:
+        print(f"peak memory {r.peak_mem_gib:.1f} GiB")
+    if a.save_dir:
+        print(f"checkpoint: {a.save_dir}/step_{a.steps}")
+    if a.export_hf:
+        print(f"transformers checkpoint: {a.export_hf}")

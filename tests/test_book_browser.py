@@ -1,0 +1,464 @@
+"""The rendered book, opened page by page in headless Chromium (issue 13).
+
+Serves the built HTML (`COLOSSAL_LAB_BOOK_HTML`, default `_build/html`: `make book`) on
+127.0.0.1 and drives the system Chromium through Playwright's Python API. Every page is
+loaded once; the checks are separate tests over that one visit:
+
+- no console errors and no uncaught page errors;
+- no request leaves the site (all others are aborted, so nothing does, and listed);
+- every formula is rendered by MathJax, and no raw TeX delimiters are left in the text;
+- no raw markdown pipe tables in the text;
+- no horizontal overflow in code or output blocks (at 1280x900, beyond a small allowance);
+- every internal link resolves (page and `#fragment`), every image loads.
+
+These tests are marked `browser` and run only with `-m browser` (`make test` runs them
+after `make book`). When they cannot run (no Chromium, no Playwright, no built book)
+they fail under CI (`CI` set) and are skipped, with the reason, otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parents[1]
+HTML_ROOT = Path(os.environ.get("COLOSSAL_LAB_BOOK_HTML") or REPO / "_build" / "html").resolve()
+IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+VIEWPORT = {"width": 1280, "height": 900}
+OVERFLOW_ALLOWANCE_PX = 8
+SHOW = 3  # offenders named in a failure message
+NOT_PAGES = {"genindex.html", "search.html", "py-modindex.html"}
+NOT_PAGE_DIRS = {"_static", "_sources", "_images", "_downloads", "_panels_static", ".doctrees"}
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
+
+
+def _cannot_run(reason: str):
+    """Fail under CI, skip elsewhere: either way the reason is said plainly."""
+    message = f"browser test could not run: {reason}"
+    if IN_CI:
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+def _toc_pages() -> list[str]:
+    """`root:` and every `file:` of `_toc.yml`, as the HTML page each one must become."""
+    toc = REPO / "_toc.yml"
+    if not toc.exists():
+        return []
+    entries = re.findall(r"^\s*(?:-\s*)?(?:root|file):\s*['\"]?([^'\"\s#]+)", toc.read_text(),
+                         flags=re.MULTILINE)
+    return [re.sub(r"\.(ipynb|md|rst)$", "", entry) + ".html" for entry in entries]
+
+
+def _is_redirect(path: Path) -> bool:
+    head = path.read_text(errors="replace")[:2000]
+    return bool(re.search(r"<meta[^>]+http-equiv=['\"]?refresh", head, flags=re.IGNORECASE))
+
+
+def _built_pages() -> list[str]:
+    """Every content page of the built book (not the index, search or redirect pages)."""
+    if not HTML_ROOT.is_dir():
+        return []
+    pages = []
+    for path in sorted(HTML_ROOT.rglob("*.html")):
+        rel = path.relative_to(HTML_ROOT)
+        if rel.parts[0] in NOT_PAGE_DIRS or rel.name in NOT_PAGES or _is_redirect(path):
+            continue
+        pages.append(rel.as_posix())
+    return pages
+
+
+# The pages the toc promises come first, so a missing build still lists (and fails) them.
+PAGES = list(dict.fromkeys(_toc_pages() + _built_pages()))
+
+
+def _page_id(rel: str) -> str:
+    return rel.removesuffix(".html").removeprefix("book/")
+
+
+def _find_chromium() -> str | None:
+    for candidate in (os.environ.get("COLOSSAL_LAB_CHROMIUM"), "chromium", "chromium-browser",
+                      "/usr/bin/chromium", "/usr/lib/chromium/chromium"):
+        if candidate and (found := shutil.which(candidate)):
+            return found
+    return None
+
+
+def _none(problems, message: str):
+    """Fail with just `message` (no traceback, no repr of the data) when there are any."""
+    if problems:
+        pytest.fail(message, pytrace=False)
+
+
+def _first(items, n=SHOW) -> str:
+    items = list(items)
+    more = f"\n  ... and {len(items) - n} more" if len(items) > n else ""
+    return "".join(f"\n  {item}" for item in items[:n]) + more
+
+
+# In-page measurements, one script per check. Each returns plain JSON.
+
+_MATH_JS = r"""() => {
+  const sources = [...document.querySelectorAll('.math')];
+  const unrendered = sources.filter(el => !el.querySelector('mjx-container'))
+                            .map(el => el.textContent.trim().slice(0, 80));
+  const errors = [...document.querySelectorAll('mjx-merror, [data-mjx-error]')]
+                   .map(el => (el.getAttribute('data-mjx-error') || el.textContent).slice(0, 80));
+  // Raw TeX left in visible prose: \( \[ $$ or $...\command...$.
+  const raw = [];
+  const skip = 'script, style, pre, code, textarea, mjx-container, .math, kbd, samp';
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  const pattern = /\\\(|\\\[|\$\$|\$[^$\s][^$]*\\[A-Za-z]+[^$]*\$/;
+  while (walker.nextNode()) {
+    const node = walker.currentNode, parent = node.parentElement;
+    if (!parent || parent.closest(skip)) continue;
+    if (!pattern.test(node.textContent)) continue;
+    if (!parent.getClientRects().length) continue;  // not displayed
+    raw.push(node.textContent.trim().slice(0, 80));
+  }
+  return {
+    mathjax: !!(window.MathJax && window.MathJax.startup),
+    sources: sources.length,
+    rendered: document.querySelectorAll('mjx-container').length,
+    unrendered, errors, raw,
+  };
+}"""
+
+_PIPE_TABLE_JS = r"""() => {
+  const blocks = document.querySelectorAll(
+      'p, td, th, dd, dt, h1, h2, h3, h4, h5, h6, li:not(:has(p, li, pre))');
+  const found = [];
+  for (const el of blocks) {
+    if (el.closest('pre, code, script, style, textarea')) continue;
+    const text = el.textContent;
+    if (/^\s*\|.*\|/s.test(text) && /\|\s*:?-{3,}/.test(text))
+      found.push(el.tagName.toLowerCase() + ': ' + text.trim().replace(/\s+/g, ' ').slice(0, 80));
+  }
+  return found;
+}"""
+
+_OVERFLOW_JS = r"""(allowance) => {
+  for (const d of document.querySelectorAll('details')) d.open = true;  // hidden cells too
+  const blocks = new Set([...document.querySelectorAll(
+      'div.highlight pre, div.cell_output pre, .output pre')]);
+  const over = [];
+  let shown = 0;
+  for (const el of blocks) {
+    if (!el.getClientRects().length) continue;  // not displayed (collapsed, hidden)
+    shown += 1;
+    const excess = el.scrollWidth - el.clientWidth;
+    if (excess > allowance) {
+      const kind = el.closest('div.cell_output, .output') ? 'output' : 'code';
+      over.push({excess, kind, text: el.textContent.trim().split('\n')[0].slice(0, 80)});
+    }
+  }
+  over.sort((a, b) => b.excess - a.excess);
+  return {total: blocks.size, shown, over};
+}"""
+
+_LINKS_JS = r"""() => {
+  const out = [];
+  for (const a of document.querySelectorAll('a[href]')) {
+    const raw = a.getAttribute('href');
+    if (!raw || raw === '#' || raw.startsWith('javascript:')) continue;
+    let url;
+    try { url = new URL(a.href); } catch (e) { out.push({href: raw, bad: true}); continue; }
+    if (url.origin !== location.origin) continue;
+    const frag = url.hash ? decodeURIComponent(url.hash.slice(1)) : '';
+    url.hash = '';
+    const samePage = url.href === location.href.split('#')[0];
+    out.push({href: raw, target: url.href, frag, samePage,
+              found: samePage && frag ? !!document.getElementById(frag) : null});
+  }
+  return out;
+}"""
+
+_IMAGES_JS = r"""async () => {
+  const imgs = [...document.images];
+  for (const img of imgs) if (img.loading === 'lazy') img.loading = 'eager';
+  await Promise.all(imgs.map(img => img.complete ? null : new Promise(done => {
+    img.addEventListener('load', done); img.addEventListener('error', done);
+    setTimeout(done, 10000);
+  })));
+  return imgs.map(img => ({src: img.currentSrc || img.src, alt: img.alt,
+                           ok: img.complete && img.naturalWidth > 0}));
+}"""
+
+
+@dataclass
+class Visit:
+    """What one load of one page showed."""
+
+    url: str
+    console_errors: list[str] = field(default_factory=list)
+    page_errors: list[str] = field(default_factory=list)
+    outside: list[str] = field(default_factory=list)
+    math: dict = field(default_factory=dict)
+    math_wait: str = ""
+    pipe_tables: list[str] = field(default_factory=list)
+    overflow: dict = field(default_factory=dict)
+    links: list[dict] = field(default_factory=list)
+    images: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str = ""  # the page could not be loaded or measured
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # keep the test output clean
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        """A browser dropping a connection (a page closed mid-load) is no error."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+class Book:
+    """The served book and one Chromium; each page visited once, lazily, in a fresh
+    context (as a first-time reader: no page's stored state hides another's errors)."""
+
+    def __init__(self, browser, base: str):
+        self.browser = browser
+        self.base = base  # "http://127.0.0.1:PORT/"
+        self.visits: dict[str, Visit] = {}
+        self._fetched: dict[str, tuple[int, str]] = {}
+
+    def is_local(self, url: str) -> bool:
+        return url.startswith((self.base, "data:", "blob:", "about:"))
+
+    def _route(self, route):
+        if self.is_local(route.request.url):
+            route.continue_()
+        else:
+            route.abort()  # nothing leaves the machine; the request is listed by `visit`
+
+    def visit(self, rel: str) -> Visit:
+        """The page's one visit (loaded on first use); fails the test if it could not load."""
+        if rel not in self.visits:
+            self.visits[rel] = self._load(rel)
+        visit = self.visits[rel]
+        if visit.error:
+            pytest.fail(f"{rel}: {visit.error}", pytrace=False)
+        return visit
+
+    def _load(self, rel: str) -> Visit:
+        visit = Visit(url=self.base + rel)
+        if not (HTML_ROOT / rel).is_file():
+            visit.error = f"not in the built book {HTML_ROOT} (listed in _toc.yml)"
+            return visit
+        start = time.monotonic()
+        context = self.browser.new_context(viewport=VIEWPORT, service_workers="block")
+        context.route("**/*", self._route)
+        page = context.new_page()
+        page.on("console", lambda msg: msg.type == "error" and visit.console_errors.append(
+            f"{msg.text[:200]} (at {msg.location.get('url', '?')}:"
+            f"{msg.location.get('lineNumber', '?')})"))
+        page.on("pageerror", lambda err: visit.page_errors.append(str(err)[:200]))
+        page.on("request", lambda req: None if self.is_local(req.url)
+                else visit.outside.append(req.url))
+        try:
+            page.goto(visit.url, wait_until="load", timeout=30000)
+            try:  # MathJax 3: typesetting is done when startup.promise resolves
+                page.wait_for_function(
+                    "() => !window.MathJax || (window.MathJax.startup"
+                    " && window.MathJax.startup.promise)", timeout=10000)
+                page.evaluate("() => window.MathJax && window.MathJax.startup"
+                              " ? window.MathJax.startup.promise.then(() => true) : false")
+            except Exception as exc:  # reported by the math check
+                visit.math_wait = f"MathJax did not start or finish: {str(exc).splitlines()[0]}"
+            visit.images = page.evaluate(_IMAGES_JS)
+            visit.math = page.evaluate(_MATH_JS)
+            visit.pipe_tables = page.evaluate(_PIPE_TABLE_JS)
+            visit.links = page.evaluate(_LINKS_JS)
+            # last, as it opens every <details> to measure the blocks hidden in them
+            visit.overflow = page.evaluate(_OVERFLOW_JS, OVERFLOW_ALLOWANCE_PX)
+            page.wait_for_timeout(200)  # late console errors / requests
+        except Exception as exc:
+            visit.error = f"could not load or measure the page: {str(exc)[:500]}"
+        finally:
+            context.close()
+        visit.seconds = time.monotonic() - start
+        return visit
+
+    def fetch(self, url: str) -> tuple[int, str]:
+        """Status and (for HTML) text of a same-site URL, fetched once."""
+        if url not in self._fetched:
+            try:
+                with urllib.request.urlopen(url, timeout=10) as resp:
+                    kind = resp.headers.get("Content-Type", "")
+                    body = resp.read().decode("utf-8", "replace") if "html" in kind else ""
+                    self._fetched[url] = (resp.status, body)
+            except urllib.error.HTTPError as exc:
+                self._fetched[url] = (exc.code, "")
+            except OSError as exc:
+                self._fetched[url] = (-1, str(exc))
+        return self._fetched[url]
+
+
+@pytest.fixture(scope="module")
+def book():
+    if not HTML_ROOT.is_dir() or not any(HTML_ROOT.rglob("*.html")):
+        _cannot_run(f"no built book at {HTML_ROOT}: run `make book` first "
+                    "(or set COLOSSAL_LAB_BOOK_HTML)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as exc:
+        _cannot_run(f"Playwright is not importable ({exc}): pip install -r requirements.txt")
+    chromium = _find_chromium()
+    if chromium is None:
+        _cannot_run("no Chromium executable (apt-get install chromium)")
+
+    handler = functools.partial(_QuietHandler, directory=str(HTML_ROOT))
+    server = _Server(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with sync_playwright() as pw:
+            try:
+                browser = pw.chromium.launch(executable_path=chromium, headless=True,
+                                             args=CHROMIUM_ARGS)
+            except Exception as exc:
+                _cannot_run(f"Chromium ({chromium}) did not start: {str(exc)[:500]}")
+            try:
+                yield Book(browser, f"http://127.0.0.1:{server.server_address[1]}/")
+            finally:
+                browser.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+# --- the page list ------------------------------------------------------------------
+
+def test_pages_cover_the_toc():
+    if not HTML_ROOT.is_dir():
+        _cannot_run(f"no built book at {HTML_ROOT}: run `make book` first")
+    built = set(_built_pages())
+    assert built, f"no content pages found under {HTML_ROOT}"
+    toc = _toc_pages()
+    assert toc, "_toc.yml lists no pages"
+    missing = [rel for rel in toc if rel not in built]
+    assert not missing, f"pages in _toc.yml but not in the built book:{_first(missing, 10)}"
+    index = HTML_ROOT / "index.html"
+    if index.exists() and _is_redirect(index):
+        target = re.search(r"url=([^'\">\s]+)", index.read_text(), flags=re.IGNORECASE)
+        assert target and (HTML_ROOT / target.group(1)).is_file(), (
+            f"index.html redirects to a missing page: {target and target.group(1)}")
+
+
+# --- per page -----------------------------------------------------------------------
+
+pages = pytest.mark.parametrize("rel", PAGES, ids=[_page_id(p) for p in PAGES])
+
+
+@pages
+def test_no_console_errors(book, rel):
+    visit = book.visit(rel)
+    errors = [f"uncaught: {e}" for e in visit.page_errors] + visit.console_errors
+    _none(errors,
+          f"{rel}: {len(visit.page_errors)} uncaught page error(s), "
+          f"{len(visit.console_errors)} console error(s):{_first(errors, 5)}")
+
+
+@pages
+def test_no_request_leaves_the_site(book, rel):
+    visit = book.visit(rel)
+    outside = list(dict.fromkeys(visit.outside))
+    _none(outside,
+          f"{rel}: {len(outside)} request(s) to outside the site (aborted):{_first(outside)}")
+
+
+@pages
+def test_math_is_rendered(book, rel):
+    visit = book.visit(rel)
+    math = visit.math
+    unrendered = math["unrendered"]
+    problems = []
+    if unrendered:
+        problems.append(f"not rendered:{_first(unrendered)}")
+    if math["errors"]:
+        problems.append(f"{len(math['errors'])} rendered as MathJax errors:"
+                        f"{_first(math['errors'])}")
+    if math["raw"]:
+        problems.append(f"{len(math['raw'])} text node(s) show raw TeX:{_first(math['raw'])}")
+    wait = f"; {visit.math_wait}" if visit.math_wait else ""
+    _none(problems,
+          f"{rel}: math {math['sources'] - len(unrendered)}/{math['sources']} rendered "
+          f"({math['rendered']} mjx-container; MathJax loaded: {math['mathjax']}{wait})\n"
+          + "\n".join(problems))
+
+
+@pages
+def test_no_raw_pipe_tables(book, rel):
+    visit = book.visit(rel)
+    _none(visit.pipe_tables,
+          f"{rel}: {len(visit.pipe_tables)} raw pipe table(s) shown as text:"
+          f"{_first(visit.pipe_tables)}")
+
+
+@pages
+def test_no_horizontal_overflow(book, rel):
+    visit = book.visit(rel)
+    over, shown = visit.overflow["over"], visit.overflow["shown"]
+    code = sum(o["kind"] == "code" for o in over)
+    worst = [f"+{o['excess']}px {o['kind']}: {o['text']}" for o in over]
+    _none(over,
+          f"{rel}: {len(over)} of {shown} code/output blocks overflow by more than "
+          f"{OVERFLOW_ALLOWANCE_PX}px at {VIEWPORT['width']}x{VIEWPORT['height']} "
+          f"({code} code, {len(over) - code} output); worst:"
+          f"{_first(worst)}")
+
+
+@pages
+def test_internal_links_resolve(book, rel):
+    visit = book.visit(rel)
+    broken = []
+    for link in visit.links:
+        if link.get("bad"):
+            broken.append(f"{link['href']}: not a URL")
+            continue
+        status, text = book.fetch(link["target"])
+        if status != 200:
+            broken.append(f"{link['href']}: HTTP {status}")
+        elif link["frag"]:
+            if link["samePage"]:
+                found = link["found"]
+            else:
+                attr = r"""\b(?:id|name)=["']?""" + re.escape(link["frag"]) + r"""["'\s>]"""
+                found = re.search(attr, text) is not None
+            if not found:
+                broken.append(f"{link['href']}: no element with id {link['frag']!r}")
+    broken = list(dict.fromkeys(broken))
+    _none(broken,
+          f"{rel}: {len(broken)} of {len(visit.links)} internal link(s) do not resolve:"
+          f"{_first(broken)}")
+
+
+@pages
+def test_images_load(book, rel):
+    visit = book.visit(rel)
+    failed = [f"{img['src']} (alt {img['alt']!r})" for img in visit.images if not img["ok"]]
+    _none(failed,
+          f"{rel}: {len(failed)} of {len(visit.images)} image(s) did not load:{_first(failed)}")
