@@ -167,6 +167,15 @@ class Switches:
     "fp8_skip" (names of linears to keep in bf16, e.g. ["lm_head"]),
     "fp8_fast_accum_backward" (bool), "fp8_backend" ("auto" | "scaled_mm" | "emulate")."""
 
+    enable_fused_rope: Backend = False
+    """Rotary embedding of q and k: False = the element-wise chain; or "compile",
+    "triton" (ours, one kernel on the projections' layout); True = "triton" on a GPU.
+    No ColossalAI counterpart (Liger-Kernel's `rope`)."""
+    enable_fused_cross_entropy: Backend = False
+    """The output head and the loss: False = full fp32 logits then cross-entropy; or
+    "chunked", "triton" (ours: chunks of tokens, the gradient written in place, the
+    logits never whole). No ColossalAI counterpart (Liger's fused linear cross-entropy)."""
+
     def __post_init__(self) -> None:
         from colossal_lab.switches.precision import policy
 

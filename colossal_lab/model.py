@@ -22,9 +22,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from colossal_lab.config import ModelConfig
-from colossal_lab.switches import projections
+from colossal_lab.switches import loss, projections, rope
 from colossal_lab.switches.attention import attention
 from colossal_lab.switches.norm import RMSNorm
+from colossal_lab.switches.rope import apply_rotary, rotate_half  # noqa: F401 (public)
 
 
 class RotaryEmbedding(nn.Module):
@@ -43,25 +44,16 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate q (B, Hq, S, D) and k (B, Hkv, S, D) by position; tables (S, D) in fp32."""
-    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
 class Attention(nn.Module):
     """Multi-head attention with grouped-query heads.
 
-    `attention_backend` is the attention kernel (switch 1; False: materialised scores).
-    Fused projections (switch 3) hold q/k/v as one `qkv_proj` (rows [q; k; v]) instead
-    of `q_proj`, `k_proj`, `v_proj`; either way the state dict has the separate names."""
+    `attention_backend` is the attention kernel (switch 1; False: materialised scores),
+    `rope_backend` the rotary embedding's (False: the element-wise chain). Fused
+    projections (switch 3) hold q/k/v as one `qkv_proj` (rows [q; k; v]) instead of
+    `q_proj`, `k_proj`, `v_proj`; either way the state dict has the separate names."""
 
     attention_backend = False
+    rope_backend = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -95,10 +87,13 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         D = self.cfg.head_dim
         q, k, v = self.project_qkv(x)
-        q = q.view(B, S, -1, D).transpose(1, 2)  # (B, Hq, S, D)
-        k = k.view(B, S, -1, D).transpose(1, 2)  # (B, Hkv, S, D)
-        v = v.view(B, S, -1, D).transpose(1, 2)
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k, v = (t.unflatten(-1, (-1, D)) for t in (q, k, v))  # (B, S, H, D) views
+        if self.rope_backend:  # one kernel on the projections' layout
+            q, k = rope.rotary(q, k, cos, sin, self.rope_backend)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, S, D)
+        else:
+            q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
         o = attention(q, k, v, causal=True, backend=self.attention_backend)  # (B, Hq, S, D)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
@@ -171,9 +166,13 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + output head. `forward(input_ids, labels=None)` returns the logits, or
-    the mean next-token cross-entropy when `labels` (already shifted) are given.
+    the mean next-token cross-entropy when `labels` (already shifted) are given: the
+    head and the loss in one chunked pass when `loss_backend` is set (the fused loss,
+    `switches.loss`; the logits never exist whole).
 
     `switches` records what `apply_switches` last applied (None on a plain model)."""
+
+    loss_backend = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -195,7 +194,11 @@ class LlamaForCausalLM(nn.Module):
                 m.weight.fill_(1.0)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        logits = self.lm_head(self.model(input_ids))  # (B, S, V)
+        hidden = self.model(input_ids)  # (B, S, d)
+        if labels is not None and self.loss_backend:
+            return loss.fused_linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight,
+                                                   labels.flatten(), backend=self.loss_backend)
+        logits = self.lm_head(hidden)  # (B, S, V)
         if labels is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().long())

@@ -170,3 +170,15 @@ def tflops(flops: float, ms: float) -> float:
 def gbps(nbytes: float, ms: float) -> float:
     """Bytes moved in `ms` milliseconds, as GB/s (10^9)."""
     return nbytes / (ms * 1e-3) / 1e9
+
+
+def eager_and_graph(fn: Callable[[], object], device) -> dict:
+    """Both timings a user meets, in ms: eager (`time_fn`: do_bench for ~50 ms, or a
+    CPU loop) as "eager_ms", and on a GPU CUDA-graph replay (`time_kernels`, as many
+    replays as fit in ~0.1 s, 10 to 100) as "ms"; "timing" says how "ms" was taken."""
+    eager = time_fn(fn, device=device, warmup_ms=10, rep_ms=50).median_ms
+    if torch.device(device).type != "cuda":
+        return {"ms": eager, "eager_ms": eager, "timing": "perf_counter"}
+    reps = int(min(100, max(10, 100 / max(eager, 1e-3))))
+    kernels, how = time_kernels(fn, device=device, reps=reps)
+    return {"ms": kernels.median_ms, "eager_ms": eager, "timing": how}

@@ -47,11 +47,13 @@ def test_build_model_refuses_switches_as_device():
 
 def test_order_is_the_documented_one(monkeypatch):
     """Each switch goes through its own module's `apply`, in `ORDER`, precision last."""
-    assert ORDER == ("enable_flash_attention", "enable_fused_normalization",
-                     "enable_fused_projections", "gradient_checkpoint_config", "precision")
+    assert ORDER == ("enable_flash_attention", "enable_fused_rope",
+                     "enable_fused_normalization", "enable_fused_projections",
+                     "enable_fused_cross_entropy", "gradient_checkpoint_config", "precision")
     doc = apply_mod.__doc__  # lists each switch's function in the same order
     where = [doc.index(f"switches.{m}.apply") for m in
-             ("attention", "norm", "projections", "checkpointing", "precision")]
+             ("attention", "rope", "norm", "projections", "loss", "checkpointing",
+              "precision")]
     assert where == sorted(where)
     calls = []
 
@@ -64,7 +66,9 @@ def test_order_is_the_documented_one(monkeypatch):
     for field, fn in list(apply_mod._APPLY.items()):
         monkeypatch.setitem(apply_mod._APPLY, field, spy(field, fn))
     monkeypatch.setattr(precision, "apply", spy("precision", precision.apply))
-    apply_switches(build_model(CFG, "cpu"), Switches(True, True, True, "fp32", Ckpt()))
+    apply_switches(build_model(CFG, "cpu"), Switches(True, True, True, "fp32", Ckpt(),
+                                                     enable_fused_rope=True,
+                                                     enable_fused_cross_entropy=True))
     assert tuple(calls) == ORDER
 
 
@@ -74,6 +78,8 @@ SWAPS = [
     Switches("sdpa", "torch", "eager", "fp32", Ckpt(gradient_checkpointing_ratio=0.5)),
     Switches(False, False, False, "fp32", Ckpt(mode="selective")),
     Switches("sdpa", "triton", "triton", "fp32"),
+    Switches("sdpa", "torch", "eager", "fp32", enable_fused_rope="triton",
+             enable_fused_cross_entropy="triton"),
 ]
 
 
@@ -179,15 +185,18 @@ def _calls_outside(names: set[str], allowed: set[str]) -> list[str]:
 
 def test_precision_is_decided_in_one_module():
     """Autocast, TF32, loss scaling, master weights and the fp8 conversion are set up
-    by `switches.precision` only (fp8.py turns autocast *off* around its own GEMMs and
-    defines the conversion; nothing else calls them)."""
+    by `switches.precision` only. `switches.autocast_state` may only read the dtype
+    precision chose and turn autocast off around a Function's own GEMMs (fp8 linears,
+    the fused loss); nothing else calls any of it."""
     hits = _calls_outside({"autocast", "DynamicLossScaler", "MasterAdamW",
                            "convert_to_fp8", "GradScaler"},
-                          allowed={"switches/precision.py"})
-    assert [h for h in hits if not h.startswith("switches/fp8.py")] == []
-    fp8_src = (PACKAGE / "switches/fp8.py").read_text()
-    assert fp8_src.count("torch.autocast(") == 1
-    assert "torch.autocast(x.device.type, enabled=False)" in fp8_src
+                          allowed={"switches/precision.py", "switches/autocast_state.py"})
+    assert hits == []
+    state = (PACKAGE / "switches/autocast_state.py").read_text()
+    calls = [n for n in ast.walk(ast.parse(state)) if isinstance(n, ast.Call)
+             and getattr(n.func, "attr", "") == "autocast"]
+    assert len(calls) == 1 and [(k.arg, k.value.value) for k in calls[0].keywords] \
+        == [("enabled", False)]
 
 
 def test_errors_before_anything_changes():

@@ -10,6 +10,7 @@ import importlib
 BENCHMARKS = {
     "baseline": "colossal_lab.benchmarks.baseline",
     "checkpointing": "colossal_lab.benchmarks.checkpointing",
+    "cross_entropy": "colossal_lab.benchmarks.cross_entropy",
     "flash_attention": "colossal_lab.benchmarks.flash_attention",
     "flash_attention_step": "colossal_lab.benchmarks.flash_attention_step",
     "fused_norm": "colossal_lab.benchmarks.fused_norm",
@@ -17,6 +18,7 @@ BENCHMARKS = {
     "fused_qkv": "colossal_lab.benchmarks.fused_qkv",
     "fused_qkv_step": "colossal_lab.benchmarks.fused_qkv_step",
     "precision": "colossal_lab.benchmarks.precision",
+    "rope": "colossal_lab.benchmarks.rope",
     "spot_check": "colossal_lab.benchmarks.spot_check",
     "step_noise": "colossal_lab.benchmarks.step_noise",
 }

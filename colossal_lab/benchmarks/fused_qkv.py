@@ -93,16 +93,7 @@ QUICK_MODELS = {"tiny-gqa": Shape(64, 4, 2, 16, 172)}
 # ------------------------------------------------------------------------------ timing
 
 
-def _time(fn, device) -> dict:
-    """Eager (`do_bench`, ~50 ms of runs; CPU: a loop) and, on a GPU, CUDA-graph replay
-    times in ms, with as many replays as fit in ~0.1 s (10 to 100): the whole GPU run
-    stays within a few minutes."""
-    eager = timing.time_fn(fn, device=device, warmup_ms=10, rep_ms=50).median_ms
-    if device.type != "cuda":
-        return {"ms": eager, "eager_ms": eager, "timing": "perf_counter"}
-    reps = int(min(100, max(10, 100 / max(eager, 1e-3))))
-    kernels, how = timing.time_kernels(fn, device=device, reps=reps)
-    return {"ms": kernels.median_ms, "eager_ms": eager, "timing": how}
+_time = timing.eager_and_graph  # eager and graph-replay ms, side by side
 
 
 # ------------------------------------------------------------------------------- GEMMs

@@ -6,17 +6,20 @@ Each switch is applied by its own module's `apply(model, value)`, in place, in t
 order (the shape of torchtitan's `parallelize_llama`):
 
     1. attention kernel        switches.attention.apply       (switch 1)
-    2. norm kernel             switches.norm.apply            (switch 2)
-    3. fused projections       switches.projections.apply     (switch 3)
-    4. activation checkpoints  switches.checkpointing.apply   (switch 4)
-    5. precision and fp8       switches.precision.apply       (switch 6)
+    2. rotary embedding        switches.rope.apply            (finale: our RoPE kernel)
+    3. norm kernel             switches.norm.apply            (switch 2)
+    4. fused projections       switches.projections.apply     (switch 3)
+    5. head + loss             switches.loss.apply            (finale: fused cross-entropy)
+    6. activation checkpoints  switches.checkpointing.apply   (switch 4)
+    7. precision and fp8       switches.precision.apply       (switch 6)
     later, on a device mesh:   tensor/sequence parallelism (5), pipeline stages (7),
                                data parallelism (8) last
 
-Why this order: 1, 2 and 4 only set attributes and commute. 3 restacks `nn.Linear`
-children, so it runs before 5, which swaps linears for fp8 ones (and fp8 linears left
-by an earlier application are turned back into plain ones first). 4 runs before 5 so
-that the checkpointed forward sees the fp8 linears it recomputes. Precision comes last
+Why this order: the kernel switches (1, 2, 3, 5) and 6 only set attributes and
+commute. 4 restacks `nn.Linear` children, so it runs before 7, which swaps linears for
+fp8 ones (and fp8 linears left by an earlier application are turned back into plain
+ones first). 6 runs before 7 so that the checkpointed forward sees the fp8 linears it
+recomputes. Precision comes last
 on one device because it changes what parameters are (dtype, fp8 wrappers), which is
 what tensor parallelism then shards and data parallelism reduces; those come after it,
 data parallelism last, as in torchtitan, because it wraps whatever the others built.
@@ -32,15 +35,27 @@ from __future__ import annotations
 import torch
 
 from colossal_lab.config import Switches
-from colossal_lab.switches import attention, checkpointing, fp8, norm, precision, projections
+from colossal_lab.switches import (
+    attention,
+    checkpointing,
+    fp8,
+    loss,
+    norm,
+    precision,
+    projections,
+    rope,
+)
 
-ORDER = ("enable_flash_attention", "enable_fused_normalization", "enable_fused_projections",
+ORDER = ("enable_flash_attention", "enable_fused_rope", "enable_fused_normalization",
+         "enable_fused_projections", "enable_fused_cross_entropy",
          "gradient_checkpoint_config", "precision")
 """The `Switches` fields in the order `apply_switches` applies them."""
 
 _APPLY = {"enable_flash_attention": attention.apply,
+          "enable_fused_rope": rope.apply,
           "enable_fused_normalization": norm.apply,
           "enable_fused_projections": projections.apply,
+          "enable_fused_cross_entropy": loss.apply,
           "gradient_checkpoint_config": checkpointing.apply}
 
 
@@ -55,7 +70,11 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
     for value, names, field in ((switches.enable_flash_attention, attention.BACKENDS,
                                  "enable_flash_attention"),
                                 (switches.enable_fused_normalization, norm.BACKENDS,
-                                 "enable_fused_normalization")):
+                                 "enable_fused_normalization"),
+                                (switches.enable_fused_rope, rope.BACKENDS,
+                                 "enable_fused_rope"),
+                                (switches.enable_fused_cross_entropy, loss.BACKENDS,
+                                 "enable_fused_cross_entropy")):
         if not (isinstance(value, bool) or value is None or value in names):
             raise ValueError(f"{field}={value!r}; choose True, False or one of {names}")
     if precision.policy(switches.precision).fp8:

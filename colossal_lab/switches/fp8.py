@@ -52,6 +52,7 @@ import torch.nn as nn
 
 from colossal_lab.fallback import warn_once
 from colossal_lab.kernels.fp8_cast import EPS, fp8_amax, fp8_cast_transpose, padded
+from colossal_lab.switches import autocast_state
 from colossal_lab.switches.replay import current_replay
 
 
@@ -257,12 +258,6 @@ class _Scaler:
 # ----------------------------------------------------------------- autograd Function
 
 
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
-
-
 class Fp8LinearFunction(torch.autograd.Function):
     """y = x @ Wᵀ with all three GEMMs in fp8 (module docstring); `module` holds the
     scaling state and config."""
@@ -308,9 +303,9 @@ class Fp8LinearFunction(torch.autograd.Function):
 def fp8_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
     """The fp8 GEMMs of `module` applied to x (..., K) -> (..., N), without bias. Output
     in the autocast dtype when autocast is on, else in x's dtype."""
-    out_dtype = _autocast_dtype(x.device.type) or x.dtype
+    out_dtype = autocast_state.current_dtype(x.device.type) or x.dtype
     update = torch.is_grad_enabled()  # evaluation does not move the amax histories
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_state.off(x.device.type):
         return Fp8LinearFunction.apply(x, module.weight, module, out_dtype, update)
 
 

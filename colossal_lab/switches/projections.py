@@ -80,6 +80,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from colossal_lab.fallback import fallback
+from colossal_lab.switches import kernel_switch
 
 ACTIVATIONS = ("eager", "compile", "triton")
 
@@ -100,23 +101,11 @@ def is_fused(value) -> bool:
 
 def resolve_activation(value, device=None) -> str:
     """The SwiGLU backend the switch value picks on `device`: "eager", "compile" or
-    "triton". "triton" on CPU tensors runs under the interpreter; without a GPU or the
-    interpreter it becomes "eager" through `switches.fallback` (one warning, or
-    `BackendUnavailable` in strict mode)."""
-    from colossal_lab.kernels import runs_on
-
-    is_fused(value)  # validates
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
-    if value is False or value is None:
-        return "eager"
-    if value is True:
-        return "triton" if dev.type == "cuda" else "eager"
-    if value == "triton" and not runs_on(dev):
-        fallback("SwiGLU backend 'triton' needs a CUDA device or TRITON_INTERPRET=1",
-                 "eager")
-        return "eager"
-    return value
+    "triton" (`kernel_switch.resolve`: "triton" without a GPU or the interpreter falls
+    back to "eager")."""
+    is_fused(value)  # validates, with this switch's own message
+    return kernel_switch.resolve(value, device, names=ACTIVATIONS,
+                                 field="enable_fused_projections", what="SwiGLU")
 
 
 def qkv_sizes(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:

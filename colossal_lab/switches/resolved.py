@@ -16,17 +16,19 @@ def backends_in_use(model: torch.nn.Module) -> dict:
     Keys: "attention_backend" (`attention.BACKENDS`), "norm_backend"
     (`norm.BACKENDS`), "swiglu_backend" ("eager" also for unfused projections, which
     run silu(gate)·up eagerly), "fp8_backend" ("scaled_mm", "emulate", or None when no
-    linear is fp8). Read from the modules themselves, so a switch applied to just some
-    of them is seen; layers that disagree are listed joined by "+"."""
-    from colossal_lab.model import MLP, Attention
-    from colossal_lab.switches import attention, fp8, norm, precision, projections
+    linear is fp8), "rope_backend" (`rope.BACKENDS`), "loss_backend"
+    (`loss.BACKENDS`). Read from the modules themselves, so a switch applied to just
+    some of them is seen; layers that disagree are listed joined by "+"."""
+    from colossal_lab.model import MLP, Attention, LlamaForCausalLM
+    from colossal_lab.switches import attention, fp8, loss, norm, precision, projections, rope
 
     param = next(model.parameters())
     device = param.device
     dtype = precision.policy(precision.of(model)).autocast_dtype or param.dtype  # q, k, v
     head_dim = getattr(getattr(model, "cfg", None), "head_dim", None)
     found: dict[str, list[str]] = {k: [] for k in ("attention_backend", "norm_backend",
-                                                   "swiglu_backend", "fp8_backend")}
+                                                   "swiglu_backend", "fp8_backend",
+                                                   "rope_backend", "loss_backend")}
 
     def add(key, name):
         if name not in found[key]:
@@ -36,6 +38,9 @@ def backends_in_use(model: torch.nn.Module) -> dict:
         if isinstance(m, Attention):
             add("attention_backend", attention.resolve_backend(
                 m.attention_backend, device, dtype=dtype, head_dim=head_dim))
+            add("rope_backend", rope.resolve_backend(m.rope_backend, device))
+        elif isinstance(m, LlamaForCausalLM):
+            add("loss_backend", loss.resolve_backend(m.loss_backend, device))
         elif isinstance(m, (norm.RMSNorm, norm.LayerNorm)):
             add("norm_backend", norm.resolve_backend(m.backend, device))
         elif isinstance(m, MLP):

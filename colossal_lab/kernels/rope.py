@@ -1,0 +1,294 @@
+"""Rotary position embedding (RoPE) in Triton: q and k in one launch, forward and
+backward from one kernel, reading the projections' (B, S, H, D) layout as it is.
+
+Math (Su et al., RoFormer, 2021), LLaMA's half-split convention: a head vector
+x = [x1 | x2] of D = 2·h dims is rotated, pair by pair (x1_j, x2_j), by the angle
+θ_j(s) = s · base^(−2j/D) of its position s::
+
+    y1 = x1 · cos θ − x2 · sin θ            (the first D/2 dims)
+    y2 = x2 · cos θ + x1 · sin θ            (the last D/2 dims)
+
+which is the model's `x · cos + rotate_half(x) · sin` with its (S, D) tables, whose two
+halves hold the same angles. The rotation is orthogonal, so the backward is its
+transpose, the rotation by −θ::
+
+    dx1 = dy1 · cos θ + dy2 · sin θ
+    dx2 = dy2 · cos θ − dy1 · sin θ
+
+the forward kernel with sin negated (`BACKWARD`). Nothing of q or k is saved for the
+backward: only the tables (S·D/2 fp32 each).
+
+Layout. q (B, S, Hq, D) and k (B, S, Hkv, D), before the transpose to (B, H, S, D) the
+attention wants; any strides over B, S and H, unit stride over D. So q and k may be
+column slices of the fused qkv GEMM output (B, S, (Hq + 2·Hkv)·D), viewed as
+`q.unflatten(-1, (Hq, D))` (no copy): their rows are (Hq + 2·Hkv)·D apart, not Hq·D.
+The outputs are new tensors, contiguous (B, S, H, D), in the input dtype (not written
+in place into the fused output: autograd refuses in-place writes to the views `split`
+returns, and v, which the attention saves, shares that storage). The gradients come
+back in any strides (the attention's dq in (B, H, S, D), transposed) and the backward
+writes contiguous (B, S, H, D) gradients, which the `.view(B, S, H·D)` of the caller
+takes as they are.
+
+Tables. cos and sin of shape (S', D), fp32, with S' ≥ S (the model's, or longer), or
+just their first half (S', D/2): the kernel reads only columns [0, D/2), since the
+half-split tables repeat them. Position s reads row s. The math is done in fp32 with
+fp32 tables, rounded once to the output dtype; the model's eager path rounds the tables
+to bf16 first and every intermediate, so this kernel is slightly *more* accurate than
+the code it replaces: the tests hold it to an fp64 reference, within twice the error
+of the model's own bf16 path.
+
+Bytes moved per element of q and k (N = B·S·(Hq + Hkv)·D elements of e bytes; the
+eager column counted op by op on meta tensors by
+`colossal_lab.benchmarks.rope.eager_traffic`, for `model.apply_rotary` on the
+transposed views, as the model runs today)::
+
+                   eager (apply_rotary)                        Triton (this file)
+    forward        per tensor: mul 2, neg 1, cat 2, mul 2,     read q, k; write
+                   add 3                     = 10 N e,          q_rot, k_rot = 2 N e,
+                   12 kernels (+2 table casts)                  1 kernel
+    backward       mul 2, neg 1, cat 2, mul 2, add 3           read dq, dk; write
+                                             = 10 N e,          dq, dk      = 2 N e,
+                   10 kernels                                   1 kernel
+    fused qkv,     + a transposing copy of the (B, H, S, D)     nothing: the gradient
+    backward       gradient to (B, S, H·D): 2 N e, 2 kernels    is (B, S, H, D) already
+
+plus the tables, 4·D bytes per token per program (1/(Hq + Hkv) of the q/k traffic,
+served from L2). With fused qkv, both also pay the split's backward, which autograd
+adds after either: the concatenation of dq, dk, dv into the one qkv gradient, 3·N e
+at Hq = Hkv (the benchmark's count, 15.5 N e for eager, adds 0.5 N e of zeros for
+its unused dv). LLaMA-7B at B 4, S 4096 (Hq = Hkv = 32, D 128, bf16): q and k are
+256 MiB together, so eager moves 2.5 GiB forward and 2.5 to 3 GiB backward per layer,
+this kernel 0.5 GiB each way.
+
+Launch: a 2-D grid, (B·S tokens) × (head blocks). Program (t, j) loads the cos/sin
+half-row of token t's position once and rotates heads [j·BLOCK_H, (j+1)·BLOCK_H) of q
+and of k, as a (BLOCK_H, D/2) tile per half; BLOCK_H = next_power_of_2(max(Hq, Hkv)),
+capped so a tile holds at most `MAX_TILE` elements, so every model we run (D ≤ 128,
+≤ 64 heads) needs one head block: one program per token, ~32 KB of bf16 traffic each
+for LLaMA-7B. Loads are 16-byte vectors when D/2 and the strides are multiples of 8.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from colossal_lab.kernels._norm_common import _to_dtype
+
+MAX_TILE = 4096
+"""Elements of one (BLOCK_H, D/2) half-tile per tensor: 64 heads at D = 128."""
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _rotate_heads(
+    X,  # this token's first head of the input, heads stride_h apart, unit column stride
+    OUT,  # this token's first head of the output, contiguous (n_heads, 2·HALF)
+    stride_h,  # elements between heads of X
+    n_heads,  # heads of this tensor (Hq or Hkv)
+    heads,  # (BLOCK_H,) head indices of this program
+    cols,  # (BLOCK_D,) columns of the first half
+    cos,  # (BLOCK_D,) fp32 cos θ of this token
+    sin,  # (BLOCK_D,) fp32 sin θ of this token (−sin θ for the backward)
+    HALF: tl.constexpr,  # D / 2
+):
+    """[x1 | x2] -> [x1·cos − x2·sin | x2·cos + x1·sin] for a (BLOCK_H, D) tile."""
+    mask = (heads < n_heads)[:, None] & (cols < HALF)[None, :]
+    x_ptrs = X + heads[:, None] * stride_h + cols[None, :]
+    x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1 = x1 * cos[None, :] - x2 * sin[None, :]
+    y2 = x2 * cos[None, :] + x1 * sin[None, :]
+    out_ptrs = OUT + heads[:, None] * (2 * HALF) + cols[None, :]
+    tl.store(out_ptrs, _to_dtype(y1, OUT.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs + HALF, _to_dtype(y2, OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q,  # (B, S, Hq, D) queries, strides stride_q*, unit column stride
+    K,  # (B, S, Hkv, D) keys, strides stride_k*, unit column stride
+    QO,  # (B, S, Hq, D) output, contiguous
+    KO,  # (B, S, Hkv, D) output, contiguous
+    COS,  # (≥ S, ≥ D/2) cos table; columns [0, D/2) are read, unit column stride
+    SIN,  # (≥ S, ≥ D/2) sin table, COS's strides
+    stride_qb, stride_qs, stride_qh,  # elements between batches, positions, heads of Q
+    stride_kb, stride_ks, stride_kh,  # the same for K
+    stride_table,  # elements between rows (positions) of COS and SIN
+    seq_len,  # S
+    n_q_heads,  # Hq
+    n_kv_heads,  # Hkv
+    HALF: tl.constexpr,  # D / 2
+    BLOCK_H: tl.constexpr,  # heads per program
+    BLOCK_D: tl.constexpr,  # next_power_of_2(HALF)
+    BACKWARD: tl.constexpr,  # rotate by −θ: the gradient
+):
+    """Rotate heads of q and k of one token by θ(s) (or −θ(s)), math in fp32."""
+    token = tl.program_id(0).to(tl.int64)  # b·S + s; int64: no overflow in offsets
+    b = token // seq_len
+    s = token % seq_len
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < HALF
+    cos = tl.load(COS + s * stride_table + cols, mask=col_ok, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + s * stride_table + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if BACKWARD:
+        sin = -sin  # R(θ)ᵀ = R(−θ)
+    _rotate_heads(Q + b * stride_qb + s * stride_qs, QO + token * (n_q_heads * 2 * HALF),
+                  stride_qh, n_q_heads, heads, cols, cos, sin, HALF)
+    _rotate_heads(K + b * stride_kb + s * stride_ks, KO + token * (n_kv_heads * 2 * HALF),
+                  stride_kh, n_kv_heads, heads, cols, cos, sin, HALF)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _tiling(n_heads: int, half: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_D, num_warps) for up to `n_heads` heads of D = 2·half."""
+    block_d = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(n_heads, 1)), max(1, MAX_TILE // block_d))
+    warps = max(1, min(8, block_h * block_d // 256))  # ~8 elements per thread per half
+    return block_h, block_d, warps
+
+
+def _unit_columns(t: torch.Tensor) -> torch.Tensor:
+    """The kernels need unit stride over D; copy only when it is not (an expanded
+    gradient, a transposed head dim)."""
+    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
+
+
+def _launch(q, k, cos_half, sin_half, backward: bool):
+    B, S, n_q, D = q.shape
+    n_kv = k.shape[2]
+    q, k = _unit_columns(q), _unit_columns(k)
+    q_out = torch.empty((B, S, n_q, D), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((B, S, n_kv, D), dtype=k.dtype, device=k.device)
+    if B * S == 0 or n_q + n_kv == 0:
+        return q_out, k_out
+    block_h, block_d, warps = _tiling(max(n_q, n_kv), D // 2)
+    grid = (B * S, triton.cdiv(max(n_q, n_kv), block_h))
+    _rope_kernel[grid](
+        q, k, q_out, k_out, cos_half, sin_half,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        cos_half.stride(0), S, n_q, n_kv,
+        HALF=D // 2, BLOCK_H=block_h, BLOCK_D=block_d, BACKWARD=backward,
+        num_warps=warps)
+    return q_out, k_out
+
+
+def rope_forward(q: torch.Tensor, k: torch.Tensor, cos_half: torch.Tensor,
+                 sin_half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by their positions, one launch.
+
+    Args:
+        q: (B, S, Hq, D), any strides over B, S, H.
+        k: (B, S, Hkv, D), the same.
+        cos_half, sin_half: (≥ S, ≥ D/2) tables, unit column stride; columns [0, D/2)
+            are read (`half_tables` makes them from the model's (S, D) tables).
+    Returns:
+        q_rot (B, S, Hq, D), k_rot (B, S, Hkv, D): contiguous, in q's and k's dtype.
+    """
+    return _launch(q, k, cos_half, sin_half, backward=False)
+
+
+def rope_backward(dq: torch.Tensor, dk: torch.Tensor, cos_half: torch.Tensor,
+                  sin_half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradient of `rope_forward`: dq, dk rotated by −θ. Same shapes and layouts."""
+    return _launch(dq, dk, cos_half, sin_half, backward=True)
+
+
+# ------------------------------------------------------------------------------- checks
+
+
+def half_tables(cos: torch.Tensor, sin: torch.Tensor, seq_len: int, head_dim: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the tables and return views of their first halves, (S', D/2).
+
+    Takes (S', D) half-split tables (the model's; the second half is assumed equal to
+    the first, as `RotaryEmbedding` builds them: not checked, which would need a
+    device sync) or their first halves (S', D/2), with S' ≥ seq_len; leading
+    dimensions of size 1 (Hugging Face's (1, S, D)) are dropped."""
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have "
+                         "the same shape")
+    while cos.dim() > 2 and cos.shape[0] == 1:
+        cos, sin = cos[0], sin[0]
+    if cos.dim() != 2:
+        raise ValueError(f"cos/sin must be (S, D) or (S, D/2) tables, one row per "
+                         f"position; got {tuple(cos.shape)} (per-batch positions are "
+                         "not supported: gather the rows first)")
+    half = head_dim // 2
+    if cos.shape[1] not in (head_dim, half):
+        raise ValueError(f"cos/sin have {cos.shape[1]} columns; head_dim={head_dim} "
+                         f"needs {head_dim} (the half-split table) or {half} (its first "
+                         "half)")
+    if cos.shape[0] < seq_len:
+        raise ValueError(f"cos/sin have {cos.shape[0]} positions, fewer than the "
+                         f"sequence length {seq_len}; build the tables for at least "
+                         f"{seq_len}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{name} is {t.dtype}; expected a float table (float32 "
+                             "as the model builds it)")
+    cos, sin = cos[:, :half], sin[:, :half]
+    if cos.stride(-1) != 1:
+        cos = cos.contiguous()
+    if sin.stride(-1) != 1:
+        sin = sin.contiguous()
+    if sin.stride(0) != cos.stride(0):  # the kernel takes one row stride for both
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
+def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
+    """q (B, S, Hq, D) and k (B, S, Hkv, D): same B, S, D, dtype and device; D even."""
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}; expected (B, S, H, D) (a "
+                f"(B, S, H·D) projection output is {name}.unflatten(-1, (H, D)), a view)")
+    if (q.shape[0], q.shape[1], q.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in "
+                         "batch, sequence and head_dim: (B, S, Hq, D) and (B, S, Hkv, D)")
+    if q.shape[3] % 2:
+        raise ValueError(f"head_dim={q.shape[3]} is odd; RoPE rotates pairs of dims, so "
+                         "it needs an even head_dim")
+    if q.dtype not in DTYPES or k.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} and k {k.dtype}; both must be one of float32, "
+                         "float16, bfloat16")
+    if k.device != q.device:
+        raise ValueError(f"q is on {q.device} and k on {k.device}")
+
+
+# ------------------------------------------------------------------------------ autograd
+
+
+class RotaryFunction(torch.autograd.Function):
+    """(q_rot, k_rot) = RoPE(q, k); saves only the tables. No gradient for the tables
+    (the model's are constants)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        check_qk(q, k)
+        cos_h, sin_h = half_tables(cos, sin, q.shape[1], q.shape[3])
+        if cos_h.device != q.device:
+            raise ValueError(f"cos/sin are on {cos_h.device}, q on {q.device}")
+        q_rot, k_rot = rope_forward(q, k, cos_h, sin_h)
+        ctx.save_for_backward(cos_h, sin_h)
+        return q_rot, k_rot
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos_h, sin_h = ctx.saved_tensors
+        dq_in, dk_in = rope_backward(dq, dk, cos_h, sin_h)
+        return dq_in, dk_in, None, None
+
+
+def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q (B, S, Hq, D) and k (B, S, Hkv, D), any strides over B, S
+    and H (column slices of a fused qkv output included), with tables cos, sin of shape
+    (≥ S, D) (half-split, fp32) or (≥ S, D/2). Returns new contiguous (B, S, Hq, D) and
+    (B, S, Hkv, D) tensors in q's dtype; transpose them for the attention afterwards."""
+    return RotaryFunction.apply(q, k, cos, sin)

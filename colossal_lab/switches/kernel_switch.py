@@ -1,0 +1,42 @@
+"""How a switch whose fast path is one of our Triton kernels turns its value into the
+backend that runs (SwiGLU, RoPE, the fused loss): one rule, in one place.
+
+    False / None  -> `off` (the eager reference)
+    True          -> "triton" on a CUDA device, `cpu` elsewhere
+    "triton"      -> "triton" where our kernels run (a GPU, or CPU tensors under
+                     Triton's interpreter); elsewhere `cpu`, through `fallback`
+                     (one warning, or `BackendUnavailable` under COLOSSAL_LAB_STRICT=1)
+    another name  -> itself, when it is in `names`
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colossal_lab.fallback import fallback
+
+
+def check_value(value, names: tuple[str, ...], field: str) -> None:
+    """A clear ValueError unless `value` is True, False, None or one of `names`."""
+    if not (value is True or value is False or value is None or value in names):
+        raise ValueError(f"{field}={value!r}; choose False (off), True (best available) "
+                         f"or one of {names}")
+
+
+def resolve(value, device, *, names: tuple[str, ...], field: str, what: str,
+            off: str = "eager", cpu: str = "eager") -> str:
+    """The backend `value` picks on `device` (see the module docstring); `what` names
+    the kernel in the fallback message."""
+    from colossal_lab.kernels import runs_on
+
+    check_value(value, names, field)
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if value is False or value is None:
+        return off
+    if value is True:
+        return "triton" if dev.type == "cuda" else cpu
+    if value == "triton" and not runs_on(dev):
+        fallback(f"{what} backend 'triton' needs a CUDA device or TRITON_INTERPRET=1", cpu)
+        return cpu
+    return value

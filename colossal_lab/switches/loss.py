@@ -1,0 +1,319 @@
+"""The loss switch, `loss_backend`: fused linear + cross-entropy that never makes the
+(N, V) logits.
+
+**What the model does today.** `LlamaForCausalLM` computes all the logits, `lm_head` on
+N = B·S tokens of the last hidden state (d wide) against V vocabulary rows, and takes
+the mean cross-entropy in fp32::
+
+    z    = h Wᵀ                         (N, V), bf16 under autocast
+    loss = mean_i (lse(z_i) − z_i,y_i)  F.cross_entropy(z.float(), y)
+
+In our bf16 LLaMA-7B-8L step on an H200 (N = 16384, d = 4096, V = 32000) that loss takes
+4 ms, against 1 ms for Liger-Kernel's fused linear cross-entropy: the eager loss moves
+about 36 bytes per logit (casts, log-softmax, its backward, casts back: the table in
+`colossal_lab.kernels.cross_entropy`) where 6 suffice. And it costs memory: between the
+forward and the backward autograd keeps the fp32 log-probabilities (N·V·4 bytes), and
+the backward makes their fp32 gradient (N·V·4 more) next to the bf16 logits and their
+bf16 gradient. With V = 32000 that is 2·2.1 GB of fp32 plus 2·1.05 GB of bf16; with
+LLaMA-3's V = 128256, 2·8.4 GB plus 2·4.2 GB, more than the 8 decoder layers' own
+activations.
+
+**The idea** (Wijmans et al. 2024, who take it furthest; Liger-Kernel's
+`LigerFusedLinearCrossEntropyFunction` is the peer we measure against): the loss needs
+only lse and z_y per token, and the backward of the linear layer needs only
+dz = (softmax(z) − onehot(y)) / n_valid. Both come from one chunk of tokens at a time,
+so the *forward* loops over chunks of c tokens::
+
+    z_c   = h_c Wᵀ                              (c, V), the only logits alive
+    loss += Σ (lse − z_y)   and   z_c ← dz_c    our Triton kernel, in place
+    dh_c  = dz_c W                              (c, d), into the (N, d) gradient
+    dW   += dz_cᵀ h_c                           (V, d)
+
+and keeps dh and dW for the backward, which only multiplies them by the incoming
+gradient (a scalar). The GEMM FLOPs are the eager ones (2·N·d·V forward, twice that
+backward), only issued earlier; the loss itself becomes one kernel of 3·N·V·e bytes.
+Extra memory at the peak is one chunk of logits, (c, V), instead of the (N, V) ones.
+From forward to backward we hold dh (N, d) and dW (V, d) where the eager path holds h
+(saved by lm_head) and the (N, V) fp32 log-probabilities; dh and dW are what the eager
+backward makes anyway, only made earlier.
+
+**Chunk size** (`default_chunk_tokens`): as many equal chunks as it takes for each one's
+logits to stay under `CHUNK_BYTES` = 512 MiB,
+c = ⌈N / ⌈N·V·e / 512 MiB⌉⌉. For N = 16384 bf16 tokens that is 2 chunks of 8192 at
+V = 32000 and 8 chunks of 2048 at V = 128256: each chunk's GEMMs (≥ 2048 × 4096 ×
+32000) are large enough to run at the card's matmul rate, and 512 MiB is a quarter of
+the fp32 logits the eager path keeps at V = 32000. Equal chunks, not a fixed size with a
+remainder, so that no chunk is a sliver. (Liger sizes chunks from V/d so that a chunk's
+logits take about as much memory as the hidden states; ours is in bytes, so it does not
+depend on d.)
+
+**Numerics.** The matmuls run in the dtype autocast would use (bf16 under
+`torch.autocast(bf16)`, else the inputs' dtype, which must then agree); the kernel
+works in fp32 and rounds dz once, to the logits' dtype, as the eager backward does
+when it casts the fp32 gradient back for the bf16 GEMM. dW is summed over the chunks in
+an fp32 buffer when there is more than one chunk or the weight is fp32 (autocast's
+master weights: the buffer is then the returned gradient); with a bf16 weight that is a
+(V, d) fp32 buffer of 0.5 GB at V = 32000, against the GBs saved, and rounding to bf16
+once at the end keeps dW as close to the eager one as a single GEMM's. The per-chunk
+partial dz_cᵀ h_c is one (V, d) temporary in the matmul dtype (fp32 matmuls add into the
+buffer directly). The loss is the sum of per-token losses divided by the number of
+non-ignored labels; with every label ignored it is 0 (F.cross_entropy's mean gives NaN).
+
+**Switch values** (`BACKENDS`, the attribute `loss_backend` of a module):
+
+- "eager": `cross_entropy_ref(hidden @ weight.T)`, the model's math, (N, V) logits.
+- "chunked": the chunked fused function with torch ops for the loss (`logsumexp`,
+  softmax − onehot on an fp32 copy of the chunk): runs anywhere, no Triton.
+- "triton": the chunked fused function with our kernel
+  (`colossal_lab.kernels.cross_entropy`); on a CPU it runs under the interpreter, and
+  without it falls back to "chunked" (`colossal_lab.fallback`).
+- False / None: "eager"; True: "triton" on a CUDA device, "chunked" on a CPU.
+
+**Checked cheaply** (no device synchronisation): shapes, dtypes, devices, a positive
+`chunk_tokens`. Labels out of range [0, V) are caught on CPU tensors (ValueError); on a
+GPU checking would cost a sync per step, so the Triton kernel instead makes that row's
+loss and gradient NaN (it never reads out of bounds), and the torch paths raise a
+device-side assert.
+
+References: E. Wijmans, B. Huval, A. Hertzberg, V. Koltun, P. Krähenbühl, *Cut Your
+Losses in Large-Vocabulary Language Models*, arXiv:2411.09009, 2024 (never materialise
+the logits); P.-L. Hsu et al., *Liger Kernel: Efficient Triton Kernels for LLM
+Training*, arXiv:2410.10216, 2024 (`LigerFusedLinearCrossEntropyLoss`, chunked like
+ours); M. Milakov, N. Gimelshein, *Online normalizer calculation for softmax*, 2018.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from colossal_lab.switches import autocast_state, kernel_switch
+
+BACKENDS = ("eager", "chunked", "triton")
+CHUNK_BYTES = 512 << 20
+"""Target size of one chunk's logits (`default_chunk_tokens`)."""
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def cross_entropy_ref(logits: torch.Tensor, labels: torch.Tensor,
+                      ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy in fp32 over the labels that are not `ignore_index`: the
+    model's current loss, `F.cross_entropy(logits.float(), labels)`.
+
+    Args:
+        logits: (..., V), any float dtype: upcast to fp32 (fp64 stays fp64, for tests).
+        labels: (...), integers in [0, V) or `ignore_index`.
+    Returns:
+        0-d fp32 (fp64 for fp64 logits); 0 when every label is ignored (where the mean
+        of F.cross_entropy is 0/0 = NaN).
+    """
+    z = logits.reshape(-1, logits.shape[-1])  # (N, V)
+    z = z if z.dtype == torch.float64 else z.float()
+    y = labels.reshape(-1).long()
+    total = F.cross_entropy(z, y, ignore_index=ignore_index, reduction="sum")
+    return total / (y != ignore_index).sum().clamp(min=1)
+
+
+# ------------------------------------------------------------------------------ dispatch
+
+
+def _validate(value) -> None:
+    kernel_switch.check_value(value, BACKENDS, "loss_backend")
+
+
+def resolve_backend(value, device: torch.device | str | None = None) -> str:
+    """The loss backend the switch value picks on `device`: "eager", "chunked" or
+    "triton" (`kernel_switch.resolve`: "triton" without a GPU or the interpreter falls
+    back to "chunked")."""
+    return kernel_switch.resolve(value, device, names=BACKENDS, field="loss_backend",
+                                 what="loss", cpu="chunked")
+
+
+def default_chunk_tokens(n_tokens: int, vocab: int, elem_size: int) -> int:
+    """Tokens per chunk: the fewest equal chunks whose logits, (c, V) of `elem_size`
+    bytes, stay under `CHUNK_BYTES` (module docstring)."""
+    n_chunks = max(1, math.ceil(n_tokens * vocab * elem_size / CHUNK_BYTES))
+    return max(1, math.ceil(n_tokens / n_chunks))
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 ignore_index: int = -100) -> None:
+    """Shapes, dtypes and devices (no device sync); labels in range on CPU tensors."""
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} "
+                         "must be (..., d) and (V, d): the lm_head weight, not its "
+                         "transpose")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels {tuple(labels.shape)} must be {tuple(hidden.shape[:-1])}"
+                         f": one per token of hidden {tuple(hidden.shape)}")
+    if hidden.dtype not in _FLOATS or weight.dtype not in _FLOATS:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must be "
+                         "float32, float16 or bfloat16")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or \
+            labels.dtype == torch.bool:
+        raise ValueError(f"labels dtype {labels.dtype} must be an integer type")
+    if not (hidden.device == weight.device == labels.device):
+        raise ValueError(f"hidden on {hidden.device}, weight on {weight.device}, labels "
+                         f"on {labels.device}: put them on one device")
+    if labels.device.type == "cpu" and labels.numel():  # free here; a GPU would sync
+        bad = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
+        if bad.any():
+            raise ValueError(f"label {labels[bad][0].item()} is outside [0, "
+                             f"{weight.shape[0]}) and is not ignore_index={ignore_index}")
+
+
+# ------------------------------------------------------------------------------ autograd
+
+
+def _loss_and_grad_torch_(z: torch.Tensor, labels: torch.Tensor,
+                          scale: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+    """What the Triton kernel does, with torch ops: per-row loss (fp32), and z ← dz
+    unless `scale` is None. Works on an fp32 copy of z (z itself when fp32)."""
+    x = z.float()  # (c, V)
+    valid = labels != ignore_index
+    y = torch.where(valid, labels, 0).long()
+    lse = torch.logsumexp(x, dim=-1)  # (c,)
+    loss = torch.where(valid, lse - x.gather(1, y[:, None]).squeeze(1), 0.0)
+    if scale is not None:
+        p = x.sub_(lse[:, None]).exp_()  # softmax, in place: x is no longer needed
+        p[torch.arange(len(y), device=y.device), y] -= 1.0
+        p.mul_((scale * valid)[:, None])  # ignored rows: 0
+        if p is not z:
+            z.copy_(p)
+    return loss
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Mean cross-entropy of (hidden @ weightᵀ) over non-ignored labels, chunk by chunk;
+    the gradients are computed in the forward and scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens, ignore_index, dtype,
+                use_triton):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n_tokens, d = hidden.shape
+        vocab = weight.shape[0]
+        dev = hidden.device
+        h = hidden.to(dtype)  # (N, d) in the matmul dtype (autocast's cast)
+        w = weight.to(dtype)  # (V, d)
+        n_valid = (labels != ignore_index).sum()
+        scale = 1.0 / n_valid.clamp(min=1).float()  # on the device: no sync
+        grad_scale = scale if need_h or need_w else None  # None: loss only
+
+        grad_h = torch.empty((n_tokens, d), dtype=dtype, device=dev) if need_h else None
+        n_chunks = math.ceil(n_tokens / chunk_tokens)
+        direct_w = n_chunks == 1 and weight.dtype == dtype  # one GEMM: no buffer
+        grad_w = None
+        if need_w and not direct_w:
+            grad_w = torch.zeros((vocab, d), dtype=torch.float32, device=dev)
+        loss = torch.zeros((), dtype=torch.float32, device=dev)
+        z_buf = torch.empty((min(chunk_tokens, n_tokens), vocab), dtype=dtype, device=dev)
+
+        if use_triton:
+            from colossal_lab.kernels.cross_entropy import cross_entropy_loss_and_grad_
+
+        for start in range(0, n_tokens, chunk_tokens):
+            end = min(start + chunk_tokens, n_tokens)
+            h_c = h[start:end]  # (c, d)
+            z = torch.mm(h_c, w.t(), out=z_buf[:end - start])  # (c, V) logits
+            if use_triton:
+                rows = cross_entropy_loss_and_grad_(
+                    z, labels[start:end], grad_scale=grad_scale, ignore_index=ignore_index)
+            else:
+                rows = _loss_and_grad_torch_(z, labels[start:end], grad_scale, ignore_index)
+            loss += rows.sum()
+            # z now holds dz = (softmax − onehot) / n_valid
+            if need_h:
+                torch.mm(z, w, out=grad_h[start:end])  # (c, d)
+            if need_w:
+                if direct_w:
+                    grad_w = z.t() @ h_c  # (V, d)
+                elif dtype == torch.float32:
+                    grad_w.addmm_(z.t(), h_c)
+                else:
+                    grad_w += z.t() @ h_c  # (V, d) partial in the matmul dtype
+        del z_buf
+        if need_w and grad_w is None:  # no tokens
+            grad_w = torch.zeros_like(weight)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return loss * scale
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        dh = dw = None
+        if grad_h is not None:  # out of place: a retained graph may run backward again
+            dh = (grad_h * grad_out.to(grad_h.dtype)).to(h_dtype)
+        if grad_w is not None:
+            dw = (grad_w * grad_out.to(grad_w.dtype)).to(w_dtype)
+        return dh, dw, None, None, None, None, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                               labels: torch.Tensor, *, chunk_tokens: int | None = None,
+                               ignore_index: int = -100, backend="triton"
+                               ) -> torch.Tensor:
+    """Mean cross-entropy of the logits hidden @ weightᵀ over the labels that are not
+    `ignore_index`, without making the (N, V) logits (except backend "eager").
+
+    Args:
+        hidden: (N, d) or (..., d) last hidden states, fp32/fp16/bf16.
+        weight: (V, d) the output head's weight (`lm_head.weight`).
+        labels: (N,) or (...) integer next-token labels in [0, V), or `ignore_index`.
+        chunk_tokens: tokens per chunk; default `default_chunk_tokens` (logits of a
+            chunk under 512 MiB).
+        ignore_index: label of tokens without loss.
+        backend: "eager", "chunked", "triton", or a switch value (True / False / None;
+            `resolve_backend`).
+    Returns:
+        0-d fp32 loss (0 when every label is ignored). Under `torch.autocast` the
+        matmuls run in the autocast dtype; otherwise hidden and weight must share a
+        dtype. Gradients reach hidden and weight in their own dtypes.
+    """
+    check_inputs(hidden, weight, labels, ignore_index)
+    name = resolve_backend(backend, hidden.device)
+    if name == "eager":
+        return cross_entropy_ref(hidden @ weight.t(), labels, ignore_index)
+    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens={chunk_tokens!r} must be a positive integer or None")
+    device_type = hidden.device.type
+    dtype = autocast_state.current_dtype(device_type)
+    if dtype is None:
+        if hidden.dtype != weight.dtype:
+            raise ValueError(f"hidden is {hidden.dtype} and weight {weight.dtype}: cast one, "
+                             "or call under torch.autocast to pick the matmul dtype")
+        dtype = hidden.dtype
+    h2d = hidden.reshape(-1, hidden.shape[-1])  # (N, d)
+    y = labels.reshape(-1)
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(h2d.shape[0], weight.shape[0], dtype.itemsize)
+    with autocast_state.off(device_type):  # dtype decided above, explicitly
+        return FusedLinearCrossEntropyFunction.apply(
+            h2d, weight, y, max(1, chunk_tokens), ignore_index, dtype, name == "triton")
+
+
+# ---------------------------------------------------------------------------- the switch
+
+
+def apply(model: nn.Module, value) -> int:
+    """The loss switch on `model`, in place: every module whose class has a
+    `loss_backend` attribute (the causal-LM head) computes its loss with `value` from
+    its next call; returns how many modules were set. The value is checked now; whether
+    "triton" runs on this device is decided per call (`resolve_backend`)."""
+    _validate(value)
+    count = 0
+    for m in model.modules():
+        if hasattr(type(m), "loss_backend"):
+            m.loss_backend = value
+            count += 1
+    return count
