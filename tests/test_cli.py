@@ -173,3 +173,17 @@ def test_train_cli_switches_file_and_resume(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*base, "--steps", "1"])
     assert "unknown fields ['precison']" in capsys.readouterr().err
+
+
+def test_composed_quick_runs_every_setup():
+    """`bench composed --quick`: every finale setup runs (tiny model, CPU) and records
+    the backends that ran: our RoPE and fused loss where asked for."""
+    from colossal_lab.benchmarks import composed
+
+    rows = composed.run(quick=True)
+    by = {r["setup"]: r for r in rows}
+    assert set(by) == set(composed.SETUP_NAMES) - {"hf-liger"}  # Liger needs a GPU
+    assert not [r for r in rows if "error" in r]
+    assert by["ours-bf16"]["precision"] == "bf16-pure"
+    assert by["ours-bf16"]["loss_backend"] == "chunked"  # True on a CPU: torch chunks
+    assert by["ours-bf16-s123"]["rope_backend"] == "eager"

@@ -10,6 +10,7 @@ import importlib
 BENCHMARKS = {
     "baseline": "colossal_lab.benchmarks.baseline",
     "checkpointing": "colossal_lab.benchmarks.checkpointing",
+    "composed": "colossal_lab.benchmarks.composed",
     "cross_entropy": "colossal_lab.benchmarks.cross_entropy",
     "flash_attention": "colossal_lab.benchmarks.flash_attention",
     "flash_attention_step": "colossal_lab.benchmarks.flash_attention_step",

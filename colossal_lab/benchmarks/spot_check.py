@@ -28,6 +28,7 @@ SOURCES = {
     "baseline": "colossal_lab.benchmarks.baseline",
     "checkpointing": "colossal_lab.benchmarks.checkpointing",
     "checkpointing_7b": "colossal_lab.benchmarks.checkpointing",
+    "composed": "colossal_lab.benchmarks.composed",
     "flash_attention_step": "colossal_lab.benchmarks.flash_attention_step",
     "fused_norm_step": "colossal_lab.benchmarks.fused_norm_step",
     "fused_qkv_step": "colossal_lab.benchmarks.fused_qkv",

@@ -1,0 +1,58 @@
+"""The finale's comparison: every single-GPU switch composed, against HF + Liger.
+
+One training step of `llama-7b-8l` (seq 4096, batch 4, random tokens, AdamW), each
+setup in its own process, all in one run:
+
+    hf-liger            Hugging Face LlamaForCausalLM, SDPA, Liger's kernels, bf16 autocast
+    ours-bf16-s123      switches 1-3 (cuDNN attention, Triton norm, fused projections +
+                        our SwiGLU), bf16 autocast: the best composition before the finale
+    ours-bf16-autocast  + our RoPE and fused head + loss, bf16 autocast (fp32 weights,
+                        cast every step)
+    ours-bf16           the same with bf16 parameters and fp32 master weights in the
+                        optimizer: no per-step weight casts (the best bf16 composition)
+    ours-fp8            the same switches with fp8 linears, delayed scaling
+    ours-7b-bf16        full LLaMA-7B (32 layers), batch 2, as ours-bf16
+
+    python -m colossal_lab bench composed                      # results/<gpu>/composed.json
+    python -m colossal_lab bench composed --setups hf-liger ours-bf16
+    python -m colossal_lab bench composed --quick              # tiny model, no Liger
+"""
+
+from __future__ import annotations
+
+from colossal_lab.benchmarks.steps import Setup, main_for, run_chapter
+from colossal_lab.config import Switches
+
+S123 = Switches(enable_flash_attention=True, enable_fused_normalization="triton",
+                enable_fused_projections=True, precision="bf16")
+"""Switches 1-3 in bf16: what the chapters before the finale composed."""
+ALL_BF16 = S123.replace(enable_fused_rope=True, enable_fused_cross_entropy=True)
+"""Every kernel switch, including the finale's RoPE and fused head + loss."""
+
+SETUPS = (
+    Setup("hf-liger", "HF transformers: bf16, SDPA, Liger kernels", "hf", liger=True),
+    Setup("ours-bf16-s123", "ours: switches 1-3, bf16 autocast", switches=S123),
+    Setup("ours-bf16-autocast", "ours: + RoPE, fused loss; bf16 autocast",
+          switches=ALL_BF16),
+    Setup("ours-bf16", "ours: every switch, bf16 params + fp32 masters",
+          switches=ALL_BF16.replace(precision="bf16-pure")),
+    Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling)",
+          switches=ALL_BF16.replace(precision="fp8", extra={"fp8_scaling": "delayed"})),
+    Setup("ours-7b-bf16", "ours: full LLaMA-7B, every switch, bf16 params",
+          switches=ALL_BF16.replace(precision="bf16-pure"), preset="llama-7b", batch=2),
+)
+SETUP_NAMES = tuple(s.name for s in SETUPS)
+
+
+
+def run(quick: bool = False) -> list[dict]:
+    """Every setup side by side (`steps.run_chapter`). `quick`: the tiny model on this
+    machine, without Liger's setup (Liger's kernels need a GPU)."""
+    return run_chapter("composed", [s for s in SETUPS if not (quick and s.liger)], quick)
+
+
+def main(argv=None) -> None:
+    main_for("composed", SETUPS, argv)
+
+if __name__ == "__main__":
+    main()
