@@ -213,7 +213,7 @@ def test_resolve_backend():
     assert rope.resolve_backend(True, "cpu") == "eager"
     assert rope.resolve_backend(True, "cuda") == "triton"
     assert rope.resolve_backend("compile", "cpu") == "compile"
-    assert rope.resolve_backend("triton", "cpu") == "triton"  # the interpreter
+    assert rope.resolve_backend("triton", DEVICE) == "triton"  # GPU, or the interpreter
     with pytest.raises(ValueError, match="rope_backend='flash'.*one of"):
         rope.resolve_backend("flash")
 
