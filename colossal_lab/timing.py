@@ -85,14 +85,16 @@ def time_kernels(fn: Callable[[], object], *, device=None, reps: int = 100
                  ) -> tuple[Timing, str]:
     """The GPU time of `fn`'s kernels and how it was taken: CUDA-graph replay
     ("cuda_graph", `time_cuda_graph`); where capture fails, eagerly with `do_bench`
-    ("events": Python launch gaps included, and said so); on a CPU a loop
-    ("perf_counter")."""
+    ("events (capture failed: why)": Python launch gaps included, and said so); on a
+    CPU a loop ("perf_counter")."""
     if not _on_cuda(device):
         return time_fn(fn, device=device), "perf_counter"
     try:
         return time_cuda_graph(fn, reps=reps), "cuda_graph"
-    except Exception:  # e.g. an op that cannot be captured
-        return time_fn(fn, device=device), "events"
+    except Exception as e:  # e.g. an op that cannot be captured: say which
+        why = str(e).strip().splitlines()[0][:80] if str(e).strip() else ""
+        return time_fn(fn, device=device), f"events (capture failed: {type(e).__name__}" \
+            + (f": {why})" if why else ")")
 
 
 def time_fn(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,

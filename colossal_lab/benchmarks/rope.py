@@ -221,7 +221,9 @@ def measure(model: str, shape: Shape, seq: int, layout: str, provider: str, dtyp
         cos, sin = RotaryEmbedding(shape.head_dim, seq, THETA).to(device)(seq, device)
         fn = provider_fn(provider)
         outs = fn(q, k, cos, sin)  # compiles ("compile"), JITs ("triton", "liger")
-        grads = [torch.randn_like(o) for o in outs]  # the outputs' layout
+        # the outputs' layout; drawn from `g`, not the default generator, which a
+        # failed graph capture can leave unusable for the rest of the process
+        grads = [torch.empty_like(o).normal_(generator=g) for o in outs]
         torch.autograd.grad(outs, leaves, grads)
 
         def fwd():
