@@ -26,12 +26,14 @@ def test_time_kernels_says_how_it_timed(monkeypatch):
     def no_capture(fn, reps):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    # a GPU whose capture fails falls back to eager timing and labels it "events"
+    # a GPU whose capture fails falls back to eager timing, labels it "events" and
+    # says why
     monkeypatch.setattr(timing, "_on_cuda", lambda device: True)
     monkeypatch.setattr(timing, "time_cuda_graph", no_capture)
     monkeypatch.setattr(timing, "time_fn", lambda fn, device=None: timing._summary([1.5]))
     t, how = timing.time_kernels(lambda: x @ x, device="cuda")
-    assert how == "events" and t.median_ms == 1.5
+    assert how == ("events (capture failed: RuntimeError: operation not permitted when "
+                   "stream is capturing)") and t.median_ms == 1.5
 
 
 @pytest.fixture
