@@ -18,18 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from colossal_lab.config import PRESETS, Switches
-
-SWITCH_SETS = {
-    "naive": Switches.naive("fp32"),
-    "bf16": Switches.naive("bf16"),
-    "best": Switches(enable_flash_attention=True, enable_fused_normalization=True,
-                     enable_fused_projections=True, precision="bf16"),
-    "best-fp8": Switches(enable_flash_attention=True, enable_fused_normalization=True,
-                         enable_fused_projections=True, precision="fp8",
-                         extra={"fp8_scaling": "delayed"}),
-}
-"""Named switch sets for `--switches`; "best" is every single-GPU switch in bf16."""
+from colossal_lab.config import PRESETS, SWITCH_SETS, Switches
 
 CKPT_MODES = ("none", "full", "selective", "elementwise")
 
@@ -79,7 +68,7 @@ def _backend(names: tuple[str, ...]):
 
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
-    from colossal_lab.switches import attention, norm, projections
+    from colossal_lab.switches import attention, loss, norm, projections, rope
     from colossal_lab.switches.precision import PRECISIONS
 
     run = t.add_argument_group("run")
@@ -102,6 +91,8 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     sw.add_argument("--attention", type=_backend(attention.BACKENDS))
     sw.add_argument("--norm", type=_backend(norm.BACKENDS))
     sw.add_argument("--projections", type=_backend(projections.ACTIVATIONS))
+    sw.add_argument("--rope", type=_backend(rope.BACKENDS), help="our RoPE kernel")
+    sw.add_argument("--loss", type=_backend(loss.BACKENDS), help="fused head + loss")
     sw.add_argument("--checkpointing", choices=CKPT_MODES)
     sw.add_argument("--ckpt-ratio", type=_fraction, help="share of layers to checkpoint")
     sw.add_argument("--precision", choices=PRECISIONS)
@@ -150,6 +141,8 @@ def switches_from(a: argparse.Namespace) -> Switches:
     changes = {k: v for k, v in (("enable_flash_attention", a.attention),
                                  ("enable_fused_normalization", a.norm),
                                  ("enable_fused_projections", a.projections),
+                                 ("enable_fused_rope", a.rope),
+                                 ("enable_fused_cross_entropy", a.loss),
                                  ("precision", a.precision)) if v is not None}
     if a.checkpointing == "none":
         changes["gradient_checkpoint_config"] = None

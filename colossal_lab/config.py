@@ -188,3 +188,21 @@ class Switches:
     def naive(cls, precision: str = "fp32") -> Switches:
         """Every switch off: what the seed chapter starts from."""
         return cls(precision=precision)
+
+
+def _every_switch(precision: str, **extra) -> Switches:
+    """Every single-GPU switch on (chapter 10's composition) in `precision`."""
+    return Switches(enable_flash_attention=True, enable_fused_normalization="triton",
+                    enable_fused_projections=True, precision=precision, extra=extra,
+                    enable_fused_rope=True, enable_fused_cross_entropy=True)
+
+
+SWITCH_SETS = {
+    "naive": Switches.naive("fp32"),
+    "bf16": Switches.naive("bf16"),
+    "best": _every_switch("bf16-pure"),
+    "best-fp8": _every_switch("fp8", fp8_scaling="delayed"),
+}
+"""Named switch sets (`train --switches NAME`): "best" is what chapter 10 measures as
+ours-bf16 (every single-GPU switch, bf16 parameters with fp32 master weights),
+"best-fp8" its fp8 composition (ours-fp8)."""

@@ -69,6 +69,11 @@ CHAPTERS = (
             "fp8-delayed",
             "fp32, tf32, bf16, fp16 and fp8 linears: GEMMs, the step, loss curves",
             also=("fp32",)),
+    Chapter("10", "Every switch", "10_composed.ipynb", "composed", "hf-liger",
+            "ours-bf16",
+            "every single-GPU switch composed, with our RoPE and fused head + loss, "
+            "against HF + Liger; resumable training from one command",
+            also=("ours-fp8",)),
 )
 """The written chapters, in book order."""
 
@@ -371,9 +376,10 @@ def plot_mfu_per_switch(entries: list[Entry], ax=None):
     ax.tick_params(axis="y", length=0)
     ax.tick_params(axis="x", labelsize=FONT)
     ax.set_xlim(0, xmax)
+    ax.set_xticks([i / 5 for i in range(6)])  # 0-100%: room past it is for the labels
     ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.set_xlabel(xlabel_of(entries), fontsize=FONT)
-    ax.set_title(title_of(entries), fontsize=FONT + 1)
+    ax.set_title(title_of(entries), fontsize=FONT + 1, loc="right")  # stays inside
     names = {"off": "switch off (naive)", "on": "switch on (ours)",
              "also": "another setting"}
     handles = [Patch(label=names[role], **style) for role, style in styles.items()

@@ -21,13 +21,13 @@ setup in its own process, all in one run:
 from __future__ import annotations
 
 from colossal_lab.benchmarks.steps import Setup, main_for, run_chapter
-from colossal_lab.config import Switches
+from colossal_lab.config import SWITCH_SETS
 
-S123 = Switches(enable_flash_attention=True, enable_fused_normalization="triton",
-                enable_fused_projections=True, precision="bf16")
+ALL_BF16 = SWITCH_SETS["best"].replace(precision="bf16")
+"""Every kernel switch, including the finale's RoPE and fused head + loss, in bf16
+autocast."""
+S123 = ALL_BF16.replace(enable_fused_rope=False, enable_fused_cross_entropy=False)
 """Switches 1-3 in bf16: what the chapters before the finale composed."""
-ALL_BF16 = S123.replace(enable_fused_rope=True, enable_fused_cross_entropy=True)
-"""Every kernel switch, including the finale's RoPE and fused head + loss."""
 
 SETUPS = (
     Setup("hf-liger", "HF transformers: bf16, SDPA, Liger kernels", "hf", liger=True),
@@ -35,11 +35,11 @@ SETUPS = (
     Setup("ours-bf16-autocast", "ours: + RoPE, fused loss; bf16 autocast",
           switches=ALL_BF16),
     Setup("ours-bf16", "ours: every switch, bf16 params + fp32 masters",
-          switches=ALL_BF16.replace(precision="bf16-pure")),
+          switches=SWITCH_SETS["best"]),
     Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling)",
-          switches=ALL_BF16.replace(precision="fp8", extra={"fp8_scaling": "delayed"})),
+          switches=SWITCH_SETS["best-fp8"]),
     Setup("ours-7b-bf16", "ours: full LLaMA-7B, every switch, bf16 params",
-          switches=ALL_BF16.replace(precision="bf16-pure"), preset="llama-7b", batch=2),
+          switches=SWITCH_SETS["best"], preset="llama-7b", batch=2),
 )
 SETUP_NAMES = tuple(s.name for s in SETUPS)
 
