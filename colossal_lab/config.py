@@ -175,6 +175,12 @@ class Switches:
     """The output head and the loss: False = full fp32 logits then cross-entropy; or
     "chunked", "triton" (ours: chunks of tokens, the gradient written in place, the
     logits never whole). No ColossalAI counterpart (Liger's fused linear cross-entropy)."""
+    overlap_communication: Backend = False
+    """Switch 8, the data-parallel gradient reduction (ColossalAI's
+    `overlap_communication`): False = none on one process, one flat all-reduce after
+    the backward on several; True or "overlap" = ours, buckets all-reduced as their
+    gradients become ready; "naive", "ddp" (torch DDP), "fsdp2" (`fully_shard`).
+    Bucket size and reduction dtype in `extra`: "dp_bucket_elems", "dp_reduce_dtype"."""
 
     def __post_init__(self) -> None:
         from colossal_lab.switches.precision import policy

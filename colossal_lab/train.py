@@ -47,10 +47,17 @@ def make_step(model, optimizer, loss_fn: LossFn = our_loss, micro_batches: int =
     in the precision the model was given (`apply_switches`; a plain model is fp32).
 
     fp16 scales the loss dynamically (`step.scaler`, a `DynamicLossScaler`): gradients
-    are unscaled before clipping and an overflowing step is skipped, all on device."""
-    device = next(model.parameters()).device
-    precision = precision_mod.of(model)
+    are unscaled before clipping and an overflowing step is skipped, all on device.
+    With data parallelism (switch 8, `switches.data_parallel`) every micro-batch but
+    the last accumulates locally (`no_sync`), and the reduction is finished after the
+    last backward, before clipping and the optimizer."""
+    from colossal_lab.switches import data_parallel
+
+    inner = data_parallel.unwrap(model)  # DDP / torch.compile wrappers: call `model`
+    device = next(inner.parameters()).device
+    precision = precision_mod.of(inner)
     scaler = precision_mod.loss_scaler(precision)
+    sync = data_parallel.of(model)
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with precision_mod.matmul_mode(precision):  # "tf32": the backward's matmuls too
@@ -58,15 +65,19 @@ def make_step(model, optimizer, loss_fn: LossFn = our_loss, micro_batches: int =
 
     def _step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), device=device)
-        for ids, lab in zip(input_ids.chunk(micro_batches), labels.chunk(micro_batches)):
-            with precision_mod.autocast(precision, device):
-                loss = loss_fn(model, ids, lab) / micro_batches
-            (loss if scaler is None else scaler.scale(loss)).backward()
+        chunks = list(zip(input_ids.chunk(micro_batches), labels.chunk(micro_batches)))
+        for i, (ids, lab) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            with contextlib.nullcontext() if last else sync.no_sync():
+                with precision_mod.autocast(precision, device):
+                    loss = loss_fn(model, ids, lab) / len(chunks)
+                (loss if scaler is None else scaler.scale(loss)).backward()
             total += loss.detach()
+        sync.finish()  # every rank's gradients: the mean over the data-parallel ranks
         if scaler is not None:
             scaler.unscale_(optimizer)
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(inner.parameters(), clip)
         if scaler is None:
             optimizer.step()
         else:

@@ -49,11 +49,12 @@ def test_order_is_the_documented_one(monkeypatch):
     """Each switch goes through its own module's `apply`, in `ORDER`, precision last."""
     assert ORDER == ("enable_flash_attention", "enable_fused_rope",
                      "enable_fused_normalization", "enable_fused_projections",
-                     "enable_fused_cross_entropy", "gradient_checkpoint_config", "precision")
+                     "enable_fused_cross_entropy", "gradient_checkpoint_config", "precision",
+                     "overlap_communication")
     doc = apply_mod.__doc__  # lists each switch's function in the same order
     where = [doc.index(f"switches.{m}.apply") for m in
              ("attention", "rope", "norm", "projections", "loss", "checkpointing",
-              "precision")]
+              "precision", "data_parallel")]
     assert where == sorted(where)
     calls = []
 
@@ -66,6 +67,8 @@ def test_order_is_the_documented_one(monkeypatch):
     for field, fn in list(apply_mod._APPLY.items()):
         monkeypatch.setitem(apply_mod._APPLY, field, spy(field, fn))
     monkeypatch.setattr(precision, "apply", spy("precision", precision.apply))
+    monkeypatch.setattr(apply_mod.data_parallel, "apply",
+                        spy("overlap_communication", apply_mod.data_parallel.apply))
     apply_switches(build_model(CFG, "cpu"), Switches(True, True, True, "fp32", Ckpt(),
                                                      enable_fused_rope=True,
                                                      enable_fused_cross_entropy=True))
@@ -207,8 +210,16 @@ def test_errors_before_anything_changes():
     with pytest.raises(ValueError, match="fp8_scaling='delayed'"):
         apply_switches(m, Switches(precision="fp8", extra={"fp8_scaling": "delayed"},
                                    gradient_checkpoint_config=Ckpt(mode="selective")))
-    with pytest.raises(NotImplementedError, match="mesh=None"):
-        apply_switches(m, Switches(), mesh=object())
+    class Mesh:  # a DeviceMesh's shape, without a process group
+        mesh_dim_names = ("pp", "dp", "tp")
+
+        def __getitem__(self, dim):
+            return type("Dim", (), {"size": lambda _: 2 if dim == "tp" else 1})()
+
+    with pytest.raises(NotImplementedError, match="tp=1 and pp=1"):
+        apply_switches(m, Switches(), mesh=Mesh())
+    with pytest.raises(ValueError, match="launch with torchrun"):
+        apply_switches(m, Switches(overlap_communication=True))
     assert [type(x) for x in m.modules()] == before and m.switches is None
 
 

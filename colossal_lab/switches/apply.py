@@ -12,17 +12,19 @@ order (the shape of torchtitan's `parallelize_llama`):
     5. head + loss             switches.loss.apply            (finale: fused cross-entropy)
     6. activation checkpoints  switches.checkpointing.apply   (switch 4)
     7. precision and fp8       switches.precision.apply       (switch 6)
-    later, on a device mesh:   tensor/sequence parallelism (5), pipeline stages (7),
-                               data parallelism (8) last
+    8. data parallelism        switches.data_parallel.apply   (switch 8), on the mesh's
+                                                              "dp" dim, always last
+    later, on the mesh, before 8: tensor/sequence parallelism (5), pipeline stages (7)
 
 Why this order: the kernel switches (1, 2, 3, 5) and 6 only set attributes and
 commute. 4 restacks `nn.Linear` children, so it runs before 7, which swaps linears for
 fp8 ones (and fp8 linears left by an earlier application are turned back into plain
 ones first). 6 runs before 7 so that the checkpointed forward sees the fp8 linears it
-recomputes. Precision comes last
-on one device because it changes what parameters are (dtype, fp8 wrappers), which is
-what tensor parallelism then shards and data parallelism reduces; those come after it,
-data parallelism last, as in torchtitan, because it wraps whatever the others built.
+recomputes. Precision comes
+after the kernels because it changes what parameters are (dtype, fp8 wrappers), which
+is what tensor parallelism then shards and data parallelism reduces; those come after
+it, data parallelism last, as in torchtitan, because it hooks or wraps (DDP) or shards
+(FSDP2) whatever the others built.
 
 Applying again swaps switches on the same model with no rebuild: weights keep their
 values (fused projections are new Parameters: make the optimizer afterwards; fp8
@@ -38,6 +40,7 @@ from colossal_lab.config import Switches
 from colossal_lab.switches import (
     attention,
     checkpointing,
+    data_parallel,
     fp8,
     loss,
     norm,
@@ -48,7 +51,7 @@ from colossal_lab.switches import (
 
 ORDER = ("enable_flash_attention", "enable_fused_rope", "enable_fused_normalization",
          "enable_fused_projections", "enable_fused_cross_entropy",
-         "gradient_checkpoint_config", "precision")
+         "gradient_checkpoint_config", "precision", "overlap_communication")
 """The `Switches` fields in the order `apply_switches` applies them."""
 
 _APPLY = {"enable_flash_attention": attention.apply,
@@ -81,27 +84,37 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
         if device is not None:
             fp8.check_fp8_supported(device)
         fp8.check_with_checkpointing(switches.extra, switches.gradient_checkpoint_config)
+    dp = switches.overlap_communication
+    data_parallel.resolve(dp, 2)  # validates the value
+    if dp not in (False, None) and not torch.distributed.is_initialized():
+        raise ValueError(f"overlap_communication={dp!r} reduces gradients across ranks: "
+                         "launch with torchrun (or `train --nproc N`) and call "
+                         "colossal_lab.distributed.init() first")
 
 
 def apply_switches(model: torch.nn.Module, switches: Switches,
                    mesh=None) -> torch.nn.Module:
     """Apply every switch of `switches` to `model` in `ORDER`, in place; returns the
-    model. A switch turned on that no module of the model takes (a model without our
-    attention modules asked for a flash-attention backend) is an error, not a no-op.
+    model to train: `model` itself, or for `overlap_communication="ddp"` the
+    `DistributedDataParallel` wrapping it. A switch turned on that no module of the
+    model takes (a model without our attention modules asked for a flash-attention
+    backend) is an error, not a no-op.
 
-    `mesh` (a `DeviceMesh`) is for the distributed switches, which arrive with their
-    issues; until then only None is accepted."""
-    if mesh is not None:
+    `mesh` (`colossal_lab.distributed.make_mesh`): data parallelism runs on its "dp"
+    dim (None: every rank of the world); its "tp" and "pp" dims must be 1 until
+    tensor and pipeline parallelism are built."""
+    if mesh is not None and any(mesh[d].size() > 1 for d in ("tp", "pp")
+                                if d in (mesh.mesh_dim_names or ())):
         raise NotImplementedError(
-            "apply_switches(..., mesh=...) applies tensor, pipeline and data parallelism; "
-            "those switches are not built yet: pass mesh=None")
-    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: its module
+            "tensor and pipeline parallelism (switches 5 and 7) are not built yet: make "
+            "the mesh with tp=1 and pp=1")
+    inner = data_parallel.unwrap(model)  # DDP's and torch.compile's wrappers
     device = next(inner.parameters()).device
     check(switches, device)
     fp8.revert(inner)  # plain linears for the structural switches; precision redoes it
-    for field in ORDER[:-1]:
+    for field, apply_one in _APPLY.items():
         value = getattr(switches, field)
-        count = _APPLY[field](inner, value)
+        count = apply_one(inner, value)
         if count == 0 and value not in (False, None) and field != "gradient_checkpoint_config":
             raise ValueError(f"{field}={value!r}, but no module of this "
                              f"{type(inner).__name__} takes it (our model.LlamaForCausalLM "
@@ -112,4 +125,8 @@ def apply_switches(model: torch.nn.Module, switches: Switches,
                              f"{type(inner).__name__} has no `layers` list to checkpoint")
     precision.apply(inner, switches.precision, switches.extra)
     inner.switches = switches
-    return model
+    dtype = switches.extra.get("dp_reduce_dtype")
+    return data_parallel.apply(  # last: it hooks, wraps or shards what the others built
+        model, switches.overlap_communication, mesh,
+        bucket_elems=switches.extra.get("dp_bucket_elems", data_parallel.DEFAULT_BUCKET_ELEMS),
+        reduce_dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
