@@ -92,7 +92,7 @@ def main(argv=None) -> None:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     del w
     if a.cmd == "train":
-        return cli_train.run(a, t.error)
+        return cli_train.run(a, t.error, argv)
     cmd_env(a)
 
 

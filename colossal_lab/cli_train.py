@@ -68,7 +68,14 @@ def _backend(names: tuple[str, ...]):
 
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
-    from colossal_lab.switches import attention, loss, norm, projections, rope
+    from colossal_lab.switches import (
+        attention,
+        data_parallel,
+        loss,
+        norm,
+        projections,
+        rope,
+    )
     from colossal_lab.switches.precision import PRECISIONS
 
     run = t.add_argument_group("run")
@@ -97,6 +104,17 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     sw.add_argument("--ckpt-ratio", type=_fraction, help="share of layers to checkpoint")
     sw.add_argument("--precision", choices=PRECISIONS)
     sw.add_argument("--fp8-scaling", choices=["dynamic", "delayed"])
+    dp = t.add_argument_group("data parallelism (switch 8)")
+    dp.add_argument("--nproc", type=_whole(1), default=1, help="processes on this node "
+                    "(re-launched through torchrun; one per GPU, gloo on a CPU)")
+    dp.add_argument("--dp", type=_backend(data_parallel.BACKENDS),
+                    help="gradient reduction: true (= overlap), naive, overlap, ddp, fsdp2")
+    dp.add_argument("--dp-bucket-elems", type=_whole(1), help="elements per bucket "
+                    f"(default {data_parallel.DEFAULT_BUCKET_ELEMS:,}, ColossalAI's 12M)")
+    dp.add_argument("--dp-reduce-dtype", choices=["bfloat16", "float32"],
+                    help="reduce gradients in this dtype (default: theirs)")
+    dp.add_argument("--dist-timeout", type=_positive_float, default=600.0,
+                    help="seconds any collective may wait before the run stops")
     ck = t.add_argument_group("checkpoints")
     ck.add_argument("--save-dir", help="folder for checkpoints (step_N/, latest)")
     ck.add_argument("--save-every", type=_whole(0), default=0, help="steps between "
@@ -143,24 +161,56 @@ def switches_from(a: argparse.Namespace) -> Switches:
                                  ("enable_fused_projections", a.projections),
                                  ("enable_fused_rope", a.rope),
                                  ("enable_fused_cross_entropy", a.loss),
-                                 ("precision", a.precision)) if v is not None}
+                                 ("precision", a.precision),
+                                 ("overlap_communication", a.dp)) if v is not None}
     if a.checkpointing == "none":
         changes["gradient_checkpoint_config"] = None
     elif a.checkpointing is not None or a.ckpt_ratio is not None:
         changes["gradient_checkpoint_config"] = GradientCheckpointConfig(
             gradient_checkpointing_ratio=a.ckpt_ratio, mode=a.checkpointing or "full")
-    if a.fp8_scaling is not None:
-        changes["extra"] = {**sw.extra, "fp8_scaling": a.fp8_scaling}
+    extra = {k: v for k, v in (("fp8_scaling", a.fp8_scaling),
+                               ("dp_bucket_elems", a.dp_bucket_elems),
+                               ("dp_reduce_dtype", a.dp_reduce_dtype)) if v is not None}
+    if extra:
+        changes["extra"] = {**sw.extra, **extra}
     return sw.replace(**changes)
 
 
-def run(a: argparse.Namespace, error) -> None:
-    """Train as `a` says; `error(message)` ends the program with status 2."""
-    from colossal_lab import train
+def relaunch(argv: list[str], nproc: int) -> int:
+    """Run this same command on `nproc` processes through torchrun (one node), without
+    `--nproc`; returns torchrun's exit status."""
+    import subprocess
+    import sys
+
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            rest.append(arg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "colossal_lab", *rest]
+    return subprocess.call(cmd)
+
+
+def run(a: argparse.Namespace, error, argv: list[str] | None = None) -> None:
+    """Train as `a` says; `error(message)` ends the program with status 2. With
+    `--nproc N` outside torchrun, re-launch `argv` through it; under torchrun, this is
+    one rank (`colossal_lab.distributed`), and rank 0 prints."""
+    import contextlib
+    import os
+    import sys
+
+    from colossal_lab import distributed, train
     from colossal_lab.checkpoint import CheckpointError
     from colossal_lab.config import preset
     from colossal_lab.fallback import BackendUnavailable
 
+    if a.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        sys.exit(relaunch(argv if argv is not None else sys.argv[1:], a.nproc))
+    env = distributed.init(timeout_s=a.dist_timeout)
     try:
         sw = switches_from(a)
         cfg = preset(a.preset)
@@ -168,14 +218,22 @@ def run(a: argparse.Namespace, error) -> None:
             cfg = cfg.replace(max_position_embeddings=a.seq_len)
         if a.vocab_size and a.vocab_size != cfg.vocab_size:
             cfg = cfg.replace(vocab_size=a.vocab_size)
-        r = train.train(cfg, sw, batch=a.batch, seq_len=a.seq_len, steps=a.steps, lr=a.lr,
-                        micro_batch=a.micro_batch, data=a.data, max_files=a.max_files,
-                        seed=a.seed, device=a.device, log_every=a.log_every,
-                        save_dir=a.save_dir, save_every=a.save_every, resume=a.resume,
-                        export_hf=a.export_hf)
+        with distributed.guard("train") if env.world_size > 1 else contextlib.nullcontext():
+            r = train.train(cfg, sw, batch=a.batch, seq_len=a.seq_len, steps=a.steps,
+                            lr=a.lr, micro_batch=a.micro_batch, data=a.data,
+                            max_files=a.max_files, seed=a.seed, device=a.device,
+                            log_every=a.log_every, save_dir=a.save_dir,
+                            save_every=a.save_every, resume=a.resume,
+                            export_hf=a.export_hf)
     except (ValueError, CheckpointError, BackendUnavailable) as e:
         error(str(e).splitlines()[0])
         return
+    distributed.destroy()
+    if not env.is_main:
+        return
+    if env.world_size > 1:
+        print(f"{env.world_size} ranks ({env.backend}), gradient reduction "
+              f"{sw.overlap_communication or 'naive'}")
     print(f"final loss {r.losses[-1]:.4f}" + (f", validation {r.val_loss:.4f}"
                                                if r.val_loss is not None else ""))
     if r.stats:

@@ -335,6 +335,19 @@ def collective(what: str):
         raise failure from exc
 
 
+def all_mean(values: list[float], group=None) -> list[float]:
+    """The mean over the ranks of each of `values` (e.g. every step's loss on this
+    rank's share of the batch -> the loss of the global batch); unchanged on one
+    process."""
+    if world_size(group) == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64,
+                     device=env().device if dist.get_backend(group) == "nccl" else "cpu")
+    with collective("all_mean"):
+        dist.all_reduce(t, group=group)
+    return (t / world_size(group)).tolist()
+
+
 def abort() -> None:
     """Drop this process's process group without talking to the others: what a failing
     rank does on its way out (a clean `destroy()` could wait for peers that never come)."""

@@ -296,32 +296,52 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
     batches, same optimizer and loss-scale state: the loss trajectory of an
     uninterrupted run). `export_hf` writes a `transformers` checkpoint at the end.
     Python's garbage collector is held out of the steps (`gc_between_steps`) and runs a
-    young collection every `gc_every` steps, between two of them."""
-    from colossal_lab import checkpoint
+    young collection every `gc_every` steps, between two of them.
+
+    Under torchrun (`colossal_lab.distributed.init()` called first) this is one rank of
+    a data-parallel run (switch 8, `switches.overlap_communication`): every rank draws
+    the same global batch of `batch` sequences and trains on its 1/world share, so the
+    run follows the single-process one; rank 0 prints and exports; MFU counts the
+    global tokens against world x the peak."""
+    from colossal_lab import checkpoint, distributed
     from colossal_lab import data as data_mod
     from colossal_lab.switches import checkpointing
     from colossal_lab.switches.resolved import backends_in_use
 
     switches = switches or Switches()
-    micro = micro_batch or batch
+    env = distributed.env()
+    world, rank = env.world_size, env.rank
+    if batch % world:
+        raise ValueError(f"batch={batch} must divide over {world} data-parallel ranks")
+    local = batch // world  # this rank's sequences of each global batch
+    micro = micro_batch or local
     vocab = vocab_size or cfg.vocab_size
-    _check_run(cfg, batch=batch, micro=micro, seq_len=seq_len, steps=steps, lr=lr,
+    _check_run(cfg, batch=local, micro=micro, seq_len=seq_len, steps=steps, lr=lr,
                data=data, vocab=vocab, save_every=save_every)
     if resume and save_dir is None:
         raise ValueError("resume needs save_dir: the folder the checkpoints are in")
+    if world > 1 and (save_dir is not None or export_hf is not None):
+        raise ValueError("checkpoints and exports of a run on several ranks are not built "
+                         "yet: train on one process to save or export")
     torch.manual_seed(seed)
-    device = torch.device(device) if device else hardware.default_device()
+    device = torch.device(device) if device else (
+        env.device if world > 1 else hardware.default_device())
+    progress = progress and env.is_main
     check_switches(switches, device)  # before loading data or allocating a model
     made_with = checkpoint.describe(switches, cfg)
     if resume:
         checkpoint.find(save_dir)  # fail before building anything
 
-    model = apply_switches(build_model(cfg, device), switches)
-    opt = make_optimizer(model, lr)
-    step = make_step(model, opt, micro_batches=batch // micro)
+    torch.manual_seed(seed)  # every rank builds the same weights
+    model = apply_switches(build_model(cfg, device), switches)  # DDP: the wrapper
+    from colossal_lab.switches import data_parallel
+
+    inner = data_parallel.unwrap(model)
+    opt = make_optimizer(inner, lr)
+    step = make_step(model, opt, micro_batches=local // micro)
     losses, start = [], 0
     if resume:
-        state = checkpoint.load(save_dir, model, opt, expect=made_with, scaler=step.scaler)
+        state = checkpoint.load(save_dir, inner, opt, expect=made_with, scaler=step.scaler)
         losses, start = list(state["losses"]), state["step"]
         if state.get("run") != {"batch": batch, "seq_len": seq_len, "data": data,
                                 "seed": seed, "vocab": vocab, "max_files": max_files}:
@@ -340,16 +360,17 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
                                           start=start)
 
     def save(done: int) -> None:
-        checkpoint.save(save_dir, done, model, opt, scaler=step.scaler, train_state={
+        checkpoint.save(save_dir, done, inner, opt, scaler=step.scaler, train_state={
             "losses": [x if isinstance(x, float) else x.item() for x in losses],
             "made_with": made_with, "run": run})
 
     dev = hardware.detect()
     peak = dev.peak_tflops("bf16") or hardware.measure_matmul_tflops(dtype=torch.float32)
+    peak *= world  # the global tokens against every rank's peak
     # HFU counts what checkpointing runs twice; MFU does not (same as measure_step)
     recompute = checkpointing.recompute_flops(
         cfg, batch, seq_len, switches.gradient_checkpoint_config,
-        attention_backend=backends_in_use(model)["attention_backend"])
+        attention_backend=backends_in_use(inner)["attention_backend"])
     timing.reset_peak_memory()
 
     from colossal_lab.progress import Progress
@@ -361,7 +382,9 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
     window_t, window_steps = time.perf_counter(), 0
     with gc_between_steps():  # no automatic collection inside a step
         for i in bar:
-            ids, labels = next(batches)
+            ids, labels = next(batches)  # the global batch: this rank keeps its share
+            if world > 1:
+                ids, labels = ids.chunk(world)[rank], labels.chunk(world)[rank]
             loss = step(ids, labels)
             window_steps += 1
             if (i + 1) % log_every == 0 or i + 1 == steps:
@@ -381,12 +404,14 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
             if gc_every and (i + 1) % gc_every == 0:
                 collect_now()
     losses = [x if isinstance(x, float) else x.item() for x in losses]
+    if world > 1:  # the global batch's loss: the mean of the ranks' shares
+        losses = distributed.all_mean(losses)
     if save_dir is not None and start < steps:
         save(steps)
-    val = evaluate(model, val_seqs, batch, eval_batches) \
-        if val_seqs is not None else None
+    val = evaluate(inner, val_seqs, batch, eval_batches) \
+        if val_seqs is not None and env.is_main else None
     if export_hf is not None:
-        model.to_hf().save_pretrained(export_hf)
+        inner.to_hf().save_pretrained(export_hf)
     return TrainResult(losses, val, stats, timing.peak_memory_gib(),
                        time.perf_counter() - t_start)
 

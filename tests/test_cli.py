@@ -187,3 +187,21 @@ def test_composed_quick_runs_every_setup():
     assert by["ours-bf16"]["precision"] == "bf16-pure"
     assert by["ours-bf16"]["loss_backend"] == "chunked"  # True on a CPU: torch chunks
     assert by["ours-bf16-s123"]["rope_backend"] == "eager"
+
+
+def test_train_cli_on_two_processes_follows_one(tmp_path):
+    """`train --nproc 2` re-launches itself through torchrun (gloo on the CPU); the two
+    ranks split each global batch and reduce their gradients (switch 8, ours), so the
+    loss follows the one-process run of the same global batches."""
+    args = ["train", "--preset", "tiny", "--data", "random", "--steps", "4", "--batch",
+            "4", "--seq-len", "16", "--switches", "naive", "--log-every", "1"]
+    one = run(*args)
+    two = run(*args, "--nproc", "2", "--dp", "overlap", "--dp-bucket-elems", "20000",
+              "--dist-timeout", "60")
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "2 ranks (gloo), gradient reduction overlap" in two.stdout
+    loss = [float(next(x for x in o.stdout.splitlines() if x.startswith("final loss"))
+                  .split()[2].rstrip(",")) for o in (one, two)]
+    assert abs(loss[0] - loss[1]) < 1e-4, loss  # fp32: reduction order only
+    assert two.stdout.count("final loss") == 1  # rank 0 prints
