@@ -103,6 +103,9 @@ def apply_switches(model: torch.nn.Module, switches: Switches,
     `mesh` (`colossal_lab.distributed.make_mesh`): data parallelism runs on its "dp"
     dim (None: every rank of the world); its "tp" and "pp" dims must be 1 until
     tensor and pipeline parallelism are built."""
+    if mesh is not None and not hasattr(mesh, "mesh_dim_names"):
+        raise TypeError(f"mesh must be a DeviceMesh (colossal_lab.distributed.make_mesh), "
+                        f"not {type(mesh).__name__}")
     if mesh is not None and any(mesh[d].size() > 1 for d in ("tp", "pp")
                                 if d in (mesh.mesh_dim_names or ())):
         raise NotImplementedError(
