@@ -271,6 +271,7 @@ CHAPTERS: dict[str, tuple[str, str]] = {
                    "03_fused_projections.ipynb"),
     "chapter:04": ("04 · Gradient checkpointing", "04_gradient_checkpointing.ipynb"),
     "chapter:06": ("06 · Precision: fp32, bf16, fp16 and fp8", "06_precision.ipynb"),
+    "chapter:08": ("08 · Overlapped gradient all-reduce", "08_overlap_allreduce.ipynb"),
     "chapter:10": ("10 · Every switch in one LLaMA run", "10_composed.ipynb"),
     "book:references": ("References", "references.md"),
 }

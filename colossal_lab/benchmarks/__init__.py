@@ -18,6 +18,7 @@ BENCHMARKS = {
     "fused_norm_step": "colossal_lab.benchmarks.fused_norm_step",
     "fused_qkv": "colossal_lab.benchmarks.fused_qkv",
     "fused_qkv_step": "colossal_lab.benchmarks.fused_qkv_step",
+    "grad_overlap": "colossal_lab.benchmarks.grad_overlap",
     "precision": "colossal_lab.benchmarks.precision",
     "rope": "colossal_lab.benchmarks.rope",
     "spot_check": "colossal_lab.benchmarks.spot_check",

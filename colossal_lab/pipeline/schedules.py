@@ -1,0 +1,542 @@
+"""Pipeline schedules as data: one list of actions per rank.
+
+**The model.** The layers are cut into ``S = p · v`` *virtual stages* (``v`` model chunks
+per rank, ``p`` ranks); a batch is cut into ``m`` micro-batches. A `Schedule` gives each
+rank the exact order in which it runs its work, and nothing else: timing, memory and
+correctness follow from the order (`simulate`, `validate`).
+
+**Actions** (`Action(kind, mb, stage)`, printed ``"<stage><kind><mb>"`` as in torchtitan,
+e.g. ``"5F3"``: forward of micro-batch 3 through virtual stage 5):
+
+* ``F``: forward of micro-batch ``mb`` through virtual stage ``stage``.
+* ``B``: backward for the *input* gradient (Qi et al.'s B). In schedules that do not split
+  the backward (GPipe, 1F1B, interleaved 1F1B: ``split_backward=False``) ``B`` is the
+  **full** backward, weight gradient included, and there is no ``W`` action.
+* ``W``: backward for the *weight* gradient of that micro-batch and stage. It needs only
+  what that stage's B left behind, so it may wait: zero-bubble schedules move it into
+  what would be idle time.
+* ``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B``: point-to-point transfers. A
+  generator returns **compute only**: communication follows from the dependencies, and
+  `Schedule.lower` writes it out (each SEND right after the compute that made the
+  tensor, each RECV where that tensor is sent in the schedule's own timeline, so that
+  blocking transfers cannot deadlock; see `Schedule.lower`). ``SEND_F`` at stage ``s``
+  sends stage s's output to stage s + 1; ``RECV_F`` at ``s`` receives stage s's input;
+  ``SEND_B`` at ``s`` sends the gradient of stage s's input to stage s − 1; ``RECV_B`` at
+  ``s`` receives the gradient of stage s's output. Transfers between two stages on the
+  same rank (the tip of the V in ZB-V) are not communication and get no action. A
+  schedule may also carry its own transfers; `validate` then checks those.
+
+**Dependencies** (the same for every schedule): ``F(mb, s)`` after ``F(mb, s − 1)``;
+``B(mb, s)`` after ``F(mb, s)`` and after ``B(mb, s + 1)`` (the last stage computes the
+loss in its F); ``W(mb, s)`` after ``B(mb, s)``.
+
+**Placements** (virtual stage → rank): *linear* (GPipe, 1F1B, ZB-H1: stage s on rank s);
+*interleaved* (Megatron: stage ``c · p + r`` is chunk c of rank r, so a micro-batch laps
+the ranks v times); *V* (ZB-V: rank r holds stage r, chunk 0, and stage 2p − 1 − r,
+chunk 1: the forward goes down the ranks and back up, so the last rank runs stages
+p − 1 and p back to back and rank 0 holds the first and the last stage).
+
+**The schedules** (``p`` ranks, ``m`` micro-batches; F = B = W per stage):
+
+* `gpipe` (Huang et al. 2019): every forward, then every backward. Peak memory m
+  micro-batches on every rank.
+* `one_f_one_b` (PipeDream-Flush, Narayanan et al. 2021): rank r runs p − 1 − r forwards,
+  then alternates one forward, one backward, then drains. Same bubble as GPipe,
+  (p − 1)/(m + p − 1) of the step, with at most p − r micro-batches alive on rank r.
+* `interleaved_1f1b` (Narayanan et al. 2021, Megatron-LM): v chunks per rank; the bubble
+  shrinks by v at the price of v× the p2p traffic and more warm-up memory. Needs
+  m % p == 0: micro-batches go through the chunks in groups of p.
+* `zb_h1` (Qi et al. 2024, "Zero Bubble (Almost) Pipeline Parallelism"): 1F1B with B
+  and W split; W waits so that B can run as soon as the gradient arrives, then fills the
+  drain. Bubble (p − 1)(F + B − W) per rank: with F = B = W a third of 1F1B's,
+  (p − 1)/(3m + p − 1) of the step; memory as 1F1B (p micro-batches, see `zb_h1`).
+* `zb_v` (same paper, section 6): V placement, 2 chunks per rank, B and W split: the
+  last rank needs no drain and W fills the rest; with F = B = W only the ramp is left,
+  (p − 1)/(6m + p − 1) of the step. Memory as 1F1B (2p chunk micro-batches = p).
+
+ZB-H1 and ZB-V come from one greedy list scheduler (`greedy`), as the zero-bubble
+authors' own ``v_schedule`` (used by ColossalAI) does: it plays the pipeline forward in
+time with given costs and, whenever a rank is free, runs a ready F the memory caps allow,
+else a ready B, else a pending W. With F = B = W its orders reach the bubbles of the
+paper's handcrafted schedules (tested against the closed forms above). The order is then
+fixed data, and `simulate` times it under any other costs.
+
+References: Huang et al. 2019, "GPipe", arXiv:1811.06965; Narayanan et al. 2021,
+"Efficient large-scale language model training on GPU clusters using Megatron-LM",
+arXiv:2104.04473; Qi, Wan, Huang, Lin 2024, "Zero Bubble (Almost) Pipeline Parallelism",
+ICLR 2024, arXiv:2401.10241; PyTorch ``torch.distributed.pipelining`` (schedules as
+per-rank action lists); ColossalAI ``ZeroBubbleVPipeScheduler``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+F, B, W = "F", "B", "W"
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+COMPUTE = (F, B, W)
+COMMS = (SEND_F, RECV_F, SEND_B, RECV_B)
+KINDS = COMPUTE + COMMS
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's program."""
+
+    kind: str
+    """One of `KINDS`: F, B, W, SEND_F, RECV_F, SEND_B, RECV_B."""
+    mb: int
+    """Micro-batch index, 0 .. m − 1."""
+    stage: int
+    """Virtual stage (0 .. p · v − 1) the action belongs to; for a transfer, the stage on
+    this rank that sends or receives."""
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """``"5F3"`` → ``Action("F", 3, 5)`` (the inverse of `str`)."""
+        hit = re.fullmatch(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)", text.strip())
+        if not hit:
+            raise ValueError(f"cannot parse action {text!r}; write <stage><kind><mb>, "
+                             "e.g. '0F3' or '1RECV_B2'")
+        return cls(hit[2], int(hit[3]), int(hit[1]))
+
+
+def parse_program(text: str) -> tuple[Action, ...]:
+    """A rank's program from text: ``"0F0 0F1 0B0 0B1"``."""
+    return tuple(Action.parse(t) for t in text.split())
+
+
+def producers(action: Action, num_stages: int) -> list[Action]:
+    """The compute actions `action` (a compute action) needs first."""
+    kind, mb, s = action.kind, action.mb, action.stage
+    if kind == F:
+        return [Action(F, mb, s - 1)] if s > 0 else []
+    if kind == B:
+        return [Action(F, mb, s)] + ([Action(B, mb, s + 1)] if s < num_stages - 1 else [])
+    if kind == W:
+        return [Action(B, mb, s)]
+    raise ValueError(f"{action} is not a compute action")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run as written; the message names the first problem."""
+
+
+@dataclass(frozen=True)
+class Played:
+    """What `play` returns."""
+
+    spans: tuple[tuple[tuple[Action, float, float], ...], ...]
+    """Per rank, (action, start, end) of the compute actions it got to, in order."""
+    pos: tuple[int, ...]
+    """Per rank, how many of its compute actions ran (all of them unless stuck)."""
+    complete: bool
+    """Every action ran; False: the ranks got stuck, the order contradicts the
+    dependencies."""
+
+
+def play(schedule: Schedule, duration=None, comm: float = 0.0) -> Played:
+    """Run the compute programs on a clock: each rank in its program's order, each action
+    as soon as the rank is free and its inputs exist, inputs from another rank `comm`
+    after their producer ends. `duration(action) -> time`; default F = B = W = 1, a full
+    backward (``split_backward=False``) 2. Transfers never block here."""
+    s = schedule.compute_only()
+    if duration is None:
+        full = 1.0 if s.split_backward else 2.0
+        duration = lambda a: full if a.kind == B else 1.0  # noqa: E731
+    progs, S = s.programs, s.num_stages
+    pos = [0] * len(progs)
+    free = [0.0] * len(progs)
+    end: dict[Action, float] = {}
+    spans: list[list[tuple[Action, float, float]]] = [[] for _ in progs]
+    moved = True
+    while moved:
+        moved = False
+        for r, prog in enumerate(progs):
+            while pos[r] < len(prog):
+                a = prog[pos[r]]
+                deps = producers(a, S)
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[r]] + [end[d] + (comm if s.rank_of(d.stage) != r else 0.0)
+                                         for d in deps])
+                end[a] = free[r] = start + duration(a)
+                spans[r].append((a, start, end[a]))
+                pos[r] += 1
+                moved = True
+    complete = all(pos[r] == len(progs[r]) for r in range(len(progs)))
+    return Played(tuple(tuple(x) for x in spans), tuple(pos), complete)
+
+
+# -------------------------------------------------------------------------- placements
+
+
+def linear_placement(p: int) -> tuple[int, ...]:
+    """Stage s on rank s (one chunk per rank)."""
+    return tuple(range(p))
+
+
+def interleaved_placement(p: int, chunks: int) -> tuple[int, ...]:
+    """Megatron's: stage ``c · p + r`` is chunk c of rank r."""
+    return tuple(s % p for s in range(p * chunks))
+
+
+def v_placement(p: int) -> tuple[int, ...]:
+    """ZB-V's: rank r holds stage r (chunk 0) and stage 2p − 1 − r (chunk 1)."""
+    return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+
+
+# ---------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank programs plus what is needed to read them."""
+
+    name: str
+    """Which generator made it ("1f1b", "zbv", ...)."""
+    num_microbatches: int
+    """m: micro-batches per step."""
+    placement: tuple[int, ...]
+    """Rank of each virtual stage; its length is the number of virtual stages."""
+    programs: tuple[tuple[Action, ...], ...]
+    """One program per rank, in execution order."""
+    split_backward: bool
+    """True: B is the input gradient and each (micro-batch, stage) also has a W. False:
+    B is the whole backward (weight gradient folded in) and there is no W."""
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.programs)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks (virtual stages) per rank."""
+        return self.num_stages // self.num_ranks
+
+    def rank_of(self, stage: int) -> int:
+        return self.placement[stage]
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def chunk_of(self, stage: int) -> int:
+        """Index of `stage` among its rank's stages (0 = the first in model order)."""
+        return self.stages_of(self.rank_of(stage)).index(stage)
+
+    @property
+    def has_comms(self) -> bool:
+        return any(not a.is_compute for prog in self.programs for a in prog)
+
+    def compute_only(self) -> Schedule:
+        """The same schedule without its transfer actions."""
+        return replace(self, programs=tuple(tuple(a for a in prog if a.is_compute)
+                                            for prog in self.programs))
+
+    def lower(self, recv: str = "eager") -> Schedule:
+        """Write the transfers out. Each SEND goes right after the compute that made the
+        tensor. Each RECV goes, with ``recv="eager"`` (the default), where the tensor is
+        sent in this schedule's own timeline at F = B = W = 1 (`play`): after every
+        compute of the receiver that started earlier; with ``recv="late"``, right before
+        the compute that uses it. Transfers at one point of a program are ordered by send
+        time, ties by the tensor's name, so every rank meets its messages in one global
+        order.
+
+        That global order is what blocking point-to-point needs: no rank can block on a
+        peer that first waits for something later, so eager programs run even with every
+        transfer a separate blocking call (`validate` checks it). Late receives deadlock
+        1F1B under blocking calls as soon as p = 2, m = 2 (rank 0 sends F1 while rank 1
+        sends back the gradient of micro-batch 0), deadlock interleaved 1F1B (p = 2,
+        m = 4) even when the transfers between two computes are batched, and cross the
+        messages of the two directions on ZB-V's links (rank r sends rank r + 1 both
+        chunk 0's activations and chunk 1's gradients). Stages on the same rank exchange
+        nothing."""
+        if recv not in ("eager", "late"):
+            raise ValueError(f"recv={recv!r}; choose 'eager' or 'late'")
+        s = self.compute_only()
+        last = s.num_stages - 1
+        played = play(s)
+        if recv == "eager" and not played.complete:
+            raise ScheduleError(f"{s.name}: cannot place eager receives, the compute order "
+                                "contradicts the dependencies (validate() says where)")
+        end = {a: e for row in played.spans for a, _, e in row}
+        programs = []
+        for rank, prog in enumerate(s.programs):
+            starts = [st for _, st, _ in played.spans[rank]] if recv == "eager" else []
+            at: list[list[tuple]] = [[] for _ in range(len(prog) + 1)]  # point i: before i
+            for i, a in enumerate(prog):
+                st, mb = a.stage, a.mb
+                for d in producers(a, s.num_stages):
+                    if s.rank_of(d.stage) == rank:
+                        continue
+                    op = Action(RECV_F if a.kind == F else RECV_B, mb, st)
+                    tag = (d.kind, mb, d.stage)  # the tensor: equal on SEND and RECV
+                    if recv == "late":
+                        at[i].append((float("inf"), tag, op))
+                    else:  # after every compute that starts before the send
+                        t = end[d]
+                        point = min(i, sum(1 for x in starts if x < t))
+                        at[point].append((t, tag, op))
+                nxt = st + 1 if a.kind == F else st - 1
+                if a.kind != W and 0 <= nxt <= last and s.rank_of(nxt) != rank:
+                    op = Action(SEND_F if a.kind == F else SEND_B, mb, st)
+                    at[i + 1].append((end.get(a, 0.0), (a.kind, mb, st), op))
+            out: list[Action] = []
+            for i in range(len(prog) + 1):  # by send time, ties by tensor: one global order
+                out += [op for *_, op in sorted(at[i], key=lambda x: (x[0], x[1]))]
+                if i < len(prog):
+                    out.append(prog[i])
+            programs.append(tuple(out))
+        return replace(self, programs=tuple(programs))
+
+    def format(self, comms: bool = False) -> str:
+        """One line per rank: ``rank 0: 0F0 0F1 ...`` (transfers left out unless
+        `comms`)."""
+        progs = self.programs if comms else self.compute_only().programs
+        return "\n".join(f"rank {r}: " + " ".join(map(str, prog))
+                         for r, prog in enumerate(progs))
+
+    def __str__(self) -> str:
+        return (f"{self.name}: p={self.num_ranks}, m={self.num_microbatches}, "
+                f"{self.chunks} chunk(s) per rank\n{self.format()}")
+
+
+def _check_pm(name: str, p: int, m: int) -> None:
+    for what, v in (("p (pipeline ranks)", p), ("m (micro-batches)", m)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: {what} = {v!r} must be a positive integer")
+
+
+def _build(name, m, placement, programs, split_backward) -> Schedule:
+    return Schedule(name, m, tuple(placement), tuple(tuple(p) for p in programs),
+                    split_backward)
+
+
+# --------------------------------------------------------------------------- generators
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """GPipe: all m forwards, then all m (full) backwards, on every rank."""
+    _check_pm("gpipe", p, m)
+    programs = [[Action(F, i, r) for i in range(m)] + [Action(B, i, r) for i in range(m)]
+                for r in range(p)]
+    return _build("gpipe", m, linear_placement(p), programs, False)
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B (PipeDream-Flush): rank r warms up with min(p − 1 − r, m) forwards, then
+    alternates F and (full) B, then drains the remaining backwards."""
+    _check_pm("1f1b", p, m)
+    programs = []
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        prog = [Action(F, i, r) for i in range(warm)]
+        for i in range(m - warm):  # steady state: one forward, one backward
+            prog += [Action(F, warm + i, r), Action(B, i, r)]
+        prog += [Action(B, i, r) for i in range(m - warm, m)]
+        programs.append(prog)
+    return _build("1f1b", m, linear_placement(p), programs, False)
+
+
+def interleaved_1f1b(p: int, m: int, chunks: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B: `chunks` model chunks per rank (stage c·p + r is
+    chunk c of rank r); full backwards.
+
+    Each rank walks "virtual micro-batches" k = 0 .. m·v − 1: groups of p micro-batches
+    through chunk 0, the same p through chunk 1, ..., then the next p; backwards walk the
+    chunks in reverse. Rank r warms up with (p − 1 − r)·2 + (v − 1)·p forwards (all of
+    them if fewer), then alternates F and B, then drains."""
+    _check_pm("interleaved", p, m)
+    v = chunks
+    if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+        raise ValueError(f"interleaved: chunks={v!r} must be an integer >= 2 "
+                         "(with one chunk per rank use one_f_one_b)")
+    if m % p:
+        lo, hi = (m // p) * p, (m // p + 1) * p
+        hint = f"{lo} or {hi}" if lo else f"{hi}"
+        raise ValueError(f"interleaved 1F1B needs m % p == 0 (micro-batches go through "
+                         f"the chunks in groups of p); m={m}, p={p}: choose m = {hint}")
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:  # k -> (micro-batch, chunk)
+        group, within = divmod(k, p * v)
+        chunk, i = divmod(within, p)
+        return group * p + i, (chunk if forward else v - 1 - chunk)
+
+    programs = []
+    for r in range(p):
+        total = m * v
+        warm = min((p - 1 - r) * 2 + (v - 1) * p, total)
+
+        def act(kind, k, forward, r=r):
+            mb, c = unit(k, forward)
+            return Action(kind, mb, c * p + r)
+
+        prog = [act(F, k, True) for k in range(warm)]
+        for i in range(total - warm):
+            prog += [act(F, warm + i, True), act(B, i, False)]
+        prog += [act(B, k, False) for k in range(total - warm, total)]
+        programs.append(prog)
+    return _build(f"interleaved-{v}", m, interleaved_placement(p, v), programs, False)
+
+
+def greedy(name: str, m: int, placement: Sequence[int], *, live_cap: Sequence[float],
+           inflight_cap: Sequence[float] | None = None, f: float = 1.0, b: float = 1.0,
+           w: float = 1.0, comm: float = 0.0, first: str = F, reserve: bool = False
+           ) -> Schedule:
+    """A split-backward schedule from a greedy list scheduler.
+
+    Plays the pipeline forward in time with chunk costs `f`, `b`, `w` and a p2p latency
+    `comm`. Each stage runs its F, its B and its W in micro-batch order. Whenever a rank
+    is free it starts, among the actions whose inputs have arrived (oldest micro-batch
+    first, then the later stage):
+
+    1. an F, if the rank then holds at most ``live_cap[r]`` micro-batch chunks not yet
+       released by their W (with `reserve`, less one per later chunk of the rank, kept
+       free so that a micro-batch can always move on to them: without it, costs that
+       delay the turn of the V can fill a rank with first-chunk forwards and stall it)
+       and at most ``inflight_cap[r]`` not yet through their B (with ``first="B"``, a B
+       comes before an F);
+    2. else a B: it is on the critical path back to stage 0;
+    3. else the oldest pending W: it fills what would be a bubble.
+
+    The caps make the rhythm: with ``inflight_cap = p − r`` a rank alternates F and B
+    after its warm-up exactly as 1F1B does. Raises `RuntimeError` when the caps leave a
+    rank nothing to do and nothing in flight.
+    """
+    if first not in (F, B):
+        raise ValueError(f"first={first!r}; choose 'F' or 'B'")
+    placement = tuple(placement)
+    p, S = max(placement) + 1, len(placement)
+    stages = [[s for s in range(S) if placement[s] == r] for r in range(p)]
+    nxt = {(k, s): 0 for k in COMPUTE for s in range(S)}  # next micro-batch per (kind, stage)
+    end: dict[Action, float] = {}
+    free = [0.0] * p
+    live = [0] * p  # chunks F'd, not yet W'd
+    inflight = [0] * p  # chunks F'd, not yet B'd
+    programs: list[list[Action]] = [[] for _ in range(p)]
+    cost = {F: f, B: b, W: w}
+    if min(cost.values()) <= 0 or comm < 0:
+        raise ValueError(f"costs f={f}, b={b}, w={w} must be > 0 and comm={comm} >= 0")
+
+    def arrived(dep: Action, rank: int, t: float) -> bool:
+        e = end.get(dep)
+        return e is not None and e + (comm if placement[dep.stage] != rank else 0) <= t
+
+    def ready(kind: str, s: int, rank: int, t: float) -> Action | None:
+        i = nxt[(kind, s)]
+        if i >= m:
+            return None
+        a = Action(kind, i, s)
+        return a if all(arrived(d, rank, t) for d in producers(a, S)) else None
+
+    def pick(r: int, t: float) -> Action | None:
+        oldest = lambda acts: min(acts, key=lambda a: (a.mb, -a.stage))  # noqa: E731
+        fs = []
+        if inflight_cap is None or inflight[r] < inflight_cap[r]:
+            # an earlier chunk leaves room for a later one: a rank full of first-chunk
+            # forwards could never move a micro-batch on and free anything
+            fs = [a for c, s in enumerate(stages[r]) if (a := ready(F, s, r, t))
+                  and live[r] + (len(stages[r]) - 1 - c) * reserve < live_cap[r]]
+        bs = [a for s in stages[r] if (a := ready(B, s, r, t))]
+        for group in ((fs, bs) if first == F else (bs, fs)):
+            if group:
+                return oldest(group)
+        ws = [a for s in stages[r] if (a := ready(W, s, r, t))]
+        return oldest(ws) if ws else None
+
+    t, total = 0.0, 3 * m * S
+    while len(end) < total:
+        for r in range(p):
+            if free[r] <= t and (a := pick(r, t)):
+                end[a] = free[r] = t + cost[a.kind]
+                programs[r].append(a)
+                nxt[(a.kind, a.stage)] += 1
+                live[r] += {F: 1, B: 0, W: -1}[a.kind]
+                inflight[r] += {F: 1, B: -1, W: 0}[a.kind]
+        later = [e + d for e in end.values() for d in (0.0, comm) if e + d > t]
+        later += [x for x in free if x > t]
+        if len(end) < total:
+            if not later:
+                raise RuntimeError(f"{name}: the greedy scheduler is stuck at t={t} (caps "
+                                   f"live={list(live_cap)}, inflight={inflight_cap})")
+            t = min(later)
+    return _build(name, m, placement, programs, True)
+
+
+def zb_h1(p: int, m: int, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
+          comm: float = 0.0) -> Schedule:
+    """Zero Bubble H1: 1F1B's order of F and B (rank r warms up with p − 1 − r
+    forwards), B and W split, each W delayed until the rank would otherwise idle or
+    hold more than p micro-batches. Rank r ends up delaying its W by r micro-batches,
+    so every rank holds p (the paper: "the same number of in-flight micro-batches"),
+    which is 1F1B's peak on rank 0.
+
+    `f`, `b`, `w`, `comm` are the costs the greedy order is built for (default: the
+    paper's F = B = W, no latency)."""
+    _check_pm("zb-h1", p, m)
+    return greedy("zb-h1", m, linear_placement(p), live_cap=[p] * p,
+                  inflight_cap=[p - r for r in range(p)], f=f, b=b, w=w, comm=comm)
+
+
+def zb_v(p: int, m: int, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
+         comm: float = 0.0) -> Schedule:
+    """ZB-V: V placement (rank r holds chunk 0 = stage r and chunk 1 = stage 2p − 1 − r),
+    B and W split, at most 2p micro-batch chunks alive per rank (= p micro-batches of a
+    1F1B stage, 1F1B's peak). The greedy scheduler runs with forwards first and with
+    backwards first, each without and with a reserved slot per rank (`greedy`), and the
+    shortest order is kept.
+
+    With F = B = W the only bubble left is the ramp: the last rank cannot start before
+    p − 1 chunk forwards have run, so the step takes at least (6m + p − 1) chunk times,
+    a bubble of (p − 1)/(6m + p − 1). The order reaches that bound for every m ≥ p at
+    p ≤ 6, and at p = 7, 8 for every m ≥ p except (7, 9), (7, 10) and (8, 10), which stay
+    1.4 to 2.6 points above (checked up to m = 4p + 1).
+
+    `f`, `b`, `w`, `comm` are the costs the greedy order is built for, in `simulate`'s
+    units: one micro-batch through one rank's share of the model, so a chunk takes half
+    (ColossalAI builds its ZB-V order the same way, from measured costs)."""
+    _check_pm("zbv", p, m)
+    f, b, w = f / 2, b / 2, w / 2  # per chunk
+    cost = {F: f, B: b, W: w}
+    best = None
+    for reserve in (False, True):  # keep the shortest order that does not stall
+        for first in (F, B):
+            try:
+                s = greedy("zbv", m, v_placement(p), live_cap=[2 * p] * p, f=f, b=b, w=w,
+                           comm=comm, first=first, reserve=reserve)
+            except RuntimeError:
+                if reserve and first == B and best is None:
+                    raise
+                continue
+            played = play(s, lambda a: cost[a.kind], comm)
+            span = max((e for row in played.spans for *_, e in row), default=0.0)
+            if best is None or span < best[0] - 1e-12:
+                best = (span, s)
+    return best[1]
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b,
+             "zb-h1": zb_h1, "zbv": zb_v}
+"""Generators by name ("1f1b", "interleaved" and "zbv" are ColossalAI's pp_style)."""
+
+
+def make(name: str, p: int, m: int, chunks: int = 2) -> Schedule:
+    """`SCHEDULES[name](p, m)` (``chunks`` for the interleaved schedule)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {list(SCHEDULES)}")
+    if name == "interleaved":
+        return interleaved_1f1b(p, m, chunks)
+    return SCHEDULES[name](p, m)
