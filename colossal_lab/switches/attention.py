@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from colossal_lab.fallback import fallback
 from colossal_lab.kernels.flash_attention import check_shapes
+from colossal_lab.switches import kernel_switch
 
 BACKENDS = ("naive", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-math", "cudnn",
             "triton", "flash_attn")
@@ -204,9 +205,4 @@ def apply(model: torch.nn.Module, backend) -> int:
     if not (backend is True or backend is False or backend is None or backend in BACKENDS):
         raise ValueError(f"enable_flash_attention={backend!r}; choose False (naive), True "
                          f"(best available) or one of {BACKENDS}")
-    count = 0
-    for m in model.modules():
-        if hasattr(type(m), "attention_backend"):
-            m.attention_backend = backend
-            count += 1
-    return count
+    return kernel_switch.set_on_modules(model, "attention_backend", backend)

@@ -40,3 +40,16 @@ def resolve(value, device, *, names: tuple[str, ...], field: str, what: str,
         fallback(f"{what} backend 'triton' needs a CUDA device or TRITON_INTERPRET=1", cpu)
         return cpu
     return value
+
+
+def set_on_modules(model, attribute: str, value) -> int:
+    """Set `attribute` to `value` on every module of `model` whose class declares it
+    (the model's `Attention.attention_backend`, `Attention.rope_backend`,
+    `LlamaForCausalLM.loss_backend`); returns how many modules were set. How the
+    kernel switches reach the model without the switch modules importing it."""
+    count = 0
+    for m in model.modules():
+        if hasattr(type(m), attribute):
+            setattr(m, attribute, value)
+            count += 1
+    return count

@@ -311,9 +311,4 @@ def apply(model: nn.Module, value) -> int:
     its next call; returns how many modules were set. The value is checked now; whether
     "triton" runs on this device is decided per call (`resolve_backend`)."""
     _validate(value)
-    count = 0
-    for m in model.modules():
-        if hasattr(type(m), "loss_backend"):
-            m.loss_backend = value
-            count += 1
-    return count
+    return kernel_switch.set_on_modules(model, "loss_backend", value)

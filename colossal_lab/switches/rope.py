@@ -152,9 +152,4 @@ def apply(model: torch.nn.Module, value) -> int:
     how many modules were set. The value is checked now; whether it runs on this
     device is decided per call (`resolve_backend`)."""
     _validate(value)
-    count = 0
-    for m in model.modules():
-        if hasattr(type(m), "rope_backend"):
-            m.rope_backend = value
-            count += 1
-    return count
+    return kernel_switch.set_on_modules(model, "rope_backend", value)
