@@ -76,7 +76,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         projections,
         rope,
     )
-    from colossal_lab.switches.precision import PRECISIONS
+    from colossal_lab.switches.precision import OPTIMIZER_BACKENDS, PRECISIONS
 
     run = t.add_argument_group("run")
     run.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -103,6 +103,9 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     sw.add_argument("--checkpointing", choices=CKPT_MODES)
     sw.add_argument("--ckpt-ratio", type=_fraction, help="share of layers to checkpoint")
     sw.add_argument("--precision", choices=PRECISIONS)
+    sw.add_argument("--optimizer", type=_backend(OPTIMIZER_BACKENDS),
+                    help="AdamW: 'torch' (clipping, then torch's or MasterAdamW) or "
+                         "'triton' (ours, one pass, clipping folded in)")
     sw.add_argument("--fp8-scaling", choices=["dynamic", "delayed"])
     dp = t.add_argument_group("data parallelism (switch 8)")
     dp.add_argument("--nproc", type=_whole(1), default=1, help="processes on this node "
@@ -162,6 +165,7 @@ def switches_from(a: argparse.Namespace) -> Switches:
                                  ("enable_fused_rope", a.rope),
                                  ("enable_fused_cross_entropy", a.loss),
                                  ("precision", a.precision),
+                                 ("enable_fused_optimizer", a.optimizer),
                                  ("overlap_communication", a.dp)) if v is not None}
     if a.checkpointing == "none":
         changes["gradient_checkpoint_config"] = None

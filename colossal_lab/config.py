@@ -181,6 +181,30 @@ class Switches:
     the backward on several; True or "overlap" = ours, buckets all-reduced as their
     gradients become ready; "naive", "ddp" (torch DDP), "fsdp2" (`fully_shard`).
     Bucket size and reduction dtype in `extra`: "dp_bucket_elems", "dp_reduce_dtype"."""
+    enable_fused_optimizer: Backend = False
+    """The optimizer step (the finale): False = `clip_grad_norm_`, then torch's AdamW (its
+    fused CUDA kernel on a GPU) or, for bf16 parameters, `MasterAdamW`; "triton" (ours,
+    `kernels.adamw.FusedAdamW`) = one pass per parameter reading the gradient once, the
+    clipping folded in, fp32 masters written back as bf16; True = "triton" on a GPU.
+    Read by `switches.precision.make_optimizer`; the model itself does not change.
+    ColossalAI's counterpart is an optimizer class (`FusedAdam`, `HybridAdam`)."""
+
+    pp_style: str = "1f1b"
+    """Switch 7, the pipeline schedule when the mesh's "pp" dim is > 1 (ColossalAI's
+    `pp_style`): "1f1b", "interleaved" (`num_model_chunks` >= 2 per rank), "zbv" (zero
+    bubble, V placement, 2 chunks per rank); ours also "gpipe" and "zb-h1". Ignored
+    when pp = 1. `pipeline.schedules` builds them, `pipeline.runtime` runs them."""
+    num_microbatches: int | None = None
+    """Micro-batches per pipelined step (ColossalAI's `num_microbatches`); the batch
+    must divide into them. Required when pp > 1: more of them shrink the bubble,
+    (p − 1)/(m + p − 1) of the step for 1F1B."""
+    num_model_chunks: int | None = None
+    """Model chunks (virtual stages) per pipeline rank (ColossalAI's): None = 1 for
+    "1f1b", "gpipe", "zb-h1" and 2 for "interleaved" and "zbv" (which needs exactly 2)."""
+    overlap_p2p: bool = True
+    """Post the pipeline's receives early and its sends asynchronously, so transfers
+    run under the computation (ColossalAI's `overlap_p2p`, on by default); False waits
+    for each group of transfers where the schedule puts it."""
 
     def __post_init__(self) -> None:
         from colossal_lab.switches.precision import policy
@@ -200,7 +224,8 @@ def _every_switch(precision: str, **extra) -> Switches:
     """Every single-GPU switch on (chapter 10's composition) in `precision`."""
     return Switches(enable_flash_attention=True, enable_fused_normalization="triton",
                     enable_fused_projections=True, precision=precision, extra=extra,
-                    enable_fused_rope=True, enable_fused_cross_entropy=True)
+                    enable_fused_rope=True, enable_fused_cross_entropy=True,
+                    enable_fused_optimizer=True)
 
 
 SWITCH_SETS = {

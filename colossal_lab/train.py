@@ -76,7 +76,9 @@ def make_step(model, optimizer, loss_fn: LossFn = our_loss, micro_batches: int =
         sync.finish()  # every rank's gradients: the mean over the data-parallel ranks
         if scaler is not None:
             scaler.unscale_(optimizer)
-        if clip is not None:
+        if clip is not None and hasattr(optimizer, "clip_grad_norm_"):
+            optimizer.clip_grad_norm_(clip)  # applied inside its step (FusedAdamW)
+        elif clip is not None:
             torch.nn.utils.clip_grad_norm_(inner.parameters(), clip)
         if scaler is None:
             optimizer.step()

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "fused_qkv": "colossal_lab.benchmarks.fused_qkv",
     "fused_qkv_step": "colossal_lab.benchmarks.fused_qkv_step",
     "grad_overlap": "colossal_lab.benchmarks.grad_overlap",
+    "optimizer": "colossal_lab.benchmarks.optimizer",
     "precision": "colossal_lab.benchmarks.precision",
     "rope": "colossal_lab.benchmarks.rope",
     "spot_check": "colossal_lab.benchmarks.spot_check",

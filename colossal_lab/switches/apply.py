@@ -84,6 +84,7 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
         if device is not None:
             fp8.check_fp8_supported(device)
         fp8.check_with_checkpointing(switches.extra, switches.gradient_checkpoint_config)
+    precision.optimizer_backend(switches.enable_fused_optimizer, device)  # validates
     dp = switches.overlap_communication
     data_parallel.resolve(dp, 2)  # validates the value
     if dp not in (False, None) and not torch.distributed.is_initialized():

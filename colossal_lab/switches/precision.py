@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
+from colossal_lab.kernels.adamw import FusedAdamW, adamw_ref  # noqa: F401 (re-exported)
+
 PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16", "fp8")
 
 
@@ -135,16 +137,40 @@ def loss_scaler(precision: str) -> DynamicLossScaler | None:
     return DynamicLossScaler() if policy(precision).loss_scaling else None
 
 
+OPTIMIZER_BACKENDS = ("torch", "triton")
+"""`Switches.enable_fused_optimizer` values: "torch" = clipping, then torch's AdamW or
+`MasterAdamW`; "triton" = `FusedAdamW` (ours)."""
+
+
+def optimizer_backend(value, device) -> str:
+    """The optimizer `Switches.enable_fused_optimizer = value` picks on `device` (the
+    rule of `kernel_switch.resolve`: True = "triton" on a GPU, "torch" elsewhere)."""
+    from colossal_lab.switches import kernel_switch
+
+    return kernel_switch.resolve(value, device, names=OPTIMIZER_BACKENDS,
+                                 field="enable_fused_optimizer", what="AdamW",
+                                 off="torch", cpu="torch")
+
+
 def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.1):
-    """AdamW for `model`'s precision: `MasterAdamW` (fp32 masters and moments) when its
-    parameters are stored in low precision, else torch's AdamW, the fused CUDA kernel
-    when the parameters are on a GPU. Build it after `apply_switches`: fusing
-    projections makes new Parameters."""
+    """AdamW for `model`'s switches: ours, `FusedAdamW` (clipping folded in, fp32 masters
+    for low-precision parameters), when `enable_fused_optimizer` picks "triton";
+    otherwise `MasterAdamW` (fp32 masters and moments) when the parameters are stored in
+    low precision, else torch's AdamW, the fused CUDA kernel when the parameters are on
+    a GPU. Build it after `apply_switches`: fusing projections makes new Parameters.
+    Sharded (FSDP2) parameters always take torch's AdamW."""
     params = [p for p in model.parameters() if p.requires_grad]
+    model = getattr(model, "_orig_mod", model)
+    switches = getattr(model, "switches", None)
+    sharded = any(type(p.data).__name__ == "DTensor" for p in params)
+    fused = switches is not None and not sharded and optimizer_backend(
+        switches.enable_fused_optimizer, params[0].device) == "triton"
+    kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    if fused:
+        return FusedAdamW(params, **kw)
     if policy(of(model)).master_weights or is_low_precision(params):
-        return MasterAdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
-                             fused=params[0].is_cuda or None)
+        return MasterAdamW(params, **kw)
+    return torch.optim.AdamW(params, **kw, fused=params[0].is_cuda or None)
 
 
 @contextlib.contextmanager
@@ -282,20 +308,6 @@ def _params(optimizer_or_params) -> Iterable[torch.Tensor]:
 
 
 # -------------------------------------------------------------- master-weight AdamW
-
-
-def adamw_ref(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-              exp_avg_sq: torch.Tensor, step: int, *, lr: float, beta1: float,
-              beta2: float, eps: float, weight_decay: float) -> None:
-    """One AdamW update of fp32 tensors in place (Loshchilov & Hutter 2019), the math
-    of `torch.optim.AdamW`: decoupled decay, bias-corrected moments."""
-    g = grad.float()
-    param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-    denom = (exp_avg_sq.sqrt() / bc2**0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bc1)
 
 
 class MasterAdamW(torch.optim.Optimizer):
