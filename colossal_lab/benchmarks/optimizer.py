@@ -16,7 +16,7 @@ fresh random gradients of the same shapes, one at a time (each needs ~30 GB). Th
 ceiling is the device's measured copy bandwidth.
 
     python -m colossal_lab bench optimizer            # -> results/<gpu>/optimizer.json
-    python -m colossal_lab bench optimizer --quick    # the tiny model on the CPU
+    python -m colossal_lab bench optimizer --quick    # the tiny model (CPU: interpreter)
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _make(provider: str, shapes, device):
 
 
 def run(quick: bool = False, providers=PROVIDERS, progress: bool = True) -> list[dict]:
-    device = torch.device("cuda" if torch.cuda.is_available() and not quick else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = "tiny" if quick else "llama-7b-8l"
     shapes = param_shapes(name)
     n = sum(s.numel() for s in shapes)
