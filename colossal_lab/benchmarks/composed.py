@@ -8,10 +8,13 @@ setup in its own process, all in one run:
                         our SwiGLU), bf16 autocast: the best composition before the finale
     ours-bf16-autocast  + our RoPE and fused head + loss, bf16 autocast (fp32 weights,
                         cast every step)
-    ours-bf16           the same with bf16 parameters and fp32 master weights in the
-                        optimizer: no per-step weight casts (the best bf16 composition)
+    ours-bf16           the same with bf16 parameters and fp32 master weights in our
+                        one-pass AdamW: no per-step weight casts, the clipping folded
+                        into the update (the best bf16 composition, `SWITCH_SETS["best"]`)
     ours-fp8            the same switches with fp8 linears, delayed scaling
-    ours-7b-bf16        full LLaMA-7B (32 layers), batch 2, as ours-bf16
+    ours-7b-bf16        full LLaMA-7B (32 layers), batch 2, as ours-bf16, with the
+                        fewest checkpointed layers that the memory model says fit
+                        (`Setup.auto_ratio`: three probes, then verified by the run)
 
     python -m colossal_lab bench composed                      # results/<gpu>/composed.json
     python -m colossal_lab bench composed --setups hf-liger ours-bf16
@@ -23,7 +26,7 @@ from __future__ import annotations
 from colossal_lab.benchmarks.steps import Setup, main_for, run_chapter
 from colossal_lab.config import SWITCH_SETS
 
-ALL_BF16 = SWITCH_SETS["best"].replace(precision="bf16")
+ALL_BF16 = SWITCH_SETS["best"].replace(precision="bf16", enable_fused_optimizer=False)
 """Every kernel switch, including the finale's RoPE and fused head + loss, in bf16
 autocast."""
 S123 = ALL_BF16.replace(enable_fused_rope=False, enable_fused_cross_entropy=False)
@@ -34,15 +37,14 @@ SETUPS = (
     Setup("ours-bf16-s123", "ours: switches 1-3, bf16 autocast", switches=S123),
     Setup("ours-bf16-autocast", "ours: + RoPE, fused loss; bf16 autocast",
           switches=ALL_BF16),
-    Setup("ours-bf16", "ours: every switch, bf16 params + fp32 masters",
+    Setup("ours-bf16", "ours: every switch, bf16 params + fp32 masters, our AdamW",
           switches=SWITCH_SETS["best"]),
     Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling)",
           switches=SWITCH_SETS["best-fp8"]),
     Setup("ours-7b-bf16", "ours: full LLaMA-7B, every switch, bf16 params",
-          switches=SWITCH_SETS["best"], preset="llama-7b", batch=2),
+          switches=SWITCH_SETS["best"], preset="llama-7b", batch=2, auto_ratio=True),
 )
 SETUP_NAMES = tuple(s.name for s in SETUPS)
-
 
 
 def run(quick: bool = False) -> list[dict]:

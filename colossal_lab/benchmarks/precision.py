@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
-import warnings
 
 import torch
 import torch.nn.functional as F
 
+from colossal_lab.benchmarks.curves import FINAL_WINDOW
 from colossal_lab.benchmarks.steps import Setup, run_setups, step_config
 from colossal_lab.config import ModelConfig, Switches, tiny
 from colossal_lab.switches import fp8
@@ -76,8 +75,6 @@ CURVE_RUN = dict(batch=16, seq_len=512, steps=300, lr=6e-4, max_files=600, log_e
                  eval_batches=8)
 CURVE_SETUPS = (("fp32", "fp32", {}), ("bf16", "bf16", {}), ("fp8", "fp8", {}),
                 ("fp8-delayed", "fp8", {"fp8_scaling": "delayed"}))
-FINAL_WINDOW = 20
-"""Steps averaged into a curve's final loss."""
 
 
 # ----------------------------------------------------------------------------- GEMMs
@@ -202,7 +199,8 @@ def _quick(s: Setup) -> Setup:
 
 
 def run_curves(quick: bool = False) -> list[dict]:
-    from colossal_lab import train
+    from colossal_lab.benchmarks.curves import Curve
+    from colossal_lab.benchmarks.curves import run_curves as train_curves
 
     if quick:
         cfg = tiny().replace(intermediate_size=176)  # every width a multiple of 16
@@ -213,35 +211,10 @@ def run_curves(quick: bool = False) -> list[dict]:
         cfg, run, base = CURVE_CFG, CURVE_RUN, BASE
         if not torch.cuda.is_available():
             base = {}
-    rows = []
-    for name, precision, extra in CURVE_SETUPS:
-        sw = Switches(**base, precision=precision, extra=extra)
-        t0 = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            r = train.train(cfg, sw, vocab_size=cfg.vocab_size, seed=0, progress=False,
-                            **run)
-        window = r.losses[-min(FINAL_WINDOW, len(r.losses)):]
-        rows.append({"kind": "loss_curve", "setup": name, "precision": precision,
-                     "scaling": extra.get("fp8_scaling"),
-                     "n_params": _n_params(cfg),
-                     "batch": run["batch"], "seq_len": run["seq_len"],
-                     "steps": run["steps"], "lr": run["lr"], "losses": r.losses,
-                     "final_loss": sum(window) / len(window), "val_loss": r.val_loss,
-                     "seconds": time.perf_counter() - t0,
-                     "tokens_per_s": r.stats.tokens_per_s if r.stats else None})
-        print(f"  curve {name:<12} final {rows[-1]['final_loss']:.4f}  val "
-              f"{r.val_loss:.4f}  {rows[-1]['seconds']:.0f} s", flush=True)
-    ref = next(r for r in rows if r["setup"] == "bf16")
-    for r in rows:
-        r["rel_diff_vs_bf16"] = (r["final_loss"] - ref["final_loss"]) / ref["final_loss"]
-    return rows
-
-
-def _n_params(cfg: ModelConfig) -> int:
-    from colossal_lab import mfu
-
-    return mfu.count_params(cfg)
+    curves = [Curve(name, Switches(**base, precision=precision, extra=extra),
+                    fields={"scaling": extra.get("fp8_scaling")})
+              for name, precision, extra in CURVE_SETUPS]
+    return train_curves(curves, cfg, run, reference="bf16")
 
 
 # ------------------------------------------------------------------------------- main

@@ -136,6 +136,7 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
     opt = train.make_optimizer(model)
     quick = device.type == "cpu"
     extra = {"label": setup.label, "precision": precision.of(model),
+             "optimizer": type(opt).__name__,
              **ran_backends(model, setup)}
     probe = memory.Prober(model, loss_fn, setup, cfg, seq_len, device)
     if setup.auto_ratio:
@@ -318,6 +319,7 @@ def main_for(name: str, setups, argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--setups", nargs="*", choices=[s.name for s in setups])
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
     chosen = [s for s in setups if a.setups is None or s.name in a.setups]
     rows = run_chapter(name, chosen, a.quick, preset_name=a.preset, seq_len=a.seq_len,
@@ -326,7 +328,8 @@ def main_for(name: str, setups, argv=None) -> None:
         from colossal_lab.results import save_results
 
         path = save_results(name, rows, config=step_config(a.preset, a.seq_len, a.batch),
-                            command=f"python -m colossal_lab bench {name}")
+                            command=" ".join([f"python -m colossal_lab bench {name}",
+                                              *argv]))
         print(f"saved {path}")
 
 

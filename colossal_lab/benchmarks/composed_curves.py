@@ -1,0 +1,68 @@
+"""The finale's loss curves: the naive model against every switch, on real text.
+
+The ~55M-parameter LLaMA of chapter 06's curves (`precision.CURVE_CFG`, every width a
+multiple of 16 so that fp8 applies to every linear), trained 300 steps on the corpus
+from the same seed and batches: every switch off in fp32 ("naive"), the naive model
+again from another seed ("naive-seed1": how far two equally good runs land apart, the
+noise), every switch in bf16 ("best") and in fp8 ("best-fp8"). The switches change the
+arithmetic, not the model: their final losses should differ from the naive one's by
+no more than the two naive runs differ from each other.
+
+    python -m colossal_lab bench composed_curves         # -> composed_curves.json
+    python -m colossal_lab bench composed_curves --quick # tiny model, 6 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from colossal_lab.benchmarks.curves import FINAL_WINDOW, Curve, run_curves
+from colossal_lab.benchmarks.precision import CURVE_CFG, CURVE_RUN
+from colossal_lab.config import SWITCH_SETS, tiny
+
+NAME = "composed_curves"
+CURVES = (Curve("naive", SWITCH_SETS["naive"]),
+          Curve("naive-seed1", SWITCH_SETS["naive"], seed=1),
+          Curve("best", SWITCH_SETS["best"]),
+          Curve("best-fp8", SWITCH_SETS["best-fp8"]))
+
+
+def run(quick: bool = False) -> list[dict]:
+    if quick:  # the CPU: no fp8 tensor cores, so the fp8 curve is left out
+        run_args = dict(batch=4, seq_len=32, steps=6, lr=3e-3, max_files=20, log_every=3,
+                        eval_batches=1)
+        return run_curves([c for c in CURVES if c.name != "best-fp8"],
+                          tiny().replace(intermediate_size=176), run_args,
+                          reference="naive")
+    return run_curves(CURVES, CURVE_CFG, CURVE_RUN, reference="naive")
+
+
+def config_of() -> dict:
+    return {"model": {k: getattr(CURVE_CFG, k) for k in
+                      ("vocab_size", "hidden_size", "intermediate_size",
+                       "num_hidden_layers", "num_attention_heads")},
+            "run": CURVE_RUN, "data": "corpus (Python standard library source)",
+            "final_window": FINAL_WINDOW,
+            "curves": {c.name: {"switches": repr(c.switches), "seed": c.seed}
+                       for c in CURVES}}
+
+
+def main(argv=None) -> None:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, 6 steps, not saved")
+    a = p.parse_args(argv)
+    rows = run(a.quick)
+    if a.quick:
+        return
+    from colossal_lab.results import save_results
+
+    path = save_results(NAME, rows, config=config_of(),
+                        command=" ".join([f"python -m colossal_lab bench {NAME}", *argv]))
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The finale's waterfall: from every switch off to every switch on, one switch at a time.
+
+One training step of `llama-7b-8l` (seq 4096, batch 4, random tokens, AdamW with
+clipping), each bar in its own process, all in one run, next to Hugging Face's model
+(SDPA; SDPA + torch.compile; SDPA + Liger's kernels). Each bar adds one switch to the
+bar before it, so its delta is that switch's, in this order:
+
+    naive-fp32      every switch off, fp32 (PyTorch's default, no TF32)
+    +bf16           bf16 autocast (switch 6)
+    +attention      flash attention, the best backend here (switch 1)
+    +norm           our Triton RMSNorm (switch 2)
+    +projections    fused QKV and gate/up with our SwiGLU (switch 3)
+    +rope           our RoPE kernel
+    +loss           our fused head + cross-entropy
+    +bf16-params    bf16 parameters, fp32 masters in the optimizer (no weight casts)
+    +adamw          our one-pass AdamW with the clipping folded in: `SWITCH_SETS["best"]`
+    fp8             the same with fp8 linears, delayed scaling: `SWITCH_SETS["best-fp8"]`
+
+The first two bars materialise the attention scores and run in micro-batches of one
+sequence (the whole batch's scores would not fit), as chapter 00's naive rows do. Every
+row also carries its memory: the peak and the activations of one step
+(`colossal_lab.memory`), what each switch costs or saves.
+
+    python -m colossal_lab bench waterfall            # -> results/<gpu>/waterfall.json
+    python -m colossal_lab bench waterfall --quick    # tiny model on the CPU, not saved
+"""
+
+from __future__ import annotations
+
+from colossal_lab.benchmarks.steps import Setup, chapter_benchmark
+from colossal_lab.config import SWITCH_SETS, Switches
+
+NAME = "waterfall"
+
+
+def _steps() -> list[tuple[str, str, Switches]]:
+    """(name, label, switches) of each bar, each one switch more than the one before."""
+    sw = Switches.naive("fp32")
+    bars = [("naive-fp32", "every switch off, fp32", sw)]
+    for name, label, change in (
+            ("+bf16", "+ bf16 autocast", dict(precision="bf16")),
+            ("+attention", "+ flash attention", dict(enable_flash_attention=True)),
+            ("+norm", "+ Triton RMSNorm", dict(enable_fused_normalization="triton")),
+            ("+projections", "+ fused projections, Triton SwiGLU",
+             dict(enable_fused_projections=True)),
+            ("+rope", "+ Triton RoPE", dict(enable_fused_rope=True)),
+            ("+loss", "+ fused head + cross-entropy", dict(enable_fused_cross_entropy=True)),
+            ("+bf16-params", "+ bf16 parameters, fp32 masters", dict(precision="bf16-pure")),
+            ("+adamw", "+ one-pass AdamW (= best bf16)", dict(enable_fused_optimizer=True))):
+        sw = sw.replace(**change)
+        bars.append((name, label, sw))
+    if sw != SWITCH_SETS["best"]:
+        raise AssertionError("the waterfall's last bf16 bar must be SWITCH_SETS['best']")
+    bars.append(("fp8", "every switch, fp8 linears (delayed)", SWITCH_SETS["best-fp8"]))
+    return bars
+
+
+SETUPS = tuple(
+    Setup(name, label, switches=sw, **({"micro_batch": 1} if not sw.enable_flash_attention
+                                       else {}),
+          **({"warmup": 1} if sw.precision == "fp32" else {}))
+    for name, label, sw in _steps()) + (
+    Setup("hf-sdpa", "HF transformers: bf16, SDPA", "hf"),
+    Setup("hf-compile", "HF transformers: bf16, SDPA, torch.compile", "hf", compile=True),
+    Setup("hf-liger", "HF transformers: bf16, SDPA, Liger kernels", "hf", liger=True),
+)
+SETUP_NAMES = tuple(s.name for s in SETUPS)
+
+run, main = chapter_benchmark(NAME, SETUPS)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Chapter 10's benchmarks on the CPU: the waterfall adds one switch per bar and ends at
+the best sets; every bar and the loss curves run (tiny model) and record what ran."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from colossal_lab.benchmarks import composed_curves, steps, waterfall
+from colossal_lab.config import SWITCH_SETS
+
+
+def _changed(a, b) -> set[str]:
+    return {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
+
+
+def test_waterfall_adds_one_switch_per_bar():
+    ours = [s for s in waterfall.SETUPS if s.impl == "ours"]
+    assert ours[0].switches == SWITCH_SETS["naive"]
+    for before, after in zip(ours[:-2], ours[1:-1]):
+        assert len(_changed(before.switches, after.switches)) == 1, after.name
+    assert ours[-2].switches == SWITCH_SETS["best"]
+    assert ours[-1].switches == SWITCH_SETS["best-fp8"]
+    # the bars that materialise the scores run one sequence at a time
+    assert [s.name for s in ours if s.micro_batch == 1] == ["naive-fp32", "+bf16"]
+    assert {s.name for s in waterfall.SETUPS if s.impl == "hf"} == {
+        "hf-sdpa", "hf-compile", "hf-liger"}
+
+
+def test_waterfall_quick_runs_every_bar():
+    """Every bar of ours on the tiny model (HF's compile and Liger setups need minutes
+    or a GPU: left to the GPU run); each records the backends that ran."""
+    chosen = [s for s in waterfall.SETUPS if s.impl == "ours" or not (s.compile or s.liger)]
+    rows = steps.run_chapter("waterfall", chosen, quick=True)
+    by = {r["setup"]: r for r in rows}
+    assert not [r for r in rows if "error" in r]
+    assert set(by) == {s.name for s in chosen}
+    assert by["naive-fp32"]["precision"] == "fp32" and by["+adamw"]["precision"] == "bf16-pure"
+    # what ran is recorded: on a CPU True picks the eager RoPE and torch's AdamW path
+    assert by["+rope"]["rope_backend"] == "eager"
+    assert by["naive-fp32"]["optimizer"] == "AdamW"
+    assert by["+bf16-params"]["optimizer"] == by["+adamw"]["optimizer"] == "MasterAdamW"
+
+
+def test_composed_curves_quick():
+    rows = composed_curves.run(quick=True)
+    by = {r["setup"]: r for r in rows}
+    assert set(by) == {"naive", "naive-seed1", "best"}
+    assert by["naive"]["rel_diff_vs_naive"] == 0.0
+    assert by["naive-seed1"]["seed"] == 1 and by["naive-seed1"]["losses"] != by["naive"]["losses"]
+    assert all(len(r["losses"]) == 6 for r in rows)
+    # the same model and batches: bf16 arithmetic moves the loss, slightly
+    assert abs(by["best"]["rel_diff_vs_naive"]) < 0.02
