@@ -58,6 +58,17 @@ gpu-results:
 	$(PYTHON) -m colossal_lab bench checkpointing --group sweep
 	$(PYTHON) -m colossal_lab bench checkpointing --group 7b
 	$(PYTHON) -m colossal_lab bench precision
+	$(PYTHON) -m colossal_lab bench rope
+	$(PYTHON) -m colossal_lab bench cross_entropy
+	$(PYTHON) -m colossal_lab bench optimizer
+	$(PYTHON) -m colossal_lab bench composed
+	$(PYTHON) -m colossal_lab bench composed_curves
+	$(PYTHON) -m colossal_lab bench waterfall
+	$(PYTHON) -m colossal_lab bench grad_overlap
+	$(PYTHON) -m colossal_lab bench pipeline_sim
+	$(PYTHON) -m colossal_lab bench sequence_parallel_gemm
+	$(PYTHON) -m colossal_lab bench profile_breakdown
+	$(PYTHON) -m colossal_lab bench spot_check
 
 ## wheelhouse: download wheels for an offline GPU node (Python 3.12, x86-64)
 wheelhouse: $(VENV)/.installed

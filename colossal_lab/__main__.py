@@ -1,4 +1,4 @@
-"""`python -m colossal_lab {env,train,bench,execute,wheelhouse}`."""
+"""`python -m colossal_lab {env,train,bench,doctor,execute,wheelhouse}`."""
 
 from __future__ import annotations
 
@@ -72,6 +72,11 @@ def main(argv=None) -> None:
                        add_help=False)
     b.add_argument("name")
 
+    d = sub.add_parser("doctor", help="the seed's tuning checklist, run on a configuration")
+    from colossal_lab import doctor
+
+    doctor.add_arguments(d)
+
     sub.add_parser("execute", help="execute notebooks in place (refresh their outputs)",
                    add_help=False)
     w = sub.add_parser("wheelhouse", help="download wheels for an offline GPU node",
@@ -93,6 +98,8 @@ def main(argv=None) -> None:
     del w
     if a.cmd == "train":
         return cli_train.run(a, t.error, argv)
+    if a.cmd == "doctor":
+        return doctor.run(a, d.error)
     cmd_env(a)
 
 

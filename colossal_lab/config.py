@@ -175,6 +175,17 @@ class Switches:
     """The output head and the loss: False = full fp32 logits then cross-entropy; or
     "chunked", "triton" (ours: chunks of tokens, the gradient written in place, the
     logits never whole). No ColossalAI counterpart (Liger's fused linear cross-entropy)."""
+    enable_sequence_parallelism: bool = False
+    """Switch 5, under tensor parallelism (a mesh whose "tp" dim is > 1; chapter 05):
+    False = plain TP, an all-reduce after every attention and MLP block; True =
+    sequence parallelism in `sequence_parallelism_mode` (norms and residual adds on
+    1/tp of the sequence). ColossalAI's name; applied by `switches.tensor_parallel`."""
+    sequence_parallelism_mode: str | None = None
+    """With `enable_sequence_parallelism`: "split_gather" (default; Megatron's
+    all-gather before and reduce-scatter after each block), "ring" (the same cut into
+    tp steps, each overlapped with a GEMM), "dtensor" (torch's `SequenceParallel`
+    plan), "symm_mem" (torch's async TP, CUDA only). ColossalAI's name and first two
+    values; its "all_to_all" and "ring_attn" are context parallelism, not built here."""
     overlap_communication: Backend = False
     """Switch 8, the data-parallel gradient reduction (ColossalAI's
     `overlap_communication`): False = none on one process, one flat all-reduce after

@@ -126,10 +126,14 @@ def expected(row: dict) -> dict:
         want.update(step_ms=statistics.median(times), step_ms_p10=q[0], step_ms_p90=q[-1],
                     steps_timed=len(times))
     if row.get("kind") == "loss_curve" and isinstance(row.get("losses"), list):
-        from colossal_lab.benchmarks.precision import FINAL_WINDOW
+        from colossal_lab.benchmarks.curves import FINAL_WINDOW
 
         window = row["losses"][-min(FINAL_WINDOW, len(row["losses"])):]
         want["final_loss"] = sum(window) / len(window)
+    if _num(row.get("ms")) and row["ms"] > 0 and _num(row.get("gbytes")):
+        want["gbps"] = timing.gbps(row["gbytes"] * 1e9, row["ms"])  # bench optimizer
+        if _num(row.get("copy_gbps")):
+            want["of_copy_ceiling"] = want["gbps"] / row["copy_gbps"]
     if row.get("kind") == "gemm" and _num(row.get("ms")) and "in_features" in row:
         factor = 6 if row.get("pass") == "fwd_bwd" else 2  # precision.measure_gemm
         want["tflops"] = timing.tflops(factor * row["tokens"] * row["in_features"]

@@ -102,6 +102,8 @@ PAPERS: dict[str, tuple[str, str]] = {
                     _arxiv("2412.19437")),
     "zero-bubble": ("Qi et al. 2024, Zero Bubble Pipeline Parallelism",
                     _arxiv("2401.10241")),
+    "megatron2019": ("Shoeybi et al. 2019, Megatron-LM: Training Multi-Billion Parameter "
+                     "Language Models Using Model Parallelism", _arxiv("1909.08053")),
 }
 
 COLOSSALAI: dict[str, tuple[str, str]] = {
@@ -176,6 +178,15 @@ COLOSSALAI: dict[str, tuple[str, str]] = {
         "ColossalAI ZeroBubbleVPipeScheduler (colossalai/pipeline/schedule/"
         "zero_bubble_pp.py)",
         _cai("colossalai/pipeline/schedule/zero_bubble_pp.py", "40")),
+    # switch 5
+    "colossalai:linear_gather_rs": (
+        "ColossalAI _LinearWithGatherForwardReduceScatterBackward, split_gather's column "
+        "linear (colossalai/shardformer/layer/_operation.py)",
+        _cai("colossalai/shardformer/layer/_operation.py", "527")),
+    "colossalai:ring_as_gather": (
+        "ColossalAI _ring_as_gather, the ring mode's chunked all-gather "
+        "(colossalai/shardformer/layer/_operation.py)",
+        _cai("colossalai/shardformer/layer/_operation.py", "418")),
     # issues and pull requests (not pinned: they are threads, not code)
     "colossalai#5509": ("hpcaitech/ColossalAI#5509: gradient_checkpointing_ratio and "
                         "heterogeneous shard policy (issue, the design)", _issue(5509)),
@@ -220,6 +231,9 @@ DOCS: dict[str, tuple[str, str]] = {
                           _torch("notes/cuda.html#cuda-graphs")),
     "torch:extending": ("PyTorch: Extending PyTorch (torch.autograd.Function)",
                         _torch("notes/extending.html")),
+    "torch:tensor_parallel": ("PyTorch torch.distributed.tensor.parallel (ColwiseParallel, "
+                              "RowwiseParallel, SequenceParallel)",
+                              _torch("distributed.tensor.parallel.html")),
     "torch:module": ("PyTorch torch.nn.Module (state-dict hooks)",
                      _torch("generated/torch.nn.Module.html")),
     "python:gc": ("Python gc module (gc.callbacks)",
@@ -270,8 +284,12 @@ CHAPTERS: dict[str, tuple[str, str]] = {
     "chapter:03": ("03 · Fused projections: QKV with GQA, gate/up for SwiGLU",
                    "03_fused_projections.ipynb"),
     "chapter:04": ("04 · Gradient checkpointing", "04_gradient_checkpointing.ipynb"),
+    "chapter:05": ("05 · Tensor and sequence parallelism", "05_sequence_parallel.ipynb"),
     "chapter:06": ("06 · Precision: fp32, bf16, fp16 and fp8", "06_precision.ipynb"),
+    "chapter:07": ("07 · Pipeline parallelism: 1F1B, interleaved and zero bubble",
+                   "07_pipeline.ipynb"),
     "chapter:08": ("08 · Overlapped gradient all-reduce", "08_overlap_allreduce.ipynb"),
+    "chapter:09": ("09 · Profiling a step, and the doctor", "09_profiling.ipynb"),
     "chapter:10": ("10 · Every switch in one LLaMA run", "10_composed.ipynb"),
     "book:references": ("References", "references.md"),
 }

@@ -84,7 +84,6 @@ class Attention(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, S, _ = x.shape
         D = self.cfg.head_dim
         q, k, v = self.project_qkv(x)
         q, k, v = (t.unflatten(-1, (-1, D)) for t in (q, k, v))  # (B, S, H, D) views
@@ -95,7 +94,8 @@ class Attention(nn.Module):
             q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
         o = attention(q, k, v, causal=True, backend=self.attention_backend)  # (B, Hq, S, D)
-        return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+        # (B, S, Hq*D); S from o, not x: under sequence parallelism x is a shard
+        return self.o_proj(o.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):

@@ -143,3 +143,170 @@ def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: st
     ax.spines[["top", "right"]].set_visible(False)
     plt.tight_layout()
     return ax
+
+
+def waterfall(rows: list[dict], *, peers=None, key: str = "setup", label: str = "setup",
+              title: str | None = None, capacity_gib: float | None = None):
+    """One bar of tokens/s per row, top to bottom, each row one switch more than the one
+    before it (`benchmarks.waterfall`), then the peers (rows whose `key` is in `peers`;
+    by default those starting with "hf"), hatched and set apart below.
+
+    Each bar carries the p10-p90 spread of the step time as an error bar (tokens/s is
+    inversely proportional to the step time, as MFU is: `mfu_spread`), its MFU (6N),
+    and for ours its speed-up over the bar above (`compare.verdict`: "(level)" when the
+    two lie inside each other's spread; none below a failed bar). When the rows carry
+    memory, a second panel draws each bar's peak (`peak_mem_gib`) and, inside it, the
+    activations of one step (`activation_mem_gib`): what each switch costs or saves in
+    memory; `capacity_gib` draws the device's memory as a line. Rows with an `error`
+    are drawn as a grey "failed" line. Returns the axes: (tokens/s, memory) or
+    (tokens/s,)."""
+    rows = list(rows)
+    peer_names = None if peers is None else set(peers)
+
+    def is_peer(r: dict) -> bool:
+        name = str(r.get(key, ""))
+        return name.startswith("hf") if peer_names is None else name in peer_names
+
+    ours = [r for r in rows if not is_peer(r)]
+    theirs = [r for r in rows if is_peer(r)]
+    gap = 0.6 if ours and theirs else 0.0
+    n = len(ours) + len(theirs)
+    ys = [n - 1 + gap - i for i in range(len(ours))] + \
+        [len(theirs) - 1 - i for i in range(len(theirs))]
+    placed = list(zip(ys, ours + theirs))
+    has_mem = any(r.get("peak_mem_gib") for r in rows if "error" not in r)
+    height = 0.36 * n + 1.7
+    if has_mem:
+        fig, axes = plt.subplots(1, 2, figsize=(9, height), sharey=True,
+                                 gridspec_kw={"width_ratios": [2.3, 1]},
+                                 layout="constrained")
+    else:
+        fig, ax0 = plt.subplots(figsize=(9, height), layout="constrained")
+        axes = (ax0,)
+    ax = axes[0]
+    ok = [r for r in rows if "error" not in r]
+    xmax = max([r["tokens_per_s"] for r in ok] + [1.0])
+    prev = None
+    for y, r in placed:
+        peer = is_peer(r)
+        if "error" in r:
+            ax.text(xmax * 0.01, y, f"failed: {r['error'][:50]}", va="center",
+                    color=GREY, fontsize=8)
+            if not peer:
+                prev = None  # the next bar would differ by two switches: no ratio
+            continue
+        ax.barh(y, r["tokens_per_s"], 0.7, color=GREY if peer else BLUE,
+                hatch="//" if peer else None, edgecolor="white" if peer else None,
+                xerr=mfu_spread(r, "tokens_per_s"), error_kw=_ERR)
+        note = f"{r['mfu']:.1%} MFU" if r.get("mfu") is not None else ""
+        if not peer and prev is not None:
+            same = (r.get("batch"), r.get("seq_len")) == (prev.get("batch"),
+                                                          prev.get("seq_len"))
+            if same and "step_ms_p10" in r and "step_ms_p10" in prev:
+                note += "  " + compare.verdict(r, prev).replace("x", "×", 1)
+            else:
+                note += f"  ×{r['tokens_per_s'] / prev['tokens_per_s']:.2f}"
+        ax.text(r["tokens_per_s"] + xmax * 0.03, y, note, va="center", fontsize=8)
+        if not peer:
+            prev = r
+    ax.set_yticks([y for y, _ in placed])
+    ax.set_yticklabels([str(r.get(label) or r.get(key)) for _, r in placed], fontsize=9)
+    ax.set_xlim(0, xmax * 1.5)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda v, _: f"{v / 1e3:,.0f}k" if v else "0"))
+    ax.set_xlabel("tokens/s (MFU, and × the bar above)", fontsize=9)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=BLUE, label="ours, one switch more per bar")]
+    if theirs:
+        handles.append(Patch(facecolor=GREY, hatch="//", edgecolor="white",
+                             label="peers"))
+    if any(mfu_spread(r) for r in ok):
+        handles.append(_spread_handle())
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12),
+              ncol=len(handles), fontsize=8, frameon=False)
+    if has_mem:
+        mx = axes[1]
+        mmax = max([r.get("peak_mem_gib") or 0 for r in ok] + [capacity_gib or 0, 1.0])
+        named = set()  # one legend entry each
+        for y, r in placed:
+            if "error" in r or not r.get("peak_mem_gib"):
+                continue
+            mx.barh(y, r["peak_mem_gib"], 0.7,
+                    color="#dddddd" if is_peer(r) else "#c9d6e8",
+                    label=None if "peak" in named else "peak")
+            named.add("peak")
+            act = r.get("activation_mem_gib")
+            if act:  # part of the peak: what one forward + backward allocates
+                mx.barh(y, act, 0.34, color=ORANGE,
+                        label=None if "act" in named else "activations of a step")
+                named.add("act")
+            mx.text(r["peak_mem_gib"] + mmax * 0.03, y, f"{r['peak_mem_gib']:.0f}",
+                    va="center", fontsize=8)
+        if capacity_gib:
+            mx.axvline(capacity_gib, color=GREY, ls="--", lw=1, label="capacity")
+        mx.set_xlim(0, mmax * 1.25)
+        mx.set_xlabel("memory (GiB)", fontsize=9)
+        mx.tick_params(axis="y", left=False)
+        mx.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1, fontsize=8,
+                  frameon=False)
+    for a in axes:
+        a.spines[["top", "right"]].set_visible(False)
+        a.tick_params(axis="x", labelsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return tuple(axes)
+
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    """The trailing mean of the last `window` values at each step (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def loss_curves(rows: list[dict], *, window: int = 10, reference: str | None = None,
+                key: str = "setup", title: str | None = None):
+    """Training-loss curves (each row's `losses`, one per step) smoothed by a trailing
+    `running_mean` of `window` steps; when `reference` names a row, a panel below draws
+    each other curve's smoothed difference from it (the curves overlap: their
+    differences do not). Returns the axes: (losses, differences) or (losses,)."""
+    rows = [r for r in rows if r.get("losses")]
+    ref = next((r for r in rows if r.get(key) == reference), None)
+    if ref is not None:
+        fig, axes = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True,
+                                 gridspec_kw={"height_ratios": [2, 1]})
+    else:
+        fig, ax0 = plt.subplots(figsize=(8, 4))
+        axes = (ax0,)
+    styles = ["-", "--", ":", "-."]  # overlapping curves stay apart
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    ref_smooth = running_mean(ref["losses"], window) if ref is not None else None
+    for k, r in enumerate(rows):
+        smooth = running_mean(r["losses"], window)
+        steps = range(1, len(smooth) + 1)
+        style = dict(ls=styles[k % 4], color=colours[k % len(colours)], label=r[key])
+        axes[0].plot(steps, smooth, lw=1.4, **style)
+        if ref is not None and r is not ref:
+            axes[1].plot(steps, [a - b for a, b in zip(smooth, ref_smooth)], lw=1.1,
+                         **style)
+    axes[0].set_yscale("log")
+    for fmt in (axes[0].yaxis.set_major_formatter, axes[0].yaxis.set_minor_formatter):
+        fmt(matplotlib.ticker.FormatStrFormatter("%g"))
+    axes[0].set_ylabel("training loss" + (f" (mean of {window} steps)" if window > 1
+                                          else ""), fontsize=9)
+    axes[0].legend(frameon=False, fontsize=9)
+    if ref is not None:
+        axes[1].axhline(0, color=GREY, lw=0.8)
+        axes[1].set_ylabel(f"loss − {reference}'s", fontsize=9)
+    axes[-1].set_xlabel("step")
+    for a in axes:
+        a.spines[["top", "right"]].set_visible(False)
+    if title:
+        axes[0].set_title(title, fontsize=11)
+    plt.tight_layout()
+    return tuple(axes)

@@ -178,13 +178,17 @@ def load_results(name: str, gpu: str | None = None) -> Results:
 def measure_or_load(name: str, measure: Callable[[], list[dict]], *,
                     config: dict | None = None, command: str | None = None) -> Results:
     """On a GPU: run `measure()`, save, and return it (with $COLOSSAL_LAB_REUSE=1, load
-    this GPU's recorded file instead when there is one). Without a GPU: load the
-    reference GPU's recorded file.
+    this GPU's recorded file instead when there is one; with $COLOSSAL_LAB_REUSE=only,
+    never measure: a notebook re-executed after its benchmarks ran, which must not start
+    a long one it lacks). Without a GPU: load the reference GPU's recorded file.
     Either way print where the numbers come from."""
-    reuse = os.environ.get("COLOSSAL_LAB_REUSE") == "1"
+    reuse = os.environ.get("COLOSSAL_LAB_REUSE", "")
+    if reuse not in ("", "0", "1", "only"):
+        raise ValueError(f"COLOSSAL_LAB_REUSE={reuse!r}: use 1 (reuse what is recorded "
+                         "here) or only (never measure)")
     here = hardware.detect().slug
     recorded_here = (results_dir() / here / f"{name}.json").exists()
-    if torch.cuda.is_available() and not (reuse and recorded_here):
+    if torch.cuda.is_available() and reuse != "only" and not (reuse == "1" and recorded_here):
         rows = measure()
         path = save_results(name, rows, config=config, command=command)
         res = load_results(name, gpu=path.parent.name)

@@ -3,12 +3,17 @@
 Real clusters are often offline. On a connected machine, `python -m colossal_lab
 wheelhouse` downloads binary wheels for the *node's* Python and platform (not this
 machine's) of what the book needs beyond a CUDA PyTorch image: the Jupyter kernel stack
-to execute notebooks and Liger-Kernel (a provider in the benchmarks). Copy the folder
-over, then on the node install into the Python that holds its CUDA torch; pip resolves
-against what is installed and adds only what is missing:
+to execute notebooks, Liger-Kernel (a provider in the benchmarks) and
+HolisticTraceAnalysis with what it imports (chapter 09's trace analysis). Copy the
+folder over, then on the node install into the Python that holds its CUDA torch; pip
+resolves against what is installed and adds only what is missing:
 
     python -m pip install --no-index --find-links .whl \
-        nbclient nbformat ipykernel ipywidgets liger-kernel
+        nbclient nbformat ipykernel ipywidgets pandas plotly pyyaml psutil liger-kernel
+    python -m pip install --no-index --find-links .whl --no-deps HolisticTraceAnalysis
+
+(HolisticTraceAnalysis declares jupyterlab and pytest as dependencies; it imports
+neither, so it goes in without them.)
 
 torch, triton and the CUDA libraries are never downloaded: the node's image has them.
 """
@@ -22,8 +27,10 @@ from pathlib import Path
 
 # Executing notebooks (nbclient + a kernel), with their whole dependency trees.
 NOTEBOOK_PACKAGES = ["nbclient", "nbformat", "ipykernel", "ipywidgets"]
+# What HolisticTraceAnalysis imports (chapter 09, `colossal_lab.profile`), with their deps.
+ANALYSIS_PACKAGES = ["pandas", "plotly", "pyyaml", "psutil"]
 # Pulled without dependencies: their own needs (torch, triton, transformers) are on the node.
-NO_DEPS_PACKAGES = ["liger-kernel"]
+NO_DEPS_PACKAGES = ["liger-kernel", "HolisticTraceAnalysis"]
 # Never worth carrying: the node's image has them, and several are gigabytes.
 SKIP_PREFIXES = ("torch", "triton", "nvidia", "numpy", "setuptools", "pip", "wheel")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
@@ -46,7 +53,7 @@ def build(dest: str | Path = ".whl", python: str = "3.12", extra: list[str] | No
     """Download the wheels into `dest`; returns the wheels kept."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    _pip_download(dest, python, NOTEBOOK_PACKAGES, no_deps=False)
+    _pip_download(dest, python, NOTEBOOK_PACKAGES + ANALYSIS_PACKAGES, no_deps=False)
     _pip_download(dest, python, NO_DEPS_PACKAGES + list(extra or []), no_deps=True)
     kept = []
     for whl in sorted(dest.glob("*.whl")):
@@ -66,8 +73,11 @@ def main(argv=None) -> None:
     kept = build(a.dest, a.python, a.extra)
     size = sum(w.stat().st_size for w in kept) / 2**20
     print(f"{len(kept)} wheels, {size:.1f} MiB in {a.dest}")
-    wanted = " ".join(NOTEBOOK_PACKAGES + NO_DEPS_PACKAGES + list(a.extra))
+    wanted = " ".join(NOTEBOOK_PACKAGES + ANALYSIS_PACKAGES + NO_DEPS_PACKAGES[:1])
+    bare = " ".join(NO_DEPS_PACKAGES[1:] + list(a.extra))
     print(f"on the node: python -m pip install --no-index --find-links {a.dest} {wanted}")
+    print(f"        and: python -m pip install --no-index --find-links {a.dest} --no-deps "
+          f"{bare}")
 
 
 if __name__ == "__main__":

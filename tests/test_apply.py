@@ -216,8 +216,10 @@ def test_errors_before_anything_changes():
         def __getitem__(self, dim):
             return type("Dim", (), {"size": lambda _: 2 if dim == "tp" else 1})()
 
-    with pytest.raises(NotImplementedError, match="tp=1 and pp=1"):
-        apply_switches(m, Switches(), mesh=Mesh())
+    with pytest.raises(ValueError, match="tensor parallelism over tp=2 ranks: launch"):
+        apply_switches(m, Switches(), mesh=Mesh())  # switch 5 needs a process group
+    with pytest.raises(ValueError, match="make the mesh with tp > 1"):
+        apply_switches(m, Switches(enable_sequence_parallelism=True))
     with pytest.raises(ValueError, match="launch with torchrun"):
         apply_switches(m, Switches(overlap_communication=True))
     assert [type(x) for x in m.modules()] == before and m.switches is None

@@ -48,3 +48,67 @@ def test_mfu_delta_spread_bars():
     assert "p10–p90 of the step time" not in [t.get_text() for t in
                                              ax.get_legend().get_texts()]
     assert ax.figure.get_size_inches()[0] <= 9
+
+
+def _waterfall_rows():
+    """Synthetic waterfall rows: three bars of ours (one failed), two peers."""
+    def row(setup, tps, peak=None, act=None):
+        ms = 4 * 4096 / tps * 1e3
+        return {"setup": setup, "label": setup, "tokens_per_s": tps, "mfu": tps / 1e5,
+                "mfu_attn": tps / 9e4, "step_ms": ms, "step_ms_p10": ms * 0.98,
+                "step_ms_p90": ms * 1.02, "batch": 4, "seq_len": 4096, "steps_timed": 20,
+                "peak_mem_gib": peak, "activation_mem_gib": act}
+
+    return [row("naive-fp32", 10_000, 100.0, 60.0), row("+bf16", 20_000, 80.0, 50.0),
+            row("+attention", 20_100, 79.0, 49.0),
+            {"setup": "+norm", "error": "out of memory", "batch": 4, "seq_len": 4096},
+            row("+rope", 25_000, 78.0, 48.0), row("hf-sdpa", 15_000, 70.0, 40.0),
+            row("hf-liger", 30_000, 50.0, 20.0)]
+
+
+def test_waterfall_bars_peers_and_memory():
+    ax, mx = plot.waterfall(_waterfall_rows(), title="t", capacity_gib=140)
+    assert ax.figure.get_size_inches()[0] <= 9
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["naive-fp32", "+bf16", "+attention", "+norm", "+rope", "hf-sdpa",
+                      "hf-liger"]
+    ticks = list(ax.get_yticks())
+    assert ticks == sorted(ticks, reverse=True)  # top to bottom in the rows' order
+    assert ticks[4] - ticks[5] > 1  # the peers are set apart
+    texts = [t.get_text() for t in ax.texts]
+    assert any("out of memory" in t for t in texts)
+    assert "10.0% MFU" in texts  # the first bar: nothing above it to compare with
+    assert "20.0% MFU  ×2.00" in texts  # +bf16 over naive-fp32
+    assert any("(level)" in t for t in texts)  # +attention against +bf16: in the spread
+    assert "25.0% MFU" in texts  # below a failed bar: two switches apart, no ratio
+    assert "30.0% MFU" in texts  # peers: MFU only
+    bars = [p for p in ax.patches if p.get_width() > 0]
+    assert len(bars) == 6
+    hatched = [p for p in bars if p.get_hatch()]
+    assert sorted(p.get_width() for p in hatched) == [15_000, 30_000]
+    assert ax.get_legend() is not None
+    widths = sorted(p.get_width() for p in mx.patches)  # peak and activations per bar
+    assert widths == sorted([100, 60, 80, 50, 79, 49, 78, 48, 70, 40, 50, 20])
+    assert [t.get_text() for t in mx.texts] == ["100", "80", "79", "78", "70", "50"]
+
+
+def test_waterfall_without_memory_has_one_panel():
+    rows = [{k: v for k, v in r.items() if "mem" not in k} for r in _waterfall_rows()]
+    axes = plot.waterfall(rows, peers=("hf-liger",))
+    assert len(axes) == 1
+    hatched = [p for p in axes[0].patches if p.get_hatch()]
+    assert [p.get_width() for p in hatched] == [30_000]  # only the peer named
+
+
+def test_running_mean_and_loss_curves():
+    assert plot.running_mean([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [1.0, 1.5, 2.5, 3.5, 4.5]
+    assert plot.running_mean([4.0, 2.0], 10) == [4.0, 3.0]
+    rows = [{"setup": s, "losses": [10.0 / (i + 1) + k for i in range(30)]}
+            for k, s in ((0.0, "naive"), (0.01, "best"), (0.02, "naive-seed1"))]
+    ax, dax = plot.loss_curves(rows, window=5, reference="naive")
+    assert [ln.get_label() for ln in ax.get_lines()] == ["naive", "best", "naive-seed1"]
+    diffs = [ln for ln in dax.get_lines() if ln.get_label() in ("best", "naive-seed1")]
+    assert [round(float(ln.get_ydata()[-1]), 6) for ln in diffs] == [0.01, 0.02]
+    assert ax.figure.get_size_inches()[0] <= 9
+    (only,) = plot.loss_curves(rows[:1])
+    assert len(only.get_lines()) == 1

@@ -78,6 +78,24 @@ def test_measure_or_load_loads_without_gpu(tmp_results, capsys):
     assert "(recorded, commit " in capsys.readouterr().out
 
 
+def test_measure_or_load_reuse_modes(tmp_results, monkeypatch, capsys):
+    """On a GPU, REUSE=1 measures only what is not recorded here; REUSE=only never."""
+    dev = results.hardware.detect()  # this CPU, before CUDA pretends to be there
+    here = dev.slug
+    monkeypatch.setattr(results.hardware, "detect", lambda: dev)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    results.save_results("demo", [{"a": 3}], gpu=here, command="bench demo")
+    monkeypatch.setenv("COLOSSAL_LAB_REUSE", "1")
+    assert results.measure_or_load("demo", lambda: pytest.fail("recorded here")).rows \
+        == [{"a": 3}]
+    monkeypatch.setenv("COLOSSAL_LAB_REUSE", "only")
+    with pytest.raises(FileNotFoundError, match="run the benchmark"):
+        results.measure_or_load("absent", lambda: pytest.fail("must not measure"))
+    monkeypatch.setenv("COLOSSAL_LAB_REUSE", "yes")
+    with pytest.raises(ValueError, match="COLOSSAL_LAB_REUSE"):
+        results.measure_or_load("demo", lambda: [])
+
+
 def test_committed_results_have_provenance():
     for path in sorted(results.REPO_ROOT.glob("results/*/*.json")):
         doc = json.loads(path.read_text())

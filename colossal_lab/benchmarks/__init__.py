@@ -11,6 +11,7 @@ BENCHMARKS = {
     "baseline": "colossal_lab.benchmarks.baseline",
     "checkpointing": "colossal_lab.benchmarks.checkpointing",
     "composed": "colossal_lab.benchmarks.composed",
+    "composed_curves": "colossal_lab.benchmarks.composed_curves",
     "cross_entropy": "colossal_lab.benchmarks.cross_entropy",
     "flash_attention": "colossal_lab.benchmarks.flash_attention",
     "flash_attention_step": "colossal_lab.benchmarks.flash_attention_step",
@@ -20,10 +21,14 @@ BENCHMARKS = {
     "fused_qkv_step": "colossal_lab.benchmarks.fused_qkv_step",
     "grad_overlap": "colossal_lab.benchmarks.grad_overlap",
     "optimizer": "colossal_lab.benchmarks.optimizer",
+    "pipeline_sim": "colossal_lab.benchmarks.pipeline_sim",
     "precision": "colossal_lab.benchmarks.precision",
+    "profile_breakdown": "colossal_lab.benchmarks.profile_breakdown",
     "rope": "colossal_lab.benchmarks.rope",
+    "sequence_parallel_gemm": "colossal_lab.benchmarks.sequence_parallel_gemm",
     "spot_check": "colossal_lab.benchmarks.spot_check",
     "step_noise": "colossal_lab.benchmarks.step_noise",
+    "waterfall": "colossal_lab.benchmarks.waterfall",
 }
 
 

@@ -14,7 +14,11 @@ order (the shape of torchtitan's `parallelize_llama`):
     7. precision and fp8       switches.precision.apply       (switch 6)
     8. data parallelism        switches.data_parallel.apply   (switch 8), on the mesh's
                                                               "dp" dim, always last
-    later, on the mesh, before 8: tensor/sequence parallelism (5), pipeline stages (7)
+    before 8, on the mesh's "pp" dim when it is > 1: pipeline stages, switch 7,
+    switches.pipeline_parallel.apply (this rank's stages in a `PipelineModel`); before
+    that, on the mesh's "tp" dim when it is > 1: tensor parallelism, switch 5,
+    switches.tensor_parallel.apply (`enable_sequence_parallelism`,
+    `sequence_parallelism_mode`; not yet together with pipeline stages)
 
 Why this order: the kernel switches (1, 2, 3, 5) and 6 only set attributes and
 commute. 4 restacks `nn.Linear` children, so it runs before 7, which swaps linears for
@@ -44,9 +48,11 @@ from colossal_lab.switches import (
     fp8,
     loss,
     norm,
+    pipeline_parallel,
     precision,
     projections,
     rope,
+    tensor_parallel,
 )
 
 ORDER = ("enable_flash_attention", "enable_fused_rope", "enable_fused_normalization",
@@ -85,6 +91,9 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
             fp8.check_fp8_supported(device)
         fp8.check_with_checkpointing(switches.extra, switches.gradient_checkpoint_config)
     precision.optimizer_backend(switches.enable_fused_optimizer, device)  # validates
+    pipeline_parallel.check(switches)
+    tensor_parallel.resolve_mode(switches.enable_sequence_parallelism,
+                                 switches.sequence_parallelism_mode)  # validates
     dp = switches.overlap_communication
     data_parallel.resolve(dp, 2)  # validates the value
     if dp not in (False, None) and not torch.distributed.is_initialized():
@@ -93,25 +102,57 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
                          "colossal_lab.distributed.init() first")
 
 
+def _check_tensor_parallel(model, switches: Switches, mesh) -> str | None:
+    """The tensor-parallel mode to apply (None: the mesh's "tp" dim is 1 or there is no
+    mesh), refusing before anything changes what cannot work."""
+    tp = mesh["tp"].size() if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) \
+        else 1
+    mode = tensor_parallel.resolve_mode(switches.enable_sequence_parallelism,
+                                        switches.sequence_parallelism_mode)
+    inner = data_parallel.unwrap(model)
+    if tensor_parallel.of(inner) is not None:
+        raise RuntimeError("tensor parallelism was applied to this model already: build a "
+                           "fresh model to apply switches again")
+    if tp == 1:
+        if switches.enable_sequence_parallelism:
+            raise ValueError("enable_sequence_parallelism=True splits the sequence over the "
+                             "tensor-parallel ranks: make the mesh with tp > 1 "
+                             "(distributed.make_mesh(tp=...)), or turn it off")
+        return None
+    if not torch.distributed.is_initialized():
+        raise ValueError(f"tensor parallelism over tp={tp} ranks: launch with torchrun "
+                         "and call colossal_lab.distributed.init() first")
+    if pipeline_parallel.pp_size(mesh) > 1:
+        raise NotImplementedError("tensor parallelism with pipeline stages is not composed "
+                                  "yet: make the mesh with tp=1 or pp=1")
+    if switches.enable_fused_cross_entropy:
+        raise ValueError("enable_fused_cross_entropy with tensor parallelism: TP's loss is "
+                         "the vocabulary-parallel cross-entropy (the logits are never "
+                         "whole either); turn enable_fused_cross_entropy off")
+    if mode == "dtensor" and "dp" in mesh.mesh_dim_names and mesh["dp"].size() > 1:
+        raise NotImplementedError("the 'dtensor' peer is not composed with data "
+                                  "parallelism here: make the mesh with dp=1")
+    tensor_parallel.check_sizes(inner.cfg, tp, mode)
+    return mode
+
+
 def apply_switches(model: torch.nn.Module, switches: Switches,
                    mesh=None) -> torch.nn.Module:
     """Apply every switch of `switches` to `model` in `ORDER`, in place; returns the
-    model to train: `model` itself, or for `overlap_communication="ddp"` the
-    `DistributedDataParallel` wrapping it. A switch turned on that no module of the
-    model takes (a model without our attention modules asked for a flash-attention
-    backend) is an error, not a no-op.
+    model to train: `model` itself, for `overlap_communication="ddp"` the
+    `DistributedDataParallel` wrapping it, or with a "pp" dim > 1 the
+    `pipeline_parallel.PipelineModel` of this rank's stages. A switch turned on that no
+    module of the model takes (a model without our attention modules asked for a
+    flash-attention backend) is an error, not a no-op.
 
-    `mesh` (`colossal_lab.distributed.make_mesh`): data parallelism runs on its "dp"
-    dim (None: every rank of the world); its "tp" and "pp" dims must be 1 until
-    tensor and pipeline parallelism are built."""
+    `mesh` (`colossal_lab.distributed.make_mesh`): pipeline stages on its "pp" dim,
+    tensor parallelism on its "tp" dim, data parallelism on its "dp" dim (None: every
+    rank of the world)."""
     if mesh is not None and not hasattr(mesh, "mesh_dim_names"):
         raise TypeError(f"mesh must be a DeviceMesh (colossal_lab.distributed.make_mesh), "
                         f"not {type(mesh).__name__}")
-    if mesh is not None and any(mesh[d].size() > 1 for d in ("tp", "pp")
-                                if d in (mesh.mesh_dim_names or ())):
-        raise NotImplementedError(
-            "tensor and pipeline parallelism (switches 5 and 7) are not built yet: make "
-            "the mesh with tp=1 and pp=1")
+    tp_mode = _check_tensor_parallel(model, switches, mesh)
+    pipeline_parallel.check_mesh(switches, mesh, data_parallel.unwrap(model))
     inner = data_parallel.unwrap(model)  # DDP's and torch.compile's wrappers
     device = next(inner.parameters()).device
     check(switches, device)
@@ -129,6 +170,10 @@ def apply_switches(model: torch.nn.Module, switches: Switches,
                              f"{type(inner).__name__} has no `layers` list to checkpoint")
     precision.apply(inner, switches.precision, switches.extra)
     inner.switches = switches
+    if tp_mode is not None:  # on the mesh's "tp" dim, before the stages and the reduction
+        tensor_parallel.apply(inner, tp_mode, mesh)
+    if pipeline_parallel.pp_size(mesh) > 1:  # this rank's stages; data parallelism next
+        model = pipeline_parallel.apply(inner, switches, mesh)
     dtype = switches.extra.get("dp_reduce_dtype")
     return data_parallel.apply(  # last: it hooks, wraps or shards what the others built
         model, switches.overlap_communication, mesh,

@@ -1,0 +1,459 @@
+"""Run a pipeline schedule for real: this rank's program of F, B, W and transfers, over
+``torch.distributed`` point-to-point on the pipeline group.
+
+**What runs.** `PipelineRuntime(stages, schedule)` takes this rank's stages (`stages.
+build_stages`) and any schedule of `schedules` that `validate` accepts. The schedule is
+lowered with eager receives (`Schedule.lower`: each SEND right after the compute that
+made the tensor, each RECV where the tensor is sent in the schedule's own timeline) and
+`step(input_ids, labels)` walks this rank's program in order:
+
+* ``F(mb, s)``: stage s's forward of micro-batch mb, on the token ids (stage 0), on the
+  received activation, or on the output of stage s − 1 when that stage is on this rank
+  too (the tip of the V, or one rank). The last stage returns its micro-batch's mean
+  loss; what it backpropagates is that loss / m, so the gradients add up to those of the
+  **mean over the micro-batches**, which for equal micro-batches is the mean over the
+  whole batch: the loss and gradients of the model without a pipeline.
+* ``B(mb, s)``: the backward from the stage's output (the received gradient, or the
+  loss) to its input, whose gradient goes to stage s − 1. Where the schedule does not
+  split the backward (GPipe, 1F1B, interleaved) it is the whole backward, weight
+  gradients included.
+* ``W(mb, s)``: the weight gradients that B left for later (below).
+* ``SEND_*`` / ``RECV_*``: one group of consecutive transfers is posted together
+  (``dist.batch_isend_irecv``).
+
+**How B and W are split: deferred weight-gradient GEMMs, one store per stage.** Every
+`nn.Linear` of a stage of a split-backward schedule (ZB-H1, ZB-V) runs through
+`DeferredLinear`, whose backward computes the input gradient dx = dy · W at once and
+*defers* the weight gradient dW = dyᵀ · x: it puts a job holding dy and x into its
+stage's `WeightGradStore`, filed under the micro-batch whose forward made the node, and
+returns no gradient for the weight. ``W(mb, s)`` runs stage s's jobs of micro-batch
+mb and adds their dW to the weights' ``.grad`` through autograd (so gradient hooks, such
+as switch 8's, fire as for any gradient). B is then one ordinary backward call; its
+cost is the input-gradient GEMMs plus everything that is not a linear layer (attention,
+norms, SwiGLU, whose few weights, the norm scales, get their gradients in B), and W's
+is the weight GEMMs, about half the FLOPs of the backward. This is how the zero-bubble
+authors, Megatron and ColossalAI (``WeightGradStore``) split it. The alternative,
+``torch.autograd.grad`` on the stage input with ``retain_graph`` for B and on the
+parameters for W, needs no change to the layers but makes W walk the graph again from
+the output, recomputing every activation gradient: W would cost about as much as the
+whole backward. torch.distributed.pipelining avoids that by cutting the autograd graph
+at the weights' consumers (``stage_backward_input`` / ``stage_backward_weight``); the
+store does it at the layer, where it is visible.
+
+One store per stage, not one for the process: with two chunks per rank (ZB-V) the two
+stages' W run at different times, and each ``W(mb, s)`` must find exactly its own jobs.
+A stage's linears that another switch replaced (fp8 linears) or whose weight is used
+without its forward (the fused loss reads ``lm_head.weight`` directly) compute their
+weight gradient in B: correct, only not deferred, and so does a linear whose input
+needs no gradient (no backward would reach it). Outside a pipeline step a
+`DeferredLinear` behaves like `nn.Linear`.
+
+**Memory.** From F to B a stage keeps its micro-batch's input and autograd graph; B
+frees the graph, and the deferred jobs keep the linears' inputs and output gradients
+until W (`validate`'s ``w_stash``).
+
+**overlap_p2p** (ColossalAI's flag, on by default). Off: each group of transfers is
+waited for where the schedule puts it, before the next compute. On: the group is posted
+there and nothing waits until a compute needs one of its received tensors; sends are
+waited at the end of the step. Receives are posted as early as the lowered program
+puts them, and with NCCL a transfer runs on its own stream beside the compute. Neither
+mode can deadlock: `validate` plays the same programs with every group blocking
+(``p2p="batched"``), and waiting later only removes waits.
+
+**Transfers have no metadata.** A receiver allocates (b, S, d) in the activation dtype
+(`act_dtype`, the embedding's dtype: the residual stream keeps it under every precision
+of switch 6) from the step's input shape, and messages between two ranks match in the
+order they are posted, which `validate` checks. A stage whose output has another shape or
+dtype raises before anything is sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from colossal_lab.pipeline import schedules as sch
+from colossal_lab.pipeline.schedules import Action, Schedule
+from colossal_lab.pipeline.validate import validate
+from colossal_lab.switches import autocast_state
+
+# ----------------------------------------------------------- the weight-gradient store
+
+
+class WeightGradStore:
+    """One stage's deferred weight-gradient jobs, by micro-batch.
+
+    `micro_batch(mb)` around the stage's F names the micro-batch that the `DeferredLinear`
+    nodes made there belong to; their backward files a job under it (`put`); `flush(mb)`
+    runs the jobs of one micro-batch (the stage's W)."""
+
+    def __init__(self, name: str = ""):
+        self.name = name
+        self.key: int | None = None
+        """The micro-batch whose forward runs now (None: outside the pipeline)."""
+        self.pending: dict[int, list[Callable[[], list]]] = {}
+
+    @contextlib.contextmanager
+    def micro_batch(self, mb: int):
+        old, self.key = self.key, mb
+        try:
+            yield
+        finally:
+            self.key = old
+
+    def put(self, key: int, job: Callable[[], list]) -> None:
+        """File `job` (returns [(parameter, gradient), ...]) under micro-batch `key`."""
+        self.pending.setdefault(key, []).append(job)
+
+    def flush(self, key: int) -> int:
+        """Run micro-batch `key`'s jobs and add their gradients to the parameters, through
+        autograd (one call; gradient hooks fire). Returns how many jobs ran."""
+        jobs = self.pending.pop(key, [])
+        grads: dict[int, list] = {}  # id(param) -> [param, summed gradient]
+        for job in jobs:
+            for p, g in job():
+                slot = grads.setdefault(id(p), [p, None])
+                slot[1] = g if slot[1] is None else slot[1] + g
+        if grads:
+            params, gs = zip(*grads.values())
+            torch.autograd.backward(list(params), list(gs))
+        return len(jobs)
+
+    def __len__(self) -> int:
+        """Jobs waiting, over every micro-batch."""
+        return sum(len(v) for v in self.pending.values())
+
+
+class DeferredLinear(torch.autograd.Function):
+    """``y = x Wᵀ + b`` of `module` (an `nn.Linear`) whose backward returns dx at once
+    and files dW (and db) with `store` under micro-batch `key`; with ``key=None``
+    (outside a pipeline step) it returns them as `nn.Linear` does.
+
+    x (..., in); `weight` and `bias` are the module's, or detached from it when the
+    gradient is deferred: then autograd holds no edge to the parameters, and their
+    gradient hooks fire only when W adds the gradient, not (with nothing) in B. `dtype`
+    is the autocast dtype the matmuls run in (None: the inputs' own), so that the
+    result equals `nn.Linear`'s under autocast."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, store, key, dtype):
+        xc, wc = (x, weight) if dtype is None else (x.to(dtype), weight.to(dtype))
+        bc = bias if bias is None or dtype is None else bias.to(dtype)
+        ctx.save_for_backward(xc, wc)
+        ctx.module, ctx.store, ctx.key, ctx.x_dtype = module, store, key, x.dtype
+        return F.linear(xc, wc, bc)  # (..., out)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, wc = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy @ wc).to(ctx.x_dtype)  # (..., out) @ (out, in) -> (..., in)
+        weight, bias = ctx.module.weight, ctx.module.bias  # the leaves, not the casts
+
+        def weight_grads() -> list:
+            dy2, x2 = dy.reshape(-1, dy.shape[-1]), xc.reshape(-1, xc.shape[-1])
+            out = []
+            if weight.requires_grad:
+                out.append((weight, (dy2.t() @ x2).to(weight.dtype)))  # (out, in)
+            if bias is not None and bias.requires_grad:
+                out.append((bias, dy2.sum(0).to(bias.dtype)))  # (out,)
+            return out
+
+        if ctx.key is None:  # outside a pipeline step: at once, as nn.Linear
+            grads = dict((id(p), g) for p, g in weight_grads())
+            return (dx, grads.get(id(weight)),
+                    grads.get(id(bias)) if bias is not None else None,
+                    None, None, None, None)
+        ctx.store.put(ctx.key, weight_grads)
+        return dx, None, None, None, None, None, None
+
+
+def _deferred_forward(module: nn.Linear, store: WeightGradStore, x: torch.Tensor):
+    key = store.key if x.requires_grad else None  # else no backward would reach it
+    w, b = module.weight, module.bias
+    if key is not None:  # W adds the gradient: no autograd edge to the parameters
+        w, b = w.detach(), (b.detach() if b is not None else None)
+    dtype = autocast_state.current_dtype(x.device.type)  # cast here, as autocast would
+    with autocast_state.off(x.device.type):
+        return DeferredLinear.apply(x, w, b, module, store, key, dtype)
+
+
+def defer_weight_grads(stage: nn.Module, store: WeightGradStore) -> int:
+    """Route every plain `nn.Linear` of `stage` through `DeferredLinear` with `store`
+    (an instance attribute ``forward``; `restore_weight_grads` removes it). Subclasses
+    (fp8 linears) are left alone. Returns how many linears defer."""
+    n = 0
+    for mod in stage.modules():
+        if type(mod) is nn.Linear:
+            mod.forward = functools.partial(_deferred_forward, mod, store)
+            n += 1
+    return n
+
+
+def restore_weight_grads(stage: nn.Module) -> None:
+    """Undo `defer_weight_grads`: the linears' own forward again."""
+    for mod in stage.modules():
+        if type(mod) is nn.Linear and "forward" in mod.__dict__:
+            del mod.forward
+
+
+# --------------------------------------------------------------------------- transfers
+
+
+class _Posted:
+    """One group of transfers posted together; `wait()` once, for all of them."""
+
+    def __init__(self, works: list, tensors: list[torch.Tensor]):
+        self.works, self.tensors = works, tensors  # tensors: alive until done
+
+    def wait(self) -> None:
+        if self.works is not None:
+            from colossal_lab import distributed
+
+            with distributed.collective("pipeline point-to-point"):
+                for w in self.works:
+                    w.wait()
+            self.works, self.tensors = None, []
+
+
+# ----------------------------------------------------------------------------- runtime
+
+
+class PipelineRuntime:
+    """Executes `schedule` on this rank's `stages` ({virtual stage: `stages.Stage`}).
+
+    `group`: the pipeline process group (``mesh.get_group("pp")``; None: the default
+    group, or none at all for a one-rank schedule); this rank's place in it is its
+    pipeline rank. `precision`: switch 6's name (autocast and TF32 around the step).
+    `act_dtype`: the dtype of the activations between stages. The schedule is validated
+    (dependencies, no deadlock when every group of transfers blocks) before anything
+    runs."""
+
+    def __init__(self, stages: dict[int, nn.Module], schedule: Schedule, *, group=None,
+                 overlap_p2p: bool = True, precision: str = "fp32",
+                 act_dtype: torch.dtype = torch.float32, device=None):
+        p = schedule.num_ranks
+        if p > 1:
+            if not dist.is_initialized():
+                raise RuntimeError(f"a {p}-rank pipeline needs torch.distributed: launch "
+                                   "with torchrun and call colossal_lab.distributed.init()")
+            size = dist.get_world_size(group)
+            if size != p:
+                raise ValueError(f"the schedule has {p} ranks but the pipeline group has "
+                                 f"{size}: make the mesh with pp={p}")
+            self.rank = dist.get_rank(group)
+        else:
+            self.rank = 0
+        mine = schedule.stages_of(self.rank)
+        if sorted(stages) != mine:
+            raise ValueError(f"pipeline rank {self.rank} runs stages {mine} of "
+                             f"{schedule.name}, but was given {sorted(stages)}")
+        validate(schedule, p2p="batched")
+        self.schedule, self.stages, self.group = schedule, dict(stages), group
+        self.overlap_p2p, self.precision, self.act_dtype = overlap_p2p, precision, act_dtype
+        self.program = schedule.lower("eager").programs[self.rank]
+        first = next(iter(stages.values()))
+        self.hidden_size = first.cfg.hidden_size
+        self.device = torch.device(device) if device is not None else \
+            next(first.parameters()).device
+        self.peers = {r: (dist.get_global_rank(group, r) if group is not None else r)
+                      for r in range(p)} if p > 1 else {0: 0}
+        self.stores: dict[int, WeightGradStore] = {}
+        for s, stage in stages.items():
+            restore_weight_grads(stage)  # from an earlier runtime on these modules
+            if schedule.split_backward:
+                self.stores[s] = WeightGradStore(f"stage {s}")
+                defer_weight_grads(stage, self.stores[s])
+        self.counts: Counter = Counter()
+        """Compute actions the last `step` ran, by kind ("F", "B", "W")."""
+        self.trace: list[tuple[Action, float, float]] = []
+        """The last step's compute actions with host start and end (perf_counter, s
+        since `step_start`): on a CPU the actions' times; on a GPU launch times."""
+        self.step_start = 0.0
+        """`time.perf_counter()` when the last step began (one clock for every process
+        of a machine on Linux: the ranks' traces line up)."""
+        if p > 1:  # every rank of the group talks once before the first batched p2p
+            # (NCCL creates its communicator lazily on the first call of the group)
+            from colossal_lab import distributed
+
+            with distributed.collective("pipeline group warm-up"):
+                dist.all_reduce(torch.zeros(1, device=self._comm_device()), group=group)
+
+    def _comm_device(self) -> torch.device:
+        backend = dist.get_backend(self.group) if dist.is_initialized() else None
+        return self.device if backend == "nccl" else torch.device("cpu")
+
+    # ------------------------------------------------------------------------ a step
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch, (B, S) token ids and (B, S) labels (every
+        rank passes them; stage 0 reads the ids, the last stage the labels), cut into
+        the schedule's m micro-batches along B. Gradients are added to this rank's
+        parameters' ``.grad``; returns the loss, the mean over the micro-batches of
+        their mean cross-entropy, on every rank of the pipeline."""
+        from colossal_lab.switches import precision as precision_mod
+
+        m = self.schedule.num_microbatches
+        if input_ids.shape != labels.shape or input_ids.dim() != 2:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels "
+                             f"{tuple(labels.shape)} must both be (batch, seq)")
+        if input_ids.shape[0] % m:
+            raise ValueError(f"batch {input_ids.shape[0]} does not split into "
+                             f"num_microbatches={m} equal micro-batches: use a batch that "
+                             f"is a multiple of {m}")
+        b, seq = input_ids.shape[0] // m, input_ids.shape[1]
+        self._ids = input_ids.to(self.device).chunk(m)
+        self._labels = labels.to(self.device).chunk(m)
+        self._shape = (b, seq, self.hidden_size)
+        self._saved: dict = {}  # (mb, stage) -> (input, output) from F to B
+        self._local: dict = {}  # tensors between two stages of this rank
+        self._to_send: dict = {}  # (kind, mb, stage) -> tensor for SEND_F / SEND_B
+        self._incoming: dict = {}  # (kind, mb, stage) -> (buffer, _Posted)
+        self._in_flight: list[_Posted] = []
+        self._losses: list[torch.Tensor] = []
+        self.counts, self.trace = Counter(), []
+        for store in self.stores.values():  # left only by a step that raised
+            store.pending.clear()
+        t0 = self.step_start = time.perf_counter()
+        prog, i = self.program, 0
+        with precision_mod.matmul_mode(self.precision):
+            while i < len(prog):
+                if prog[i].is_compute:
+                    a = prog[i]
+                    start = time.perf_counter() - t0
+                    {sch.F: self._forward, sch.B: self._backward, sch.W: self._weight}[
+                        a.kind](a)
+                    self.trace.append((a, start, time.perf_counter() - t0))
+                    self.counts[a.kind] += 1
+                    i += 1
+                    continue
+                j = i
+                while j < len(prog) and not prog[j].is_compute:
+                    j += 1
+                self._post(prog[i:j])
+                i = j
+            for posted in self._in_flight:
+                posted.wait()
+        left = [name for name, d in (("saved", self._saved), ("local", self._local),
+                                     ("to_send", self._to_send),
+                                     ("incoming", self._incoming)) if d]
+        left += [f"W jobs of {s}" for s, st in self.stores.items() if len(st)]
+        if left:  # a schedule that validate() accepted cannot leave anything behind
+            raise RuntimeError(f"pipeline rank {self.rank}: the step left {left} "
+                               "unconsumed")
+        return self._loss(m)
+
+    def _loss(self, m: int) -> torch.Tensor:
+        last = self.schedule.num_stages - 1
+        owner = self.schedule.rank_of(last)
+        if self.rank == owner:
+            loss = torch.stack([x.float() for x in self._losses]).sum() / m
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.schedule.num_ranks > 1:
+            from colossal_lab import distributed
+
+            t = loss.to(self._comm_device())
+            with distributed.collective("pipeline loss broadcast"):
+                dist.broadcast(t, src=self.peers[owner], group=self.group)
+            loss = t.to(self.device)
+        return loss
+
+    # ------------------------------------------------------------ compute actions
+
+    def _input(self, mb: int, s: int) -> torch.Tensor:
+        if s == 0:
+            return self._ids[mb]
+        if (sch.F, mb, s) in self._local:
+            x = self._local.pop((sch.F, mb, s))
+        else:
+            x, posted = self._incoming.pop((sch.F, mb, s))
+            posted.wait()
+        return x.requires_grad_()  # a leaf: B reads its .grad
+
+    def _forward(self, a: Action) -> None:
+        from colossal_lab.switches import precision as precision_mod
+
+        mb, s = a.mb, a.stage
+        stage, last = self.stages[s], self.schedule.num_stages - 1
+        x = self._input(mb, s)
+        store = self.stores.get(s)
+        ctx = store.micro_batch(mb) if store is not None else contextlib.nullcontext()
+        with ctx, precision_mod.autocast(self.precision, self.device):
+            out = stage(x, self._labels[mb]) if s == last else stage(x)
+        if s == last:
+            self._losses.append(out.detach())
+            out = out / self.schedule.num_microbatches  # the mean over micro-batches
+        else:
+            if tuple(out.shape) != self._shape or out.dtype != self.act_dtype:
+                raise RuntimeError(
+                    f"stage {s} returned {tuple(out.shape)} {out.dtype}, but the "
+                    f"runtime sends {self._shape} {self.act_dtype} between stages: pass "
+                    "act_dtype= the dtype of the model's residual stream")
+            nxt = (sch.F, mb, s + 1)
+            if self.schedule.rank_of(s + 1) == self.rank:
+                self._local[nxt] = out.detach()
+            else:
+                self._to_send[(sch.F, mb, s)] = out.detach()
+        self._saved[(mb, s)] = (x, out)
+
+    def _backward(self, a: Action) -> None:
+        mb, s = a.mb, a.stage
+        x, out = self._saved.pop((mb, s))
+        if s == self.schedule.num_stages - 1:
+            grad = None  # out is the loss / m
+        elif (sch.B, mb, s) in self._local:
+            grad = self._local.pop((sch.B, mb, s))
+        else:
+            grad, posted = self._incoming.pop((sch.B, mb, s))
+            posted.wait()
+        # one ordinary backward: with a split schedule the stage's linears file their
+        # weight gradients with its store instead of returning them (`DeferredLinear`)
+        torch.autograd.backward(out, grad)
+        if s > 0:
+            dx = x.grad
+            if self.schedule.rank_of(s - 1) == self.rank:
+                self._local[(sch.B, mb, s - 1)] = dx
+            else:
+                self._to_send[(sch.B, mb, s)] = dx
+
+    def _weight(self, a: Action) -> None:
+        self.stores[a.stage].flush(a.mb)
+
+    # ------------------------------------------------------------------ transfers
+
+    def _post(self, actions: list[Action]) -> None:
+        ops, tensors, recvs = [], [], []
+        for a in actions:
+            if a.kind in (sch.SEND_F, sch.SEND_B):
+                kind = sch.F if a.kind == sch.SEND_F else sch.B
+                t = self._to_send.pop((kind, a.mb, a.stage)).contiguous()
+                peer = self.schedule.rank_of(a.stage + (1 if kind == sch.F else -1))
+                ops.append(dist.P2POp(dist.isend, t, self.peers[peer], self.group))
+            else:
+                kind = sch.F if a.kind == sch.RECV_F else sch.B
+                t = torch.empty(self._shape, dtype=self.act_dtype, device=self.device)
+                peer = self.schedule.rank_of(a.stage + (-1 if kind == sch.F else 1))
+                ops.append(dist.P2POp(dist.irecv, t, self.peers[peer], self.group))
+                recvs.append(((kind, a.mb, a.stage), t))
+            tensors.append(t)
+        from colossal_lab import distributed
+
+        with distributed.collective("pipeline point-to-point"):
+            works = dist.batch_isend_irecv(ops)
+        posted = _Posted(list(works or []), tensors)
+        if not self.overlap_p2p:
+            posted.wait()  # where the schedule puts the transfers, before computing on
+        else:
+            self._in_flight.append(posted)
+        for key, t in recvs:
+            self._incoming[key] = (t, posted)

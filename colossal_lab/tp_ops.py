@@ -1,0 +1,562 @@
+"""The communication of tensor and sequence parallelism, as autograd functions (switch 5).
+
+Activations are batch-first, (B, S, d); a *sequence shard* is (B, S/t, d), rank r of a
+tensor-parallel group of t ranks holding tokens [r·S/t, (r+1)·S/t). Weights are
+`nn.Linear`'s (out, in); a rank holds a block of rows (column-parallel: its output
+features) or of columns (row-parallel: its input features).
+
+**The four collectives and their adjoints** (Megatron-LM's f and g, Shoeybi et al.
+2019; and their sequence-parallel pair, Korthikanti et al. 2022)::
+
+    op                      forward              backward
+    copy_to_tp     (f)      identity             all-reduce
+    reduce_from_tp (g)      all-reduce           identity
+    gather_seq              all-gather  (seq)    reduce-scatter (seq)
+    scatter_seq             reduce-scatter (seq) all-gather  (seq)
+
+An all-reduce *is* a reduce-scatter followed by an all-gather (that is how a ring
+all-reduce runs), so replacing each g by a reduce-scatter and each f by an all-gather
+moves the same bytes; what changes is what lies between them: a sequence shard instead
+of a replicated tensor.
+
+**The linears**, one autograd function per placement of the communication:
+
+- `LinearAllReduceBackward`, plain TP's column-parallel linear: the backward starts the
+  all-reduce of dX asynchronously and computes dW = dYᵀX while it runs (Megatron's
+  ``async_tensor_model_parallel_allreduce``).
+- `GatherLinear` / `LinearReduceScatter`, sequence parallelism ("split_gather"): the
+  column linear all-gathers its input, keeps only its *shard* for the backward, and in
+  the backward re-gathers it while computing dX = dY·W, then reduce-scatters dX while
+  computing dW = dYᵀX (Megatron's two backward overlaps). The row linear
+  reduce-scatters its output; its backward all-gathers dY before both GEMMs.
+- `RingGatherLinear` / `RingLinearReduceScatter` ("ring"): the collective is cut into
+  t point-to-point steps around the ring, and each step's GEMM runs on the shard that
+  has arrived while the next one travels (Wang et al. 2023; ColossalAI's ``ring`` mode,
+  torch's async TP). All-gather + GEMM: y[j] = x_j Wᵀ for each shard j as it arrives.
+  GEMM + reduce-scatter: at step s rank r computes the partial of chunk
+  c = (r + s + 1) mod t, adds what rank r + 1 sent, and sends the sum to rank r − 1;
+  after t steps it holds the full sum of chunk r. The backward of each is the other
+  (dX of an all-gather-GEMM is a GEMM-reduce-scatter; dY of a GEMM-reduce-scatter is
+  all-gathered through the same ring, its GEMMs consuming each shard as it comes).
+- `SymmMemGatherLinear` / `SymmMemLinearReduceScatter` ("symm_mem"): the same two
+  fused collectives from PyTorch (``torch.ops.symm_mem.fused_all_gather_matmul`` and
+  ``fused_matmul_reduce_scatter``, symmetric memory, CUDA and NCCL only).
+
+**Where the overlap happens.** On a GPU NCCL runs every collective and every send and
+receive on its own CUDA stream; ``async_op=True`` returns at once and ``work.wait()``
+makes the *compute* stream wait, not the host. So a GEMM issued between the launch and
+the wait runs while the bytes move: the second stream is NCCL's. On the CPU (gloo)
+the same calls run the same math, with gloo's threads moving the bytes.
+
+Shapes in comments: B batch, S sequence, s = S/t a shard, k and n a linear's input
+and (local) output width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+SEQ_DIM = 1
+"""The sequence dim of a (B, S, d) activation."""
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# (torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; older: the old names)
+
+
+def size_and_rank(group) -> tuple[int, int]:
+    """(ranks in `group`, this rank's index in it); (1, 0) without torch.distributed."""
+    if not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+# --------------------------------------------------------------------- collectives
+
+
+def _stacked_to_seq(buf: torch.Tensor) -> torch.Tensor:
+    """(t, B, s, ...) -> (B, t·s, ...): a view for B = 1, a copy otherwise."""
+    return buf.movedim(0, 1).flatten(1, 2)
+
+
+def _seq_to_stacked(y: torch.Tensor, t: int) -> torch.Tensor:
+    """(B, S, ...) -> (t, B, S/t, ...), contiguous: chunk r is rank r's."""
+    return y.unflatten(SEQ_DIM, (t, y.shape[SEQ_DIM] // t)).movedim(1, 0).contiguous()
+
+
+def all_gather_seq(x: torch.Tensor, group, async_op: bool = False):
+    """Every rank's (B, s, ...) shard -> (B, t·s, ...) in rank order. With `async_op`
+    returns (the (t, B, s, ...) buffer, the work): `_stacked_to_seq` after the wait."""
+    t, _ = size_and_rank(group)
+    buf = x.new_empty((t * x.shape[0], *x.shape[1:]))  # ranks along dim 0 (gloo wants it)
+    work = _all_gather(buf, x.contiguous(), group=group, async_op=async_op)
+    buf = buf.view(t, *x.shape)
+    if async_op:
+        return buf, work
+    return _stacked_to_seq(buf)
+
+
+def reduce_scatter_seq(y: torch.Tensor, group, async_op: bool = False):
+    """(B, S, ...) partial sums on every rank -> this rank's (B, S/t, ...) chunk of the
+    sum. With `async_op` returns (out, work)."""
+    t, _ = size_and_rank(group)
+    if y.shape[SEQ_DIM] % t:
+        raise ValueError(f"sequence length {y.shape[SEQ_DIM]} is not divisible by the "
+                         f"tensor-parallel size {t}")
+    stacked = _seq_to_stacked(y, t)
+    out = y.new_empty(stacked.shape[1:])
+    work = _reduce_scatter(out, stacked.flatten(0, 1), group=group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def split_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's (B, S/t, ...) chunk of a (B, S, ...) tensor every rank holds."""
+    t, r = size_and_rank(group)
+    return x.chunk(t, dim=SEQ_DIM)[r].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce backward (the input of a column-parallel linear
+    is used by every rank; its gradient is the sum of theirs)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy = dy.contiguous().clone()
+        dist.all_reduce(dy, group=ctx.group)
+        return dy, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward (a row-parallel linear's partial sums), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return reduce_scatter_seq(dy, ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Reduce-scatter along the sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather_seq(dy, ctx.group), None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """Column-parallel outputs (..., n/t) -> (..., n) forward; backward keeps this
+    rank's slice (for full logits at inference, not used in training)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        t, _ = size_and_rank(group)
+        buf = x.new_empty((t * x.shape[0], *x.shape[1:]))
+        _all_gather(buf, x.contiguous(), group=group)
+        return buf.view(t, *x.shape).movedim(0, -2).flatten(-2, -1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        t, r = size_and_rank(ctx.group)
+        return dy.chunk(t, dim=-1)[r].contiguous(), None
+
+
+def copy_to_tp(x, group):
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x, group):
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_seq(x, group):
+    return _GatherSeq.apply(x, group)
+
+
+def scatter_seq(x, group):
+    return _ScatterSeq.apply(x, group)
+
+
+def gather_last_dim(x, group):
+    return _GatherLastDim.apply(x, group)
+
+
+# ------------------------------------------------------------------- GEMM helpers
+
+
+def _wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = dYᵀ X over every token: (.., n), (.., k) -> (n, k)."""
+    return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Chunked weight gradients accumulate in fp32 unless they are fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ------------------------------------------------------------- plain TP (all-reduce)
+
+
+class LinearAllReduceBackward(torch.autograd.Function):
+    """Plain TP's column-parallel linear on a replicated input: y = x Wᵀ, and in the
+    backward dX = dY·W is all-reduced asynchronously while dW = dYᵀX is computed."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)  # (B, S, n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dw = None
+        work = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ weight  # (B, S, k) partial: this rank's n/t features
+            work = dist.all_reduce(dx, group=ctx.group, async_op=True)
+        if ctx.needs_input_grad[1]:
+            dw = _wgrad(dy, x)  # runs while dX travels
+        if work is not None:
+            work.wait()
+        return dx, dw, None
+
+
+# ------------------------------------------------------ sequence parallel (split_gather)
+
+
+class GatherLinear(torch.autograd.Function):
+    """Sequence-parallel column linear: all-gather the (B, s, k) shard, y = x Wᵀ on the
+    whole (B, S, k). Saves the *shard* only; the backward re-gathers it while dX = dY·W
+    runs, then reduce-scatters dX while dW = dYᵀX runs."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(x_shard, weight)
+        return F.linear(all_gather_seq(x_shard, group), weight)  # (B, S, n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_shard, weight = ctx.saved_tensors
+        group = ctx.group
+        buf, gather = all_gather_seq(x_shard, group, async_op=True)  # (1) re-gather x
+        dx_full = dy @ weight  # (2) dgrad (B, S, k) while x travels
+        gather.wait()
+        x_full = _stacked_to_seq(buf)
+        dx, scatter = reduce_scatter_seq(dx_full, group, async_op=True)  # (3)
+        dw = _wgrad(dy, x_full) if ctx.needs_input_grad[1] else None  # (4) while dX travels
+        scatter.wait()
+        return dx, dw, None
+
+
+class LinearReduceScatter(torch.autograd.Function):
+    """Sequence-parallel row linear: partial y = h Wᵀ on (B, S, k/t), reduce-scattered
+    to this rank's (B, s, n). Backward: all-gather dY, then dH = dY·W and dW = dYᵀH."""
+
+    @staticmethod
+    def forward(ctx, h, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(h, weight)
+        return reduce_scatter_seq(F.linear(h, weight), group)
+
+    @staticmethod
+    def backward(ctx, dy_shard):
+        h, weight = ctx.saved_tensors
+        dy = all_gather_seq(dy_shard, ctx.group)  # (B, S, n): both GEMMs need all of it
+        dh = dy @ weight if ctx.needs_input_grad[0] else None
+        dw = _wgrad(dy, h) if ctx.needs_input_grad[1] else None
+        return dh, dw, None
+
+
+# ------------------------------------------------------------------ the ring (chunked)
+
+
+def _peers(group) -> tuple[int, int, int, int]:
+    """(t, r, next, prev): global ranks of the ring's neighbours r + 1 and r − 1."""
+    t, r = size_and_rank(group)
+    glob = (lambda i: dist.get_global_rank(group, i)) if group is not None else (lambda i: i)
+    return t, r, glob((r + 1) % t), glob((r - 1) % t)
+
+
+def _send_recv(send: torch.Tensor, to: int, recv: torch.Tensor, frm: int, group) -> list:
+    """Launch one ring step: `send` to rank `to`, `recv` from rank `frm` (global)."""
+    ops = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, frm, group)]
+    return dist.batch_isend_irecv(ops)
+
+
+def ring_all_gather(x: torch.Tensor, group, consume) -> None:
+    """All-gather through the ring, computing as it goes: ``consume(j, x_j)`` is called
+    for every rank j's shard (own first), each while the next shard is in flight."""
+    t, r, nxt, prv = _peers(group)
+    cur = x.contiguous()
+    for step in range(t):
+        works = []
+        if step < t - 1:  # pass the shard on before computing on it
+            incoming = torch.empty_like(cur)
+            works = _send_recv(cur, nxt, incoming, prv, group)
+        consume((r - step) % t, cur)
+        for w in works:
+            w.wait()
+        if works:
+            cur = incoming
+
+
+def ring_reduce_scatter(produce, group) -> torch.Tensor:
+    """Reduce-scatter through the ring, computing as it goes: ``produce(c)`` makes this
+    rank's partial of chunk c; the partial of the next chunk is computed while the
+    running sum of the previous one travels. Returns the full sum of chunk r."""
+    t, r, nxt, prv = _peers(group)
+    acc = produce((r + 1) % t)
+    for step in range(1, t):
+        incoming = torch.empty_like(acc)
+        works = _send_recv(acc, prv, incoming, nxt, group)  # running sum to r − 1
+        part = produce((r + step + 1) % t)  # computed while the sum travels
+        for w in works:
+            w.wait()
+        acc = part.add_(incoming)
+    return acc
+
+
+class RingGatherLinear(torch.autograd.Function):
+    """Column linear, ring all-gather + GEMM: y[j] = x_j Wᵀ as shard j arrives.
+    Backward: dX by a ring GEMM + reduce-scatter (dY[c]·W per chunk), dW = Σ_j dY[j]ᵀx_j
+    by a ring all-gather of x."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(x_shard, weight)
+        t, _ = size_and_rank(group)
+        b, s, _ = x_shard.shape
+        out = x_shard.new_empty((t, b, s, weight.shape[0]))  # (t, B, s, n)
+
+        def gemm(j, xj):
+            torch.mm(xj.reshape(b * s, -1), weight.t(), out=out[j].view(b * s, -1))
+
+        ring_all_gather(x_shard, group, gemm)
+        return _stacked_to_seq(out)  # (B, S, n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_shard, weight = ctx.saved_tensors
+        group = ctx.group
+        s = x_shard.shape[SEQ_DIM]
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = ring_reduce_scatter(lambda c: dy[:, c * s:(c + 1) * s] @ weight, group)
+        if ctx.needs_input_grad[1]:
+            acc = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype),
+                              device=weight.device)
+
+            def wgrad(j, xj):
+                acc.add_(_wgrad(dy[:, j * s:(j + 1) * s], xj).to(acc.dtype))
+
+            ring_all_gather(x_shard, group, wgrad)
+            dw = acc.to(weight.dtype)
+        return dx, dw, None
+
+
+class RingLinearReduceScatter(torch.autograd.Function):
+    """Row linear, ring GEMM + reduce-scatter: the partial of each sequence chunk,
+    h[c] Wᵀ, computed while the running sum of the previous chunk travels.
+    Backward: dY all-gathered through the ring, dH[j] = dY_j·W and dW += dY_jᵀ h[j] as
+    each shard arrives."""
+
+    @staticmethod
+    def forward(ctx, h, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(h, weight)
+        t, _ = size_and_rank(group)
+        s = h.shape[SEQ_DIM] // t
+        return ring_reduce_scatter(lambda c: F.linear(h[:, c * s:(c + 1) * s], weight),
+                                   group)
+
+    @staticmethod
+    def backward(ctx, dy_shard):
+        h, weight = ctx.saved_tensors
+        s = dy_shard.shape[SEQ_DIM]
+        dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        acc = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype),
+                          device=weight.device) if ctx.needs_input_grad[1] else None
+
+        def consume(j, dyj):
+            hj = h[:, j * s:(j + 1) * s]
+            if dh is not None:
+                dh[:, j * s:(j + 1) * s] = dyj @ weight
+            if acc is not None:
+                acc.add_(_wgrad(dyj, hj).to(acc.dtype))
+
+        ring_all_gather(dy_shard, ctx.group, consume)
+        return dh, None if acc is None else acc.to(weight.dtype), None
+
+
+# ------------------------------------------------------- torch's symmetric memory
+
+
+def symm_mem_available(group) -> bool:
+    """Can this group run torch's fused symmetric-memory ops? CUDA, NCCL, and a torch
+    that has them (2.5+); never gloo."""
+    if not (dist.is_initialized() and torch.cuda.is_available()):
+        return False
+    if dist.get_backend(group) != "nccl":
+        return False
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        return hasattr(torch.ops, "symm_mem") and hasattr(
+            torch.ops.symm_mem, "fused_all_gather_matmul") and symm_mem is not None
+    except ImportError:
+        return False
+
+
+def enable_symm_mem(group) -> str:
+    """Enable symmetric memory on `group` (once); returns its name for the fused ops."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    name = (group or dist.group.WORLD).group_name
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:  # newer torch enables on first use and deprecates this
+        enable(name)
+    return name
+
+
+class SymmMemGatherLinear(torch.autograd.Function):
+    """Column linear with torch's ``fused_all_gather_matmul`` (async TP); backward:
+    dX by ``fused_matmul_reduce_scatter``, dW from a re-gathered x."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, group, name):
+        ctx.group, ctx.name = group, name
+        ctx.save_for_backward(x_shard, weight)
+        _, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(
+            x_shard.contiguous(), [weight.t()], SEQ_DIM, name)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_shard, weight = ctx.saved_tensors
+        dx = torch.ops.symm_mem.fused_matmul_reduce_scatter(
+            dy.contiguous(), weight, "sum", SEQ_DIM, ctx.name)
+        dw = _wgrad(dy, all_gather_seq(x_shard, ctx.group))
+        return dx, dw, None, None
+
+
+class SymmMemLinearReduceScatter(torch.autograd.Function):
+    """Row linear with torch's ``fused_matmul_reduce_scatter``; backward: dY gathered by
+    ``fused_all_gather_matmul``, which also computes dH = dY·W."""
+
+    @staticmethod
+    def forward(ctx, h, weight, group, name):
+        ctx.group, ctx.name = group, name
+        ctx.save_for_backward(h, weight)
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(
+            h.contiguous(), weight.t(), "sum", SEQ_DIM, name)
+
+    @staticmethod
+    def backward(ctx, dy_shard):
+        h, weight = ctx.saved_tensors
+        dy, (dh,) = torch.ops.symm_mem.fused_all_gather_matmul(
+            dy_shard.contiguous(), [weight], SEQ_DIM, ctx.name)
+        return dh, _wgrad(dy, h), None, None
+
+
+# ------------------------------------------------------- vocab-parallel cross-entropy
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits split over the vocabulary: rank r holds columns
+    [start, start + V/t) of every token's logits, and no rank ever holds a whole row.
+
+    Per token, with the local logits z_r (N, V/t):
+
+        m   = max over ranks of max(z_r)            all-reduce MAX   (N,) floats
+        Σ   = Σ over ranks of Σ exp(z_r − m)        all-reduce SUM   (N,)
+        z_y = the label's logit, from its owner     same all-reduce  (N,)
+        loss = mean(log Σ − (z_y − m))
+
+    and the gradient is softmax − onehot on the local columns, divided by the number
+    of tokens that count (labels ≠ ignore_index), kept from the forward (Megatron-LM's
+    ``_VocabParallelCrossEntropy``)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_start, group, ignore_index):
+        # (N, V/t) in fp32 (fp64 stays fp64, for tests), a copy we may overwrite
+        z = logits.clone() if logits.dtype in (torch.float32, torch.float64) \
+            else logits.float()
+        v_local = z.shape[-1]
+        m = z.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        z.sub_(m[:, None])
+        valid = labels != ignore_index
+        mine = valid & (labels >= vocab_start) & (labels < vocab_start + v_local)
+        idx = torch.where(mine, labels - vocab_start, 0).long()
+        target = torch.where(mine, z.gather(1, idx[:, None]).squeeze(1), 0.0)
+        e = z.exp_()  # in place: z is no longer needed
+        sums = torch.stack([e.sum(dim=-1), target])  # one all-reduce for both
+        dist.all_reduce(sums, group=group)
+        total, target = sums[0], sums[1]
+        n_valid = valid.sum().clamp(min=1)
+        loss = torch.where(valid, total.log() - target, 0.0).sum() / n_valid
+        e.div_(total[:, None])  # softmax, kept for the backward
+        ctx.save_for_backward(e, idx, mine, valid, n_valid)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, idx, mine, valid, n_valid = ctx.saved_tensors
+        g = p.clone()
+        rows = torch.arange(len(idx), device=idx.device)
+        g[rows, idx] -= mine.to(g.dtype)
+        g.mul_((valid.to(g.dtype) * (grad / n_valid))[:, None])
+        return g.to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                                 vocab_start: int, group, ignore_index: int = -100
+                                 ) -> torch.Tensor:
+    """Mean cross-entropy over the labels that are not `ignore_index`.
+
+    Args:
+        logits: (..., V/t) this rank's vocabulary columns, any float dtype (fp32 math;
+            fp64 stays fp64).
+        labels: (...) the full labels (the same on every rank), in [0, V).
+        vocab_start: the first vocabulary id this rank's columns hold.
+        group: the tensor-parallel group.
+    Returns:
+        0-d fp32 loss, the same on every rank (0 when every label is ignored).
+    """
+    return VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]),
+                                           labels.reshape(-1), vocab_start, group,
+                                           ignore_index)
