@@ -569,15 +569,15 @@ def op_cost(name: str, args: dict) -> tuple[float, float] | None:
         mats = [(d, b) for d, b in tensors if len(d) >= 2]
         if len(mats) < 2:
             return None
-        (a, ba), (w, bw) = mats[-2], mats[-1]
-        if name.endswith("addmm") and len(mats) == 3:
-            (a, ba), (w, bw) = mats[1], mats[2]
+        # the operands come first: (A, B[, out]); addmm and baddbmm: (C, A, B[, out])
+        with_c = name.endswith("addmm") and len(mats) >= 3
+        (a, ba), (w, bw) = (mats[1], mats[2]) if with_c else (mats[0], mats[1])
         batch = _numel(a[:-2])
         m, k, n = a[-2], a[-1], w[-1]
         out_b = 2 if name.endswith("_scaled_mm") else ba
         flops = 2.0 * batch * m * n * k
         nbytes = batch * (m * k * ba + k * n * bw + m * n * out_b)
-        if len(mats) > 2 and not name.endswith("_scaled_mm"):
+        if with_c:
             nbytes += _numel(mats[0][0]) * mats[0][1]
         return flops, float(nbytes)
     if _SDPA.match(name):

@@ -218,6 +218,26 @@ def test_op_cost_counts_gemm_and_attention():
     assert profile.op_cost("aten::mm", {}) is None
 
 
+def test_op_cost_reads_the_operands_of_every_gemm_form():
+    """What the profiler records for out= and bias forms: 2·M·N·K each time, not the
+    output taken for an operand (a head's dW with out= once read as 2·K·N·N)."""
+    a, b, c, bias = torch.randn(6, 5), torch.randn(5, 3), torch.empty(6, 3), torch.randn(3)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        torch.mm(a, b, out=c)
+        torch.addmm(bias, a, b)
+        torch.addmm(c, a, b, out=c)
+        torch.bmm(a[None], b[None])
+    seen = 0
+    for e in prof.events():
+        if e.name in ("aten::mm", "aten::addmm", "aten::bmm"):
+            types = ["float"] * len(e.input_shapes)
+            flops, _ = profile.op_cost(e.name, {"Input Dims": e.input_shapes,
+                                                "Input type": types})
+            assert flops == 2 * 6 * 5 * 3, (e.name, e.input_shapes)
+            seen += 1
+    assert seen == 4
+
+
 # ------------------------------------------------------------------ a GPU trace
 
 
