@@ -343,7 +343,9 @@ class ProfileSummary:
     steps: int
     """Active steps in the trace (``ProfilerStep#N`` ranges)."""
     step_ms: float
-    """Wall time of a profiled step on the host (profiling slows a step a little)."""
+    """Time of a profiled step (profiling slows a step a little): on a GPU the device's
+    window (`window_ms`), since the host runs ahead of the kernels it queues and its
+    step can end long before theirs; on a CPU the host's step."""
     window_ms: float
     """The device's window per step: from the first step's start to the last kernel's
     end (CPU: the steps themselves), divided by `steps`."""
@@ -365,6 +367,9 @@ class ProfileSummary:
     """Communication no compute kernel overlaps (GPU traces only)."""
     comm_overlapped_ms: float | None = None
     kernels_per_step: float = 0.0
+    host_step_ms: float = 0.0
+    """The host's ``ProfilerStep#`` range per step: shorter than `step_ms` on a GPU
+    when nothing makes the host wait for the kernels it queued."""
     hta: dict | None = None
     """HolisticTraceAnalysis's numbers for a GPU trace (`hta_analysis`), or why not."""
 
@@ -440,7 +445,8 @@ def summarize(trace_or_path, *, top: int = 10, use_hta: bool = True) -> ProfileS
     data_ms = length(data) / n / 1e3
     stall = (length(data) - overlap(data, busy_iv)) / n / 1e3
     summary = ProfileSummary(
-        device=kind, steps=n, step_ms=step_ms, window_ms=window, busy_ms=busy,
+        device=kind, steps=n, step_ms=window if kind == "cuda" else step_ms,
+        host_step_ms=step_ms, window_ms=window, busy_ms=busy,
         idle_ms=max(0.0, window - busy), classes=classes, top=top_rows, data_ms=data_ms,
         data_stall_ms=stall, comm_ms=comm_ms, comm_exposed_ms=exposed,
         comm_overlapped_ms=overlapped, kernels_per_step=len(items) / n)
@@ -506,6 +512,13 @@ def hta_analysis(trace_or_path) -> dict:
 # ----------------------------------------------------------------- results rows
 
 
+def step_ms_of(row: dict) -> float:
+    """A ``kind="step"`` row's step time: the device window on a GPU, the host's step on
+    a CPU (`ProfileSummary.step_ms`). Rows recorded before `host_step_ms` existed held
+    the host's time in ``profiled_step_ms`` on GPUs too: their window is taken."""
+    return row["window_ms"] if row.get("device") == "cuda" else row["profiled_step_ms"]
+
+
 def breakdown_rows(summary: ProfileSummary, **fields) -> list[dict]:
     """Flat results rows of a summary: one ``kind="step"`` row, one ``kind="class"``
     row per kernel class, one ``kind="kernel"`` row per top kernel; every row carries
@@ -513,7 +526,8 @@ def breakdown_rows(summary: ProfileSummary, **fields) -> list[dict]:
     s = summary
     hta = s.hta or {}
     step = {**fields, "kind": "step", "device": s.device, "steps_profiled": s.steps,
-            "profiled_step_ms": s.step_ms, "window_ms": s.window_ms, "busy_ms": s.busy_ms,
+            "profiled_step_ms": s.step_ms, "host_step_ms": s.host_step_ms,
+            "window_ms": s.window_ms, "busy_ms": s.busy_ms,
             "idle_ms": s.idle_ms, "idle_share": s.idle_share, "data_ms": s.data_ms,
             "data_stall_ms": s.data_stall_ms, "comm_ms": s.comm_ms,
             "comm_exposed_ms": s.comm_exposed_ms, "kernels_per_step": s.kernels_per_step,

@@ -318,6 +318,24 @@ def test_gpu_summary_classes_idle_and_communication(tmp_path):
     assert s.hta["idle_pctg"] >= 0 and s.hta["kernel_wait_ms"] >= 0
 
 
+def test_gpu_step_is_the_device_window_when_the_host_runs_ahead(tmp_path):
+    """The host queues a step's kernels and moves on: its ProfilerStep range ends long
+    before the GPU does. The step is the device's window, not the host's range."""
+    path = gpu_trace(tmp_path / "rank0.json", [(GEMM, 300.0), (FLASH, 200.0)], steps=3)
+    doc = json.loads(path.read_text())
+    for e in doc["traceEvents"]:
+        if e["name"].startswith("ProfilerStep#"):
+            e["dur"] = 50.0  # the host's step: 50 µs, the kernels' 520
+    path.write_text(json.dumps(doc))
+    s = profile.summarize(path, use_hta=False)
+    assert s.host_step_ms == pytest.approx(0.05)
+    assert s.step_ms == pytest.approx(s.window_ms) and s.step_ms > s.busy_ms >= 0.5
+    (row,) = [r for r in profile.breakdown_rows(s, setup="x") if r["kind"] == "step"]
+    assert profile.step_ms_of(row) == pytest.approx(s.window_ms)
+    old = {**row, "profiled_step_ms": s.host_step_ms}  # recorded before the fix
+    assert profile.step_ms_of(old) == pytest.approx(s.window_ms)
+
+
 def test_gpu_summary_finds_a_data_stall(tmp_path):
     path = gpu_trace(tmp_path / "rank0.json", [(GEMM, 100.0)], data_us=300.0)
     s = profile.summarize(path, use_hta=False)

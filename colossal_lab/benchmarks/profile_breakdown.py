@@ -37,6 +37,7 @@ import torch
 
 from colossal_lab.benchmarks.steps import Setup, build, ran_backends
 from colossal_lab.config import SWITCH_SETS
+from colossal_lab.profile import step_ms_of
 
 NAME = "profile_breakdown"
 SETUPS = (
@@ -132,7 +133,7 @@ def format_rows(rows: list[dict]) -> str:
         return f"  {step['setup']:<12} failed: {step['error'][:80]}"
     classes = ", ".join(f"{r['kernel_class']} {r['share']:.0%}" for r in rows
                         if r["kind"] == "class")[:120]
-    return (f"  {step['setup']:<12} {step['profiled_step_ms']:8.1f} ms/step, idle "
+    return (f"  {step['setup']:<12} {step_ms_of(step):8.1f} ms/step, idle "
             f"{step['idle_share']:.0%}; {classes}")
 
 
