@@ -138,6 +138,39 @@ def expected(row: dict) -> dict:
         factor = 6 if row.get("pass") == "fwd_bwd" else 2  # precision.measure_gemm
         want["tflops"] = timing.tflops(factor * row["tokens"] * row["in_features"]
                                       * row["out_features"], row["ms"])
+    want.update(_model_fields(row))
+    return want
+
+
+def _model_fields(row: dict) -> dict:
+    """The derived fields of the single-GPU models' rows (`bench sequence_parallel_gemm`,
+    `bench pipeline_sim`, `bench profile_breakdown`), from the inputs they record."""
+    want: dict = {}
+    kind, ms = row.get("kind"), row.get("ms")
+    if kind == "gemm" and all(_num(row.get(k)) for k in ("m", "n", "k")) \
+            and _num(ms) and ms > 0:  # sequence_parallel_gemm: one GEMM of m × n × k
+        want["tflops"] = timing.tflops(2 * row["m"] * row["n"] * row["k"], ms)
+    if kind == "comm" and all(_num(row.get(k)) for k in
+                              ("exposed_fwd_ms", "exposed_bwd_ms", "gemm_ms", "split_cost_ms")):
+        exposed = row["exposed_fwd_ms"] + row["exposed_bwd_ms"]
+        layer = row["gemm_ms"] + exposed + row["split_cost_ms"]
+        want.update(exposed_ms=exposed, layer_ms=layer,
+                    exposed_share=(exposed + row["split_cost_ms"]) / layer)
+    if kind == "memory" and all(_num(row.get(k)) for k in
+                                ("sbh_per_layer", "seq_len", "batch", "hidden", "layers")):
+        per_layer = row["sbh_per_layer"] * row["seq_len"] * row["batch"] * row["hidden"]
+        want.update(bytes_per_layer=per_layer, model_gib=per_layer * row["layers"] / 2**30)
+    if kind == "sim" and _num(row.get("bubble")) and row["bubble"] < 1:
+        want["bubble_over_useful"] = row["bubble"] / (1 - row["bubble"])
+    if kind == "op" and all(_num(row.get(k)) for k in ("flops", "bytes")) and _num(ms) \
+            and ms > 0:  # profile_breakdown's roofline points
+        want["tflops"] = timing.tflops(row["flops"], ms)
+        if row["bytes"]:
+            want["intensity"] = row["flops"] / row["bytes"]
+    if kind == "step" and _num(row.get("window_ms")) and _num(row.get("busy_ms")) \
+            and row["window_ms"] > 0:
+        want["idle_ms"] = max(0.0, row["window_ms"] - row["busy_ms"])
+        want["idle_share"] = want["idle_ms"] / row["window_ms"]
     return want
 
 
