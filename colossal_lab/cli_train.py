@@ -76,6 +76,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         projections,
         rope,
     )
+    from colossal_lab.switches.compile import MODES as COMPILE_MODES
     from colossal_lab.switches.precision import OPTIMIZER_BACKENDS, PRECISIONS
 
     run = t.add_argument_group("run")
@@ -106,6 +107,11 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     sw.add_argument("--optimizer", type=_backend(OPTIMIZER_BACKENDS),
                     help="AdamW: 'torch' (clipping, then torch's or MasterAdamW) or "
                          "'triton' (ours, one pass, clipping folded in)")
+    sw.add_argument("--compile", type=_backend(COMPILE_MODES),
+                    help="torch.compile: 'layers' (each decoder layer, = true) or "
+                         "'model' (the whole forward); the first step compiles")
+    sw.add_argument("--compile-backend", help="torch.compile backend (default inductor; "
+                    "aot_eager or eager to trace without generating code)")
     sw.add_argument("--fp8-scaling", choices=["dynamic", "delayed"])
     dp = t.add_argument_group("data parallelism (switch 8)")
     dp.add_argument("--nproc", type=_whole(1), default=1, help="processes on this node "
@@ -166,6 +172,7 @@ def switches_from(a: argparse.Namespace) -> Switches:
                                  ("enable_fused_cross_entropy", a.loss),
                                  ("precision", a.precision),
                                  ("enable_fused_optimizer", a.optimizer),
+                                 ("enable_compile", a.compile),
                                  ("overlap_communication", a.dp)) if v is not None}
     if a.checkpointing == "none":
         changes["gradient_checkpoint_config"] = None
@@ -173,6 +180,7 @@ def switches_from(a: argparse.Namespace) -> Switches:
         changes["gradient_checkpoint_config"] = GradientCheckpointConfig(
             gradient_checkpointing_ratio=a.ckpt_ratio, mode=a.checkpointing or "full")
     extra = {k: v for k, v in (("fp8_scaling", a.fp8_scaling),
+                               ("compile_backend", a.compile_backend),
                                ("dp_bucket_elems", a.dp_bucket_elems),
                                ("dp_reduce_dtype", a.dp_reduce_dtype)) if v is not None}
     if extra:

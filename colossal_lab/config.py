@@ -165,7 +165,9 @@ class Switches:
     """Backend-specific knobs that have no ColossalAI counterpart. fp8 (chapter 06):
     "fp8_scaling" ("dynamic" | "delayed"), "fp8_history" (amax history length),
     "fp8_skip" (names of linears to keep in bf16, e.g. ["lm_head"]),
-    "fp8_fast_accum_backward" (bool), "fp8_backend" ("auto" | "scaled_mm" | "emulate")."""
+    "fp8_fast_accum_backward" (bool), "fp8_backend" ("auto" | "scaled_mm" | "emulate").
+    `enable_compile`: "compile_backend" (default "inductor"; "aot_eager" and "eager"
+    run without code generation), "compile_mode" (Inductor's, e.g. "max-autotune")."""
 
     enable_fused_rope: Backend = False
     """Rotary embedding of q and k: False = the element-wise chain; or "compile",
@@ -199,6 +201,14 @@ class Switches:
     clipping folded in, fp32 masters written back as bf16; True = "triton" on a GPU.
     Read by `switches.precision.make_optimizer`; the model itself does not change.
     ColossalAI's counterpart is an optimizer class (`FusedAdam`, `HybridAdam`)."""
+    enable_compile: Backend = False
+    """`torch.compile` over what the kernel switches leave eager (`switches.compile`):
+    False = eager; "layers" (or True) = each decoder layer compiled on its own
+    (regional compilation: one layer's compile time, reused by every layer); "model" =
+    the whole forward in one graph. In place (`nn.Module.compile`): modules, hooks and
+    state-dict keys stay. The first step pays the compilation, a new shape recompiles.
+    Backend and mode in `extra`: "compile_backend", "compile_mode". No ColossalAI
+    counterpart."""
 
     pp_style: str = "1f1b"
     """Switch 7, the pipeline schedule when the mesh's "pp" dim is > 1 (ColossalAI's

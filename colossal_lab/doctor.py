@@ -497,9 +497,10 @@ def check_mfu(ctx: Context):
 def check_compile(ctx: Context):
     """Ours: element-wise chains left to eager PyTorch: compile them, or fuse them."""
     sw, p = ctx.plan.switches, ctx.plan
-    if p.compile or p.cuda_graphs:
+    compiled = p.compile or sw.enable_compile  # the wrapper, or in place
+    if compiled or p.cuda_graphs:
         return Verdict("ours: compile / CUDA graphs", "ok",
-                       "torch.compile" if p.compile else "CUDA graphs")
+                       "torch.compile" if compiled else "CUDA graphs")
     eager = [name for name, v in (("RMSNorm", sw.enable_fused_normalization),
                                   ("RoPE", sw.enable_fused_rope),
                                   ("SwiGLU", sw.enable_fused_projections),

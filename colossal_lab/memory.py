@@ -148,7 +148,9 @@ class Prober:
         self.model, self.loss_fn, self.setup = model, loss_fn, setup
         self.cfg, self.seq_len, self.device = cfg, seq_len, device
         inner = getattr(model, "model", None)
-        self.layers = None if setup.compile else getattr(inner, "layers", None)
+        # a compiled layer would trace the probe's hooks into its graph: no per-layer marks
+        compiled = setup.compile or setup.switches.enable_compile
+        self.layers = None if compiled else getattr(inner, "layers", None)
         self.results: dict[int, dict] = {}
         self.available = device.type == "cuda"
         """Allocator statistics exist (a GPU)."""

@@ -3,17 +3,22 @@
 Real clusters are often offline. On a connected machine, `python -m colossal_lab
 wheelhouse` downloads binary wheels for the *node's* Python and platform (not this
 machine's) of what the book needs beyond a CUDA PyTorch image: the Jupyter kernel stack
-to execute notebooks, Liger-Kernel (a provider in the benchmarks) and
-HolisticTraceAnalysis with what it imports (chapter 09's trace analysis). Copy the
-folder over, then on the node install into the Python that holds its CUDA torch; pip
-resolves against what is installed and adds only what is missing:
+to execute notebooks, Liger-Kernel (a provider in the benchmarks),
+HolisticTraceAnalysis with what it imports (chapter 09's trace analysis) and torchao
+(chapter 10's float8 peer, `hf-torchao-fp8`). Copy the folder over, then on the node
+install into the Python that holds its CUDA torch; pip resolves against what is
+installed and adds only what is missing:
 
     python -m pip install --no-index --find-links .whl \
         nbclient nbformat ipykernel ipywidgets pandas plotly pyyaml psutil liger-kernel
-    python -m pip install --no-index --find-links .whl --no-deps HolisticTraceAnalysis
+    python -m pip install --no-index --find-links .whl --no-deps HolisticTraceAnalysis \
+        torchao==0.17.0
 
 (HolisticTraceAnalysis declares jupyterlab and pytest as dependencies; it imports
-neither, so it goes in without them.)
+neither, so it goes in without them. torchao is pinned to the release of torch 2.11's
+cycle (March 2026), the reference node's torch: its compiled extensions are built for
+one torch and 0.17.0 loads them only on torch >= 2.11; float8 training itself is
+Python over `torch._scaled_mm`.)
 
 torch, triton and the CUDA libraries are never downloaded: the node's image has them.
 """
@@ -29,8 +34,10 @@ from pathlib import Path
 NOTEBOOK_PACKAGES = ["nbclient", "nbformat", "ipykernel", "ipywidgets"]
 # What HolisticTraceAnalysis imports (chapter 09, `colossal_lab.profile`), with their deps.
 ANALYSIS_PACKAGES = ["pandas", "plotly", "pyyaml", "psutil"]
+# torchao for the node's torch 2.11 (0.17.0: its release cycle; see the docstring).
+TORCHAO = "torchao==0.17.0"
 # Pulled without dependencies: their own needs (torch, triton, transformers) are on the node.
-NO_DEPS_PACKAGES = ["liger-kernel", "HolisticTraceAnalysis"]
+NO_DEPS_PACKAGES = ["liger-kernel", "HolisticTraceAnalysis", TORCHAO]
 # Never worth carrying: the node's image has them, and several are gigabytes.
 SKIP_PREFIXES = ("torch", "triton", "nvidia", "numpy", "setuptools", "pip", "wheel")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",

@@ -50,11 +50,11 @@ def test_order_is_the_documented_one(monkeypatch):
     assert ORDER == ("enable_flash_attention", "enable_fused_rope",
                      "enable_fused_normalization", "enable_fused_projections",
                      "enable_fused_cross_entropy", "gradient_checkpoint_config", "precision",
-                     "overlap_communication")
+                     "enable_compile", "overlap_communication")
     doc = apply_mod.__doc__  # lists each switch's function in the same order
     where = [doc.index(f"switches.{m}.apply") for m in
              ("attention", "rope", "norm", "projections", "loss", "checkpointing",
-              "precision", "data_parallel")]
+              "precision", "compile", "data_parallel")]
     assert where == sorted(where)
     calls = []
 
@@ -67,6 +67,8 @@ def test_order_is_the_documented_one(monkeypatch):
     for field, fn in list(apply_mod._APPLY.items()):
         monkeypatch.setitem(apply_mod._APPLY, field, spy(field, fn))
     monkeypatch.setattr(precision, "apply", spy("precision", precision.apply))
+    monkeypatch.setattr(apply_mod.compile_switch, "apply",
+                        spy("enable_compile", apply_mod.compile_switch.apply))
     monkeypatch.setattr(apply_mod.data_parallel, "apply",
                         spy("overlap_communication", apply_mod.data_parallel.apply))
     apply_switches(build_model(CFG, "cpu"), Switches(True, True, True, "fp32", Ckpt(),

@@ -122,6 +122,8 @@ BAD_TRAIN_ARGS = [
     (["--ckpt-ratio", "1.5"], "--ckpt-ratio: 1.5 must be in [0, 1]"),
     (["--precision", "fp4"], "invalid choice: 'fp4'"),
     (["--fp8-scaling", "lazy"], "invalid choice: 'lazy'"),
+    (["--compile", "graph"], "'graph'; choose true, false or one of layers, model"),
+    (["--compile", "layers", "--compile-backend", "nope"], "compile_backend']='nope'"),
     (["--switches", "fastest"], "neither a set"),
     (["--save-every", "-2"], "--save-every: -2 must be >= 0"),
     (["--resume"], "resume needs save_dir"),
@@ -179,10 +181,14 @@ def test_composed_quick_runs_every_setup():
     """`bench composed --quick`: every finale setup runs (tiny model, CPU) and records
     the backends that ran: our RoPE and fused loss where asked for."""
     from colossal_lab.benchmarks import composed
+    from colossal_lab.benchmarks.steps import runs_quick
 
     rows = composed.run(quick=True)
     by = {r["setup"]: r for r in rows}
-    assert set(by) == set(composed.SETUP_NAMES) - {"hf-liger"}  # Liger needs a GPU
+    # Liger and torchao need a GPU; compiled setups minutes of compilation
+    left = {"hf-liger", "ours-bf16-compile", "hf-torchao-fp8"}
+    assert {s.name for s in composed.SETUPS if not runs_quick(s)} == left
+    assert set(by) == set(composed.SETUP_NAMES) - left
     assert not [r for r in rows if "error" in r]
     assert by["ours-bf16"]["precision"] == "bf16-pure"
     assert by["ours-bf16"]["loss_backend"] == "chunked"  # True on a CPU: torch chunks

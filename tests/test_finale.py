@@ -14,7 +14,7 @@ def _changed(a, b) -> set[str]:
 
 
 def test_waterfall_adds_one_switch_per_bar():
-    ours = [s for s in waterfall.SETUPS if s.impl == "ours"]
+    ours = [s for s in waterfall.SETUPS if s.impl == "ours" and s.name != "best+compile"]
     assert ours[0].switches == SWITCH_SETS["naive"]
     for before, after in zip(ours[:-2], ours[1:-1]):
         assert len(_changed(before.switches, after.switches)) == 1, after.name
@@ -23,13 +23,22 @@ def test_waterfall_adds_one_switch_per_bar():
     # the bars that materialise the scores run one sequence at a time
     assert [s.name for s in ours if s.micro_batch == 1] == ["naive-fp32", "+bf16"]
     assert {s.name for s in waterfall.SETUPS if s.impl == "hf"} == {
-        "hf-sdpa", "hf-compile", "hf-liger"}
+        "hf-sdpa", "hf-compile", "hf-liger", "hf-torchao-fp8"}
+    # outside the chain, after the fp8 bar: best with each layer compiled
+    names = [s.name for s in waterfall.SETUPS]
+    assert names.index("best+compile") == names.index("fp8") + 1
+    extra = next(s for s in waterfall.SETUPS if s.name == "best+compile")
+    assert _changed(SWITCH_SETS["best"], extra.switches) == {"enable_compile"}
+    assert extra.switches.enable_compile == "layers"
+    assert not SWITCH_SETS["best"].enable_compile  # unmeasured: not in the best set
 
 
 def test_waterfall_quick_runs_every_bar():
-    """Every bar of ours on the tiny model (HF's compile and Liger setups need minutes
-    or a GPU: left to the GPU run); each records the backends that ran."""
-    chosen = [s for s in waterfall.SETUPS if s.impl == "ours" or not (s.compile or s.liger)]
+    """Every bar of ours on the tiny model (compiled setups need minutes, Liger's and
+    torchao's a GPU: left to the GPU run); each records the backends that ran."""
+    chosen = [s for s in waterfall.SETUPS if steps.runs_quick(s)]
+    assert {s.name for s in waterfall.SETUPS} - {s.name for s in chosen} == {
+        "best+compile", "hf-compile", "hf-liger", "hf-torchao-fp8"}
     rows = steps.run_chapter("waterfall", chosen, quick=True)
     by = {r["setup"]: r for r in rows}
     assert not [r for r in rows if "error" in r]
@@ -39,6 +48,7 @@ def test_waterfall_quick_runs_every_bar():
     assert by["+rope"]["rope_backend"] == "eager"
     assert by["naive-fp32"]["optimizer"] == "AdamW"
     assert by["+bf16-params"]["optimizer"] == by["+adamw"]["optimizer"] == "MasterAdamW"
+    assert all(r["first_step_s"] > 0 for r in rows)  # the warm-up step's wall time
 
 
 def test_composed_curves_quick():

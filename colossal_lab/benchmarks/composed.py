@@ -11,14 +11,20 @@ setup in its own process, all in one run:
     ours-bf16           the same with bf16 parameters and fp32 master weights in our
                         one-pass AdamW: no per-step weight casts, the clipping folded
                         into the update (the best bf16 composition, `SWITCH_SETS["best"]`)
+    ours-bf16-compile   ours-bf16 with each decoder layer torch.compiled around our
+                        kernels (`enable_compile="layers"`; not in "best" until measured);
+                        its row's `first_step_s` is the compile time
     ours-fp8            the same switches with fp8 linears, delayed scaling
+    hf-torchao-fp8      Hugging Face's model, SDPA, torchao's float8 linears (tensorwise
+                        dynamic scaling), torch.compile: the peer of ours-fp8
     ours-7b-bf16        full LLaMA-7B (32 layers), batch 2, as ours-bf16, with the
                         fewest checkpointed layers that the memory model says fit
                         (`Setup.auto_ratio`: three probes, then verified by the run)
 
     python -m colossal_lab bench composed                      # results/<gpu>/composed.json
     python -m colossal_lab bench composed --setups hf-liger ours-bf16
-    python -m colossal_lab bench composed --quick              # tiny model, no Liger
+    python -m colossal_lab bench composed --quick              # tiny model, no Liger,
+                                                               # nothing compiled
 """
 
 from __future__ import annotations
@@ -39,8 +45,12 @@ SETUPS = (
           switches=ALL_BF16),
     Setup("ours-bf16", "ours: every switch, bf16 params + fp32 masters, our AdamW",
           switches=SWITCH_SETS["best"]),
+    Setup("ours-bf16-compile", "ours: every switch, bf16 params, each layer "
+          "torch.compiled", switches=SWITCH_SETS["best"].replace(enable_compile="layers")),
     Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling)",
           switches=SWITCH_SETS["best-fp8"]),
+    Setup("hf-torchao-fp8", "HF transformers: SDPA, torchao float8 (tensorwise), "
+          "torch.compile", "hf", compile=True, torchao_fp8=True),
     Setup("ours-7b-bf16", "ours: full LLaMA-7B, every switch, bf16 params",
           switches=SWITCH_SETS["best"], preset="llama-7b", batch=2, auto_ratio=True),
 )
@@ -49,8 +59,9 @@ SETUP_NAMES = tuple(s.name for s in SETUPS)
 
 def run(quick: bool = False) -> list[dict]:
     """Every setup side by side (`steps.run_chapter`). `quick`: the tiny model on this
-    machine, without Liger's setup (Liger's kernels need a GPU)."""
-    return run_chapter("composed", [s for s in SETUPS if not (quick and s.liger)], quick)
+    machine, without the setups `steps.runs_quick` leaves to the GPU run (Liger's
+    kernels need a GPU; compiled setups take minutes to compile)."""
+    return run_chapter("composed", SETUPS, quick)
 
 
 def main(argv=None) -> None:

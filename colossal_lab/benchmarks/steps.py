@@ -9,7 +9,9 @@ them; a failure becomes a row with an `error` field. The chapters declare their 
 Memory is measured too, on a GPU (`colossal_lab.memory`): the activation memory of one
 extra forward+backward, and, when a setup asks, the largest batch that fits
 (`Setup.find_largest_batch`) or the fewest checkpointed layers that fit its batch
-(`Setup.auto_ratio`, chapter 04).
+(`Setup.auto_ratio`, chapter 04). Every row records `first_step_s`, the wall time of
+the first warm-up step: where `torch.compile` compiles (`Setup.compile`,
+`Switches.enable_compile`), so what compilation costs is reported next to what it buys.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +43,13 @@ class Setup:
     """What to turn on (`apply_switches`); its `precision` is the setup's, for Hugging
     Face's model too (which takes only the precision)."""
     compile: bool = False
+    """`torch.compile` the whole built model (the wrapper; ours also has the in-place
+    `Switches.enable_compile`)."""
     liger: bool = False
+    torchao_fp8: bool = False
+    """Hugging Face's model with torchao's float8 training linears (tensorwise dynamic
+    scaling; `convert_torchao_float8`): the peer of our fp8 row. Needs `compile`, bf16
+    autocast and torchao."""
     micro_batch: int | None = None
     """Gradient-accumulation slice; naive attention needs small slices to fit."""
     iters: int = 20
@@ -64,6 +73,20 @@ class Setup:
         if self.iters < 20:  # the CPU smoke test times 2 steps whatever this says
             raise ValueError(f"{self.name}: iters={self.iters}; time at least 20 steps "
                              "on a GPU, or the p10-p90 spread means nothing")
+        if self.compile and self.switches.enable_compile:
+            raise ValueError(f"{self.name}: compile=True wraps the model in torch.compile, "
+                             f"switches.enable_compile={self.switches.enable_compile!r} "
+                             "compiles it in place: choose one")
+        if self.torchao_fp8:
+            if self.impl != "hf":
+                raise ValueError(f"{self.name}: torchao_fp8 converts Hugging Face's "
+                                 "model (impl='hf'); ours has precision='fp8'")
+            if not self.compile:
+                raise ValueError(f"{self.name}: torchao_fp8 needs compile=True: torchao's "
+                                 "float8 casts and scales are only fast once compiled")
+            if self.switches.precision != "bf16":
+                raise ValueError(f"{self.name}: torchao_fp8 runs under bf16 autocast, "
+                                 f"not precision={self.switches.precision!r}")
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)  # nested dataclasses (a checkpoint config) as dicts
@@ -112,9 +135,31 @@ def build(setup: Setup, preset_name: str, device: torch.device):
         model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
     model.train()
     apply_switches(model, setup.switches)  # its precision; a kernel switch is an error
+    if setup.torchao_fp8:
+        convert_torchao_float8(model)
     if setup.compile:
         model = torch.compile(model)
     return model, train.hf_loss
+
+
+def _torchao_takes(module: torch.nn.Module, fqn: str) -> bool:
+    """torchao's float8 takes a linear whose both dims are multiples of 16 (`_scaled_mm`
+    needs them), never the output head (kept in bf16, as in torchtitan's recipe)."""
+    return (isinstance(module, torch.nn.Linear) and fqn.rsplit(".", 1)[-1] != "lm_head"
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def convert_torchao_float8(model: torch.nn.Module) -> int:
+    """Swap `model`'s linears (`_torchao_takes`) for torchao's `Float8Linear`, in place,
+    with tensorwise dynamic scaling (its "tensorwise" recipe); returns how many."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ImportError(f"torchao float8 setups need torchao ({e}): install torchao "
+                          "(make wheelhouse carries it)") from e
+    convert_to_float8_training(model, module_filter_fn=_torchao_takes,
+                               config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
 def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
@@ -154,12 +199,21 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
     return row
 
 
+def runs_quick(setup: Setup) -> bool:
+    """Does a `quick` (CPU, tiny model) run take `setup`? Not Liger's (its kernels need
+    a GPU), nor a compiled one (minutes of compilation on a CPU, and Dynamo cannot
+    trace our Triton kernels under the interpreter), nor torchao's float8."""
+    return not (setup.liger or setup.compile or setup.torchao_fp8
+                or setup.switches.enable_compile)
+
+
 def ran_backends(model, setup: Setup) -> dict:
     """What each switch resolved to on this device (after any fallback), for the row:
     a label says what was asked for, these fields what actually ran."""
     if setup.impl == "hf":
         return {"attention_backend": "hf-sdpa", "norm_backend": "liger" if setup.liger
-                else "hf-eager"}
+                else "hf-eager", **({"fp8_backend": "torchao-tensorwise"}
+                                    if setup.torchao_fp8 else {})}
     from colossal_lab.switches.resolved import backends_in_use
 
     return backends_in_use(getattr(model, "_orig_mod", model))  # under torch.compile too
@@ -175,7 +229,8 @@ def time_setup(model, opt, loss_fn, setup: Setup, cfg, preset_name: str, batch: 
     from colossal_lab import data, train
 
     micro = micro or batch
-    step = train.make_step(model, opt, loss_fn, micro_batches=batch // micro)
+    step = FirstCallTimer(train.make_step(model, opt, loss_fn, micro_batches=batch // micro),
+                          device)
     batches = data.random_batches(cfg.vocab_size, batch, seq_len, seed=seed, device=device)
     recompute = recompute_accounting(model, setup, cfg, batch, seq_len, device)
     m = train.measure_step(step, batches, cfg=cfg, setup=setup.name, preset=preset_name,
@@ -183,8 +238,29 @@ def time_setup(model, opt, loss_fn, setup: Setup, cfg, preset_name: str, batch: 
                            iters=iters, progress=progress, gc_policy=setup.gc_policy,
                            recompute_flops=recompute["recompute_flops"], extra=extra)
     row = m.row()
+    row["first_step_s"] = step.seconds
     row.update(colossalai_fields(row, cfg, recompute))
     return row
+
+
+class FirstCallTimer:
+    """`step`, with the wall time of its first call kept in `seconds`: the first
+    warm-up step, where `torch.compile` compiles (forward and backward graphs) and
+    Triton JIT-compiles our kernels. Waits for the device, so the time covers the
+    kernels that call queued."""
+
+    def __init__(self, step, device):
+        self.step, self.device, self.seconds = step, torch.device(device), None
+
+    def __call__(self, *args):
+        if self.seconds is not None:
+            return self.step(*args)
+        start = time.perf_counter()
+        out = self.step(*args)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds = round(time.perf_counter() - start, 3)
+        return out
 
 
 # ------------------------------------------------------------------ recompute, HFU
@@ -282,9 +358,13 @@ def _child(argv=None) -> None:
 def run_chapter(name: str, setups, quick: bool = False, *, preset_name: str = "llama-7b-8l",
                 seq_len: int = 4096, batch: int = 4) -> list[dict]:
     """A chapter's MFU delta: `setups` side by side (`quick`: tiny model, in-process;
-    per-setup preset and batch overrides are dropped)."""
+    per-setup preset and batch overrides are dropped, and the setups `runs_quick`
+    leaves to the GPU run are skipped)."""
     if quick:
-        setups = [dataclasses.replace(s, preset=None, batch=None) for s in setups]
+        if skipped := [s.name for s in setups if not runs_quick(s)]:
+            print(f"[{name}] quick: {', '.join(skipped)} left to the GPU run", flush=True)
+        setups = [dataclasses.replace(s, preset=None, batch=None) for s in setups
+                  if runs_quick(s)]
         return run_setups(setups, preset_name="tiny", seq_len=64, batch=2, isolate=False,
                           tag=name)
     return run_setups(setups, preset_name=preset_name, seq_len=seq_len, batch=batch, tag=name)

@@ -2,8 +2,9 @@
 
 One training step of `llama-7b-8l` (seq 4096, batch 4, random tokens, AdamW with
 clipping), each bar in its own process, all in one run, next to Hugging Face's model
-(SDPA; SDPA + torch.compile; SDPA + Liger's kernels). Each bar adds one switch to the
-bar before it, so its delta is that switch's, in this order:
+(SDPA; SDPA + torch.compile; SDPA + Liger's kernels; SDPA + torchao's float8 linears +
+torch.compile, the peer of the fp8 bar). Each bar adds one switch to the bar before it,
+so its delta is that switch's, in this order:
 
     naive-fp32      every switch off, fp32 (PyTorch's default, no TF32)
     +bf16           bf16 autocast (switch 6)
@@ -15,6 +16,12 @@ bar before it, so its delta is that switch's, in this order:
     +bf16-params    bf16 parameters, fp32 masters in the optimizer (no weight casts)
     +adamw          our one-pass AdamW with the clipping folded in: `SWITCH_SETS["best"]`
     fp8             the same with fp8 linears, delayed scaling: `SWITCH_SETS["best-fp8"]`
+
+and one bar outside the chain, not (yet) in any switch set:
+
+    best+compile    `SWITCH_SETS["best"]` with each decoder layer torch.compiled
+                    (`enable_compile="layers"`); compared with +adamw, and its
+                    `first_step_s` with theirs: what compiling buys and costs
 
 The first two bars materialise the attention scores and run in micro-batches of one
 sequence (the whole batch's scores would not fit), as chapter 00's naive rows do. Every
@@ -60,9 +67,14 @@ SETUPS = tuple(
                                        else {}),
           **({"warmup": 1} if sw.precision == "fp32" else {}))
     for name, label, sw in _steps()) + (
+    Setup("best+compile", "best bf16 + torch.compile of each layer (outside the chain: "
+          "compare with +adamw)", switches=SWITCH_SETS["best"].replace(
+              enable_compile="layers")),
     Setup("hf-sdpa", "HF transformers: bf16, SDPA", "hf"),
     Setup("hf-compile", "HF transformers: bf16, SDPA, torch.compile", "hf", compile=True),
     Setup("hf-liger", "HF transformers: bf16, SDPA, Liger kernels", "hf", liger=True),
+    Setup("hf-torchao-fp8", "HF transformers: SDPA, torchao float8 (tensorwise), "
+          "torch.compile", "hf", compile=True, torchao_fp8=True),
 )
 SETUP_NAMES = tuple(s.name for s in SETUPS)
 

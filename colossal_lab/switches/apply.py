@@ -12,13 +12,16 @@ order (the shape of torchtitan's `parallelize_llama`):
     5. head + loss             switches.loss.apply            (finale: fused cross-entropy)
     6. activation checkpoints  switches.checkpointing.apply   (switch 4)
     7. precision and fp8       switches.precision.apply       (switch 6)
-    8. data parallelism        switches.data_parallel.apply   (switch 8), on the mesh's
+       then, on the mesh's "tp" dim when it is > 1: tensor parallelism, switch 5,
+       switches.tensor_parallel.apply (`enable_sequence_parallelism`,
+       `sequence_parallelism_mode`; not yet together with pipeline stages)
+    8. torch.compile           switches.compile.apply         (`enable_compile`: each
+                                                              layer, or the model)
+       then, on the mesh's "pp" dim when it is > 1: pipeline stages, switch 7,
+       switches.pipeline_parallel.apply (this rank's stages in a `PipelineModel`; not
+       yet together with `enable_compile`)
+    9. data parallelism        switches.data_parallel.apply   (switch 8), on the mesh's
                                                               "dp" dim, always last
-    before 8, on the mesh's "pp" dim when it is > 1: pipeline stages, switch 7,
-    switches.pipeline_parallel.apply (this rank's stages in a `PipelineModel`); before
-    that, on the mesh's "tp" dim when it is > 1: tensor parallelism, switch 5,
-    switches.tensor_parallel.apply (`enable_sequence_parallelism`,
-    `sequence_parallelism_mode`; not yet together with pipeline stages)
 
 Why this order: the kernel switches (1, 2, 3, 5) and 6 only set attributes and
 commute. 4 restacks `nn.Linear` children, so it runs before 7, which swaps linears for
@@ -28,7 +31,10 @@ recomputes. Precision comes
 after the kernels because it changes what parameters are (dtype, fp8 wrappers), which
 is what tensor parallelism then shards and data parallelism reduces; those come after
 it, data parallelism last, as in torchtitan, because it hooks or wraps (DDP) or shards
-(FSDP2) whatever the others built.
+(FSDP2) whatever the others built. Compilation (8) traces the modules as every switch
+before it left them (torchtitan's order too: TP, checkpointing, compile, then FSDP),
+so it runs after them; earlier compilations are removed first, with the fp8 linears,
+and redone there.
 
 Applying again swaps switches on the same model with no rebuild: weights keep their
 values (fused projections are new Parameters: make the optimizer afterwards; fp8
@@ -54,10 +60,12 @@ from colossal_lab.switches import (
     rope,
     tensor_parallel,
 )
+from colossal_lab.switches import compile as compile_switch  # not the builtin
 
 ORDER = ("enable_flash_attention", "enable_fused_rope", "enable_fused_normalization",
          "enable_fused_projections", "enable_fused_cross_entropy",
-         "gradient_checkpoint_config", "precision", "overlap_communication")
+         "gradient_checkpoint_config", "precision", "enable_compile",
+         "overlap_communication")
 """The `Switches` fields in the order `apply_switches` applies them."""
 
 _APPLY = {"enable_flash_attention": attention.apply,
@@ -66,12 +74,15 @@ _APPLY = {"enable_flash_attention": attention.apply,
           "enable_fused_projections": projections.apply,
           "enable_fused_cross_entropy": loss.apply,
           "gradient_checkpoint_config": checkpointing.apply}
+"""The module swaps, applied in this loop; `precision` and `enable_compile` are applied
+after it (and after tensor parallelism), `overlap_communication` last."""
 
 
 def check(switches: Switches, device: torch.device | str | None = None) -> None:
     """Refuse, before anything is built or changed, what cannot work: fp8 without fp8
     tensor cores, fp8 delayed scaling with a selective recompute, a bad checkpoint
-    config, an unknown backend name."""
+    config, an unknown backend name, a compilation that cannot trace (our Triton
+    kernels under the CPU's interpreter)."""
     if not isinstance(switches, Switches):
         raise TypeError(f"expected a Switches, not {type(switches).__name__}")
     checkpointing.resolve(switches.gradient_checkpoint_config)
@@ -91,6 +102,7 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
             fp8.check_fp8_supported(device)
         fp8.check_with_checkpointing(switches.extra, switches.gradient_checkpoint_config)
     precision.optimizer_backend(switches.enable_fused_optimizer, device)  # validates
+    compile_switch.check(switches, device)
     pipeline_parallel.check(switches)
     tensor_parallel.resolve_mode(switches.enable_sequence_parallelism,
                                  switches.sequence_parallelism_mode)  # validates
@@ -156,7 +168,9 @@ def apply_switches(model: torch.nn.Module, switches: Switches,
     inner = data_parallel.unwrap(model)  # DDP's and torch.compile's wrappers
     device = next(inner.parameters()).device
     check(switches, device)
+    compile_switch.check_model(inner, switches.enable_compile, pipeline_parallel.pp_size(mesh))
     fp8.revert(inner)  # plain linears for the structural switches; precision redoes it
+    compile_switch.revert(inner)  # eager modules for them too; compiled again below
     for field, apply_one in _APPLY.items():
         value = getattr(switches, field)
         count = apply_one(inner, value)
@@ -172,6 +186,8 @@ def apply_switches(model: torch.nn.Module, switches: Switches,
     inner.switches = switches
     if tp_mode is not None:  # on the mesh's "tp" dim, before the stages and the reduction
         tensor_parallel.apply(inner, tp_mode, mesh)
+    # after every swap of modules and dtypes, so the graphs trace what will run
+    compile_switch.apply(inner, switches.enable_compile, switches.extra)
     if pipeline_parallel.pp_size(mesh) > 1:  # this rank's stages; data parallelism next
         model = pipeline_parallel.apply(inner, switches, mesh)
     dtype = switches.extra.get("dp_reduce_dtype")
