@@ -122,8 +122,8 @@ def expected(row: dict) -> dict:
                 want[f"{p}_tflops"] = timing.tflops(f, row[f"{p}_ms"])
     times = row.get("step_ms_all")
     if isinstance(times, list) and len(times) >= 2:  # the summary of every timed step
-        q = statistics.quantiles(sorted(times), n=10)  # as timing._summary computes it
-        want.update(step_ms=statistics.median(times), step_ms_p10=q[0], step_ms_p90=q[-1],
+        q = timing.quantile_10_90(times)  # as timing._summary computes it
+        want.update(step_ms=statistics.median(times), step_ms_p10=q[0], step_ms_p90=q[1],
                     steps_timed=len(times))
     if row.get("kind") == "loss_curve" and isinstance(row.get("losses"), list):
         from colossal_lab.benchmarks.curves import FINAL_WINDOW

@@ -160,11 +160,34 @@ def _json_default(obj):
     raise TypeError(f"cannot store {type(obj).__name__} in a results file")
 
 
+def run_slug(world: int | None = None) -> str:
+    """The results folder of a run on `world` GPUs (default: the torch.distributed world,
+    1 without one): this GPU's slug on one, ``<slug>x<world>`` on several ("h200x2"), so
+    a multi-GPU run never mixes with the single-GPU files."""
+    if world is None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
+            else 1
+    slug = hardware.detect().slug
+    return slug if world <= 1 else f"{slug}x{world}"
+
+
+def _multi_gpu_slugs(slug: str) -> list[str]:
+    """The multi-GPU folders of `slug` that exist ("h200x2", "h200x4"), fewest GPUs first."""
+    found = [p.name for p in results_dir().glob(f"{slug}x*")
+             if p.is_dir() and p.name[len(slug) + 1:].isdigit()]
+    return sorted(found, key=lambda n: int(n[len(slug) + 1:]))
+
+
 def load_results(name: str, gpu: str | None = None) -> Results:
     """Load `results/<gpu>/<name>.json`; `gpu=None` prefers this machine's GPU, then the
-    reference GPU."""
-    candidates = [gpu] if gpu else [hardware.detect().slug, REFERENCE_GPU]
-    for slug in candidates:
+    reference GPU, then their multi-GPU folders (`run_slug`), fewest GPUs first: a
+    multi-GPU benchmark's file is found by its name alone."""
+    here = hardware.detect().slug
+    candidates = [gpu] if gpu else [here, REFERENCE_GPU, *_multi_gpu_slugs(here),
+                                    *_multi_gpu_slugs(REFERENCE_GPU)]
+    for slug in dict.fromkeys(candidates):
         path = results_dir() / slug / f"{name}.json"
         if path.exists():
             doc = json.loads(path.read_text())

@@ -40,8 +40,19 @@ def _summary(times_ms: list[float]) -> Timing:
     if not times_ms:
         raise ValueError("no timings")
     s = sorted(times_ms)
-    q = statistics.quantiles(s, n=10) if len(s) > 1 else [s[0]] * 9
-    return Timing(statistics.median(s), q[0], q[-1], len(s))
+    q = quantile_10_90(s)
+    return Timing(statistics.median(s), q[0], q[1], len(s))
+
+
+def quantile_10_90(times: list[float]) -> tuple[float, float]:
+    """p10 and p90 of `times` (`statistics.quantiles`, deciles), kept inside the
+    samples: with fewer than 9 samples the default method extrapolates past the
+    smallest and largest, to below zero when the spread is wide."""
+    s = sorted(times)
+    if len(s) < 2:
+        return s[0], s[0]
+    q = statistics.quantiles(s, n=10)
+    return max(q[0], s[0]), min(q[-1], s[-1])
 
 
 def _on_cuda(device: torch.device | str | None) -> bool:

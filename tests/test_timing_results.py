@@ -1,4 +1,5 @@
 import json
+import statistics
 
 import pytest
 import torch
@@ -16,6 +17,15 @@ def test_time_fn_and_iterations_on_cpu():
     assert t2.n == 4 and seen == [1, 2, 3, 4]
     assert timing.tflops(2e12, 1000) == pytest.approx(2.0)
     assert timing.gbps(4e9, 2) == pytest.approx(2000.0)
+
+
+def test_p10_p90_stay_inside_the_samples():
+    """Few samples, wide spread: deciles would extrapolate below zero."""
+    assert timing.quantile_10_90([1.0, 4.0, 5.0, 6.0, 100.0]) == (1.0, 100.0)
+    assert timing.quantile_10_90([3.0]) == (3.0, 3.0)
+    many = [float(i) for i in range(1, 21)]  # 20 steps: inside already, unchanged
+    q = statistics.quantiles(many, n=10)
+    assert timing.quantile_10_90(many) == (q[0], q[-1])
 
 
 def test_time_kernels_says_how_it_timed(monkeypatch):
@@ -94,6 +104,19 @@ def test_measure_or_load_reuse_modes(tmp_results, monkeypatch, capsys):
     monkeypatch.setenv("COLOSSAL_LAB_REUSE", "yes")
     with pytest.raises(ValueError, match="COLOSSAL_LAB_REUSE"):
         results.measure_or_load("demo", lambda: [])
+
+
+def test_multi_gpu_results_have_their_own_folder(tmp_results):
+    here = results.hardware.detect().slug
+    assert results.run_slug(1) == here and results.run_slug(2) == f"{here}x2"
+    assert results.run_slug() == here  # no process group: one process
+    results.save_results("dp", [{"a": 4}], gpu=f"{results.REFERENCE_GPU}x4")
+    results.save_results("dp", [{"a": 2}], gpu=f"{results.REFERENCE_GPU}x2")
+    (tmp_results / f"{results.REFERENCE_GPU}xtra").mkdir()  # not a GPU count
+    res = results.load_results("dp")  # found by its name; the fewest GPUs first
+    assert res.rows == [{"a": 2}] and res.path.parent.name == f"{results.REFERENCE_GPU}x2"
+    results.save_results("dp", [{"a": 1}], gpu=results.REFERENCE_GPU)
+    assert results.load_results("dp").rows == [{"a": 1}]  # one GPU's file comes first
 
 
 def test_committed_results_have_provenance():
