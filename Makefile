@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: book test test-gpu lint execute gpu-results wheelhouse clean
+.PHONY: book test test-gpu lint execute gpu-results gpu-results-2 wheelhouse clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,21 @@ gpu-results:
 	$(PYTHON) -m colossal_lab bench sequence_parallel_gemm
 	$(PYTHON) -m colossal_lab bench profile_breakdown
 	$(PYTHON) -m colossal_lab bench spot_check
+
+## gpu-results-2: the multi-GPU benchmarks on a node with 2 GPUs (`make gpu-results-2`);
+## results/<gpu>x2/*.json. One invocation per NCCL link setting (nvlink, host memory,
+## sockets; NVLink multicast always off), each merged into its file by link (and preset)
+TORCHRUN ?= torchrun --nproc-per-node 2
+gpu-results-2:
+	$(TORCHRUN) -m colossal_lab bench collectives --link nvlink
+	$(TORCHRUN) -m colossal_lab bench collectives --link host
+	$(TORCHRUN) -m colossal_lab bench collectives --link sockets
+	$(TORCHRUN) -m colossal_lab bench grad_overlap_measured --link nvlink --presets llama-7b-8l
+	$(TORCHRUN) -m colossal_lab bench grad_overlap_measured --link nvlink --presets 1b
+	$(TORCHRUN) -m colossal_lab bench grad_overlap_measured --link host --presets llama-7b-8l
+	$(TORCHRUN) -m colossal_lab bench grad_overlap_measured --link host --presets 1b
+	$(TORCHRUN) -m colossal_lab bench grad_overlap_measured --link sockets --presets llama-7b-8l
+	$(TORCHRUN) -m colossal_lab bench grad_overlap_measured --link sockets --presets 1b
 
 ## wheelhouse: download wheels for an offline GPU node (Python 3.12, x86-64)
 wheelhouse: $(VENV)/.installed

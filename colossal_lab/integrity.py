@@ -139,6 +139,41 @@ def expected(row: dict) -> dict:
         want["tflops"] = timing.tflops(factor * row["tokens"] * row["in_features"]
                                       * row["out_features"], row["ms"])
     want.update(_model_fields(row))
+    want.update(_multi_gpu_fields(row))
+    return want
+
+
+def _multi_gpu_fields(row: dict) -> dict:
+    """The derived fields of the multi-GPU benchmarks' rows: a collective's algorithm
+    and bus bandwidth from its message size and time (`bench collectives`), a
+    data-parallel step's exposed communication, overlap efficiency and communication
+    share from its times (`bench grad_overlap_measured`)."""
+    from colossal_lab.benchmarks import collectives
+    from colossal_lab.benchmarks import grad_overlap_measured as gom
+
+    want: dict = {}
+    kind = row.get("kind")
+    if kind == "collective":
+        times = row.get("ms_all")
+        if isinstance(times, list) and len(times) >= 2:
+            q = timing.quantile_10_90(times)
+            want.update(ms=statistics.median(times), ms_p10=q[0], ms_p90=q[1],
+                        reps=len(times))
+        if all(_num(row.get(k)) and row[k] > 0 for k in ("size_bytes", "ms", "ms_p10",
+                                                          "ms_p90", "world")):
+            want.update(collectives.bandwidths(row["op"], row["size_bytes"], row["world"],
+                                               row["ms"], row["ms_p10"], row["ms_p90"]))
+    if kind == "dp_step" and all(_num(row.get(k)) for k in ("step_ms", "t_nocomm_ms",
+                                                             "t_sync_ms")):
+        t, t0, ts = row["step_ms"], row["t_nocomm_ms"], row["t_sync_ms"]
+        want["measured_exposed_ms"] = t - t0
+        e = gom.overlap_efficiency(ts, t, t0)
+        if row.get("backend") in gom.OVERLAPPED and e is not None:
+            want["overlap_efficiency"] = e
+        share = gom.comm_share(ts, t0, row.get("backward_ms")) \
+            if _num(row.get("backward_ms")) else None
+        if share is not None:
+            want["comm_share"] = share
     return want
 
 

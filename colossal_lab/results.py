@@ -152,6 +152,28 @@ def save_results(name: str, rows: list[dict], *, config: dict | None = None,
     return path
 
 
+def merge_rows(name: str, rows: list[dict], key: str | tuple[str, ...], *,
+               gpu: str | None = None) -> list[dict]:
+    """`rows` merged into the rows recorded in `results/<gpu>/<name>.json`: a recorded
+    row whose `key` value (a field, or a tuple of fields) is one of `rows`' is
+    replaced, every other recorded row kept, in recorded order, then `rows`.
+
+    For a benchmark run once per setting into one file (`bench collectives --link
+    host`, then ``--link sockets``): each invocation replaces its own setting's rows
+    and keeps the others'. The file's provenance is the latest invocation's; each
+    merged row keeps the fields that say which setting it measured."""
+    keys = (key,) if isinstance(key, str) else tuple(key)
+    for i, r in enumerate(rows):
+        missing = [k for k in keys if k not in r]
+        if missing:
+            raise KeyError(f"row {i} of {name} has no {missing}: merge_rows keys by {keys}")
+    path = results_dir() / (gpu or hardware.detect().slug) / f"{name}.json"
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    new_keys = {tuple(r[k] for k in keys) for r in rows}
+    kept = [r for r in old if tuple(r.get(k) for k in keys) not in new_keys]
+    return kept + list(rows)
+
+
 def _json_default(obj):
     if isinstance(obj, (torch.dtype, torch.device)):
         return str(obj)
