@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: book test test-gpu lint execute gpu-results wheelhouse clean
+.PHONY: book test test-gpu lint execute gpu-results gpu-results-2 wheelhouse clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,11 @@ gpu-results:
 	$(PYTHON) -m colossal_lab bench sequence_parallel_gemm
 	$(PYTHON) -m colossal_lab bench profile_breakdown
 	$(PYTHON) -m colossal_lab bench spot_check
+
+## gpu-results-2: the two-GPU benchmarks (torchrun, one node, 2 GPUs) -> results/<gpu>x2/*.json
+gpu-results-2:
+	$(PYTHON) -m torch.distributed.run --nproc-per-node 2 -m colossal_lab bench sequence_parallel_step
+	$(PYTHON) -m torch.distributed.run --nproc-per-node 2 -m colossal_lab bench pipeline_measured
 
 ## wheelhouse: download wheels for an offline GPU node (Python 3.12, x86-64)
 wheelhouse: $(VENV)/.installed
