@@ -84,6 +84,8 @@ gpu-results-2:
 	$(TORCHRUN) -m colossal_lab bench grad_overlap_measured --link host --presets 1b
 	$(TORCHRUN) -m colossal_lab bench grad_overlap_measured --link sockets --presets llama-7b-8l
 	$(TORCHRUN) -m colossal_lab bench grad_overlap_measured --link sockets --presets 1b
+	$(TORCHRUN) -m colossal_lab bench sequence_parallel_step
+	$(TORCHRUN) -m colossal_lab bench pipeline_measured
 
 ## wheelhouse: download wheels for an offline GPU node (Python 3.12, x86-64)
 wheelhouse: $(VENV)/.installed

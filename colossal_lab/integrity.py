@@ -140,6 +140,7 @@ def expected(row: dict) -> dict:
                                       * row["out_features"], row["ms"])
     want.update(_model_fields(row))
     want.update(_multi_gpu_fields(row))
+    want.update(_parallel_step_fields(row))
     return want
 
 
@@ -174,6 +175,37 @@ def _multi_gpu_fields(row: dict) -> dict:
             if _num(row.get("backward_ms")) else None
         if share is not None:
             want["comm_share"] = share
+    return want
+
+
+def _parallel_step_fields(row: dict) -> dict:
+    """The derived fields of the two-GPU runs' rows (`bench sequence_parallel_step`,
+    `bench pipeline_measured`): per-GPU throughput, the bubble from the useful time, and
+    the ratios against the baseline each row records (plain TP's step and activation
+    memory, 1F1B's step, the simulator's bubble)."""
+    want: dict = {}
+    step = row.get("step_ms")
+    if not (_num(step) and step > 0):
+        return want
+    if _num(row.get("world")) and row["world"] > 0 and _num(row.get("tokens_per_s_per_gpu")) \
+            and all(_num(row.get(k)) for k in ("batch", "seq_len")):
+        want["tokens_per_s_per_gpu"] = row["batch"] * row["seq_len"] / (step / 1e3) \
+            / row["world"]
+    if _num(row.get("step_ms_tp")) and "vs_tp" in row:
+        want["vs_tp"] = row["step_ms_tp"] / step
+    act, act_tp = row.get("activation_gib"), row.get("activation_gib_tp")
+    if _num(act) and _num(act_tp) and act_tp > 0 and "act_vs_tp" in row:
+        want["act_vs_tp"] = act / act_tp
+    useful = row.get("useful_ms_per_rank")
+    if isinstance(useful, list) and useful and all(_num(u) for u in useful) \
+            and "bubble" in row:
+        from colossal_lab.benchmarks.pipeline_measured import bubble
+
+        want["bubble"] = bubble(useful, step)
+        if _num(row.get("bubble_sim")) and row["bubble_sim"] and "bubble_vs_sim" in row:
+            want["bubble_vs_sim"] = want["bubble"] / row["bubble_sim"]
+    if _num(row.get("step_ms_1f1b")) and "speedup_vs_1f1b" in row:
+        want["speedup_vs_1f1b"] = row["step_ms_1f1b"] / step
     return want
 
 

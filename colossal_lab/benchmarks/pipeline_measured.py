@@ -1,0 +1,396 @@
+"""Switch 7 measured: pipeline schedules on two GPUs (p = 2), side by side in one run,
+against what `pipeline_sim`'s simulator predicts for the same p, m and costs.
+
+On two ranks (``torchrun --nproc-per-node 2``, NCCL, NVLink multicast off), `llama-7b-8l`
+at sequence 4096, micro-batch 1, the best bf16 switches but the fused cross-entropy
+(``config.SWITCH_SETS["best"]``; torch's schedules compute the loss from the logits,
+and every schedule gets the same head), for m in `MS` micro-batches and each of
+`SCHEDULES`:
+
+* "1f1b": ours (`pipeline.runtime`), two stages of 4 layers;
+* "zb-h1": ours, the backward split into B and W, W filling the bubbles;
+* "zbv": ours, two chunks per rank in a V (rank 0 holds stages 0 and 3);
+* "torch-zbv": ``torch.distributed.pipelining.ScheduleZBVZeroBubble`` on the same
+  stages (`stages.Stage`), the V placement and the same loss, or a row saying why not
+  (a torch without the class).
+
+The optimizer runs after each pipelined step (AdamW of `precision.make_optimizer`), no
+gradient clipping (it needs a norm across the stages, the same for every schedule).
+
+**Correctness first.** Every schedule's first step starts from the same weights (seed
+0) on the same batch as 1F1B's; its gradients are compared with 1F1B's, parameter by
+parameter across the ranks (a parameter may live on another rank under the V
+placement: its owner broadcasts it): ``grad_max_abs_diff`` (the largest
+``max|g − g_1f1b|``), ``grad_rel_diff`` (over the largest ``|g_1f1b|``) and
+``grad_ok`` (``grad_rel_diff <= GRAD_RTOL[precision]``); the loss likewise
+(``loss_diff``).
+
+**Timing.** `WARMUP` untimed steps, then `ITERS` timed with CUDA events; a step's time
+is the slower rank's. ``tokens_per_s = m · micro_batch · seq / step``.
+
+**The bubble.** ``bubble = 1 − Σ_r useful_r / (p · step_ms)``, the simulator's
+definition (idle over total time, `simulate.Timeline.bubble`), with ``useful_r = m ·
+Σ_{stages s on rank r} (F_s + B_s + W_s)``: the per-stage costs
+(`pipeline_sim.stage_costs`) from `pipeline_sim.measure`'s per-layer F, B, W (and the
+undivided F and full backward for 1F1B) of one decoder layer and of the head, timed
+in isolation on rank 0's GPU in this run (``costs_from="pipeline_sim.measure"``); the
+embedding is left out, as in the simulator. Not from the ranks' own traces: the
+runtime's trace is host time and the kernels run asynchronously. ``bubble_sim`` is the
+simulator's bubble for the same schedule, p, m and costs on NVLink 4 (`SIM_LINK`;
+torch's ZB-V against our ZB-V's order), ``sim_step_ms`` its step, ``bubble_vs_sim =
+bubble / bubble_sim``. ``speedup_vs_1f1b = step_ms_1f1b / step_ms`` at the same m.
+
+    torchrun --nproc-per-node 2 -m colossal_lab bench pipeline_measured
+    python -m colossal_lab bench pipeline_measured --quick   # 2 gloo CPU processes
+
+The quick run: the tiny model with 4 layers (ZB-V needs a layer per virtual stage),
+fp32, gloo, m = 4, a few steps; checks and prints, saves nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from colossal_lab import distributed
+from colossal_lab.benchmarks import pipeline_sim
+from colossal_lab.benchmarks import sequence_parallel_step as two
+
+NAME = pipeline_sim.MEASURED
+PRESET, SEQ_LEN, MICRO_BATCH = "llama-7b-8l", 4096, 1
+P = 2
+MS = (4, 8, 16)
+SCHEDULES = ("1f1b", "zb-h1", "zbv", "torch-zbv")
+WARMUP, ITERS = 2, 20
+"""Untimed steps after the checking step, then timed steps (>= 20)."""
+FBW_WARMUP, FBW_REPS = 3, 20
+"""`pipeline_sim.measure`'s repetitions for the per-layer F, B, W."""
+SIM_LINK = "NVLink 4"
+GRAD_RTOL = {"bf16-pure": 2e-2, "bf16": 2e-2, "fp32": 1e-5}
+"""Largest gradient difference against 1F1B, over the largest 1F1B gradient."""
+QUICK = {"preset": "tiny", "layers": 4, "seq_len": 32, "ms": (4,), "warmup": 1,
+         "iters": 3, "fbw_warmup": 1, "fbw_reps": 3}
+
+
+def bubble(useful_ms_per_rank, step_ms: float) -> float:
+    """Idle over total time of a pipelined step: ``1 − Σ useful / (p · step)``."""
+    return 1.0 - sum(useful_ms_per_rank) / (len(useful_ms_per_rank) * step_ms)
+
+
+def useful_per_rank(fbw: list[dict], schedule: str, m: int, num_layers: int) -> list[float]:
+    """m · Σ (F + B + W) of the stages each rank holds, ms, from the measured per-layer
+    costs (`pipeline_sim.measure` rows)."""
+    from colossal_lab.pipeline import schedules as sch
+
+    layer = next(r for r in fbw if r.get("kind") == "measure" and r["part"] == "layer")
+    head = next(r for r in fbw if r.get("kind") == "measure" and r["part"] == "head")
+    v = schedule in ("zbv", "torch-zbv")
+    S = P * (2 if v else 1)
+    split = schedule != "1f1b"
+    fs, bs, ws = pipeline_sim.stage_costs(layer, head, num_layers, S, split)
+    placement = sch.v_placement(P) if v else sch.linear_placement(P)
+    out = [0.0] * P
+    for s, r in enumerate(placement):
+        out[r] += m * (fs[s] + bs[s] + ws[s])
+    return out
+
+
+def _sim(fbw: list[dict], schedule: str, m: int, num_layers: int) -> dict:
+    ours = "zbv" if schedule == "torch-zbv" else schedule
+    row = pipeline_sim.simulate_rows(fbw, ps=(P,), ms=(m,), schedules=(ours,),
+                                     links=(SIM_LINK,), num_layers=num_layers)[0]
+    return {"bubble_sim": row["bubble"], "sim_step_ms": row["step_ms"],
+            "sim_schedule": ours, "sim_link": SIM_LINK}
+
+
+# ------------------------------------------------------------------- the schedules
+
+
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """`p`'s gradient; zeros when it got none, so the comparison with 1F1B flags it."""
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _ours(schedule: str, model, sw, mesh, m: int):
+    """(step, named grads, holder, optimizer) of our runtime on `schedule`."""
+    from colossal_lab.switches.apply import apply_switches
+    from colossal_lab.switches.precision import make_optimizer
+
+    piped = apply_switches(model, sw.replace(pp_style=schedule, num_microbatches=m), mesh)
+    names = piped.model_names()
+
+    def grads():
+        return {names[n]: _grad(p) for n, p in piped.named_parameters()}
+
+    opt = make_optimizer(piped)
+    return piped.step, grads, piped, opt
+
+
+def _torch_zbv(model, sw, m: int, device):
+    """(step, named grads, holder, optimizer) of torch's ZB-V on our V-placed stages, or
+    why it cannot run here."""
+    from torch.distributed import pipelining
+
+    from colossal_lab.pipeline import check
+    from colossal_lab.pipeline import schedules as sch
+    from colossal_lab.pipeline.stages import build_stages
+    from colossal_lab.switches import precision
+    from colossal_lab.switches.apply import apply_switches
+    from colossal_lab.switches.precision import make_optimizer
+
+    cls = getattr(pipelining, check.TORCH_PEERS["zbv"], None)
+    if cls is None:
+        return f"torch {torch.__version__} has no {check.TORCH_PEERS['zbv']}"
+    model = apply_switches(model, sw)
+    S = 2 * P
+    placement = sch.v_placement(P)
+    rank = distributed.rank()
+    mine = build_stages(model, placement, rank)
+    pipes = []
+    for s, st in sorted(mine.items()):
+        pipe = pipelining.PipelineStage(st, s, S, device)
+        check._skip_self_warmup(pipe)  # torch 2.11 under gloo: no send to oneself
+        pipes.append(pipe)
+
+    def loss_fn(logits, target):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                 target.flatten().long())
+
+    sched = cls(pipes, m, loss_fn=loss_fn)
+    holder = torch.nn.ModuleDict({str(s): st for s, st in mine.items()})
+    holder.switches = sw
+    opt = make_optimizer(holder)
+    has_first, owner = 0 in mine, placement[S - 1]
+
+    def step(x, y):
+        losses: list = []
+        with precision.step_context(sw.precision, device):
+            sched.step(*((x,) if has_first else ()),
+                       **({"target": y, "losses": losses} if S - 1 in mine else {}))
+        loss = torch.stack(losses).float().mean() if losses else \
+            torch.zeros((), device=device)
+        torch.distributed.broadcast(loss, src=owner)
+        return loss
+
+    def grads():
+        return {names[n]: _grad(p) for st in mine.values() for names in [st.model_names()]
+                for n, p in st.named_parameters()}
+
+    return step, grads, holder, opt
+
+
+def _build(schedule: str, cfg, sw, mesh, m: int, device):
+    """A fresh model (seed 0) under `schedule`: `_ours` or `_torch_zbv`'s answer."""
+    from colossal_lab.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(cfg, device)
+    if schedule == "torch-zbv":
+        return _torch_zbv(model, sw, m, device)
+    return _ours(schedule, model, sw, mesh, m)
+
+
+def _loss_of(step, batch) -> float:
+    return step(*batch).item()
+
+
+def compare_grads(mine: dict, ref: dict, device) -> tuple[float, float]:
+    """(max |g − g_ref| over every parameter, max |g_ref|) where `mine` and `ref` are
+    this rank's named gradients under two placements: each parameter's owner under
+    `mine` broadcasts it to the world, its owner under `ref` compares."""
+    from colossal_lab.correctness import max_abs_err
+
+    meta = {n: (tuple(g.shape), str(g.dtype).split(".")[-1]) for n, g in mine.items()}
+    owners: dict = {}
+    for r, got in enumerate(two.per_rank(meta)):
+        for n, sd in got.items():
+            owners[n] = (r, sd)
+    me = distributed.rank()
+    diff, scale = 0.0, 0.0
+    for n in sorted(owners):
+        src, (shape, dtype) = owners[n]
+        t = mine[n] if me == src else torch.empty(shape, dtype=getattr(torch, dtype),
+                                                  device=device)
+        if distributed.world_size() > 1:
+            torch.distributed.broadcast(t, src=src)
+        if n in ref:
+            diff = max(diff, max_abs_err(t, ref[n]))
+            scale = max(scale, ref[n].abs().max().item())
+    out = torch.tensor([diff, scale], dtype=torch.float64, device=device)
+    if distributed.world_size() > 1:
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
+    return out[0].item(), out[1].item()
+
+
+def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
+    """The benchmark on every rank of a two-rank group (already initialised); returns
+    the rows (the same on every rank)."""
+    from colossal_lab import data
+    from colossal_lab.config import preset
+
+    e = distributed.env()
+    q = QUICK if quick else None
+    preset_name = q["preset"] if quick else PRESET
+    seq_len = q["seq_len"] if quick else SEQ_LEN
+    ms = ms or (q["ms"] if quick else MS)
+    warmup, iters = (q["warmup"], q["iters"]) if quick else (WARMUP, ITERS)
+    cfg = preset(preset_name)
+    if quick:
+        cfg = cfg.replace(num_hidden_layers=q["layers"])
+    L = cfg.num_hidden_layers
+    sw = two.switches_for(quick)
+    mesh = distributed.make_mesh(pp=P)
+    fbw = pipeline_sim.measure(preset_name, seq_len, MICRO_BATCH, switches=sw,
+                               warmup=q["fbw_warmup"] if quick else FBW_WARMUP,
+                               reps=q["fbw_reps"] if quick else FBW_REPS, device=e.device)
+    fbw = two.per_rank(fbw)[0]  # rank 0's costs for everyone
+    two.release()
+    rtol = two.LOSS_RTOL.get(sw.precision, 5e-3)
+    grtol = GRAD_RTOL.get(sw.precision, 2e-2)
+    rows = []
+    for m in ms:
+        gen = data.random_batches(cfg.vocab_size, m * MICRO_BATCH, seq_len, seed=0,
+                                  device=e.device)
+        batches = [next(gen) for _ in range(3)]
+        ref_grads, base = None, None
+        for schedule in schedules:
+            row = {"schedule": schedule, "impl": "torch" if schedule.startswith("torch")
+                   else "ours", "p": P, "m": m, "chunks": 2 if "zbv" in schedule else 1,
+                   "micro_batch": MICRO_BATCH, "batch": m * MICRO_BATCH,
+                   "seq_len": seq_len, "preset": preset_name, "layers": L,
+                   "precision": sw.precision, "world": e.world_size}
+            got, error = two.attempt(_build, schedule, cfg, sw, mesh, m, e.device)
+            if isinstance(got, str):
+                row["skipped"] = got
+                rows.append(row)
+                distributed.rank0_print(f"[{NAME}] m {m} {schedule}: skipped, {got}")
+                continue
+            if error is None:
+                step, grads, _, opt = got  # got keeps the stages (holder)
+                loss, error = two.attempt(_loss_of, step, batches[0])  # the check
+            if error is not None:
+                row["error"] = error
+                rows.append(row)
+                distributed.rank0_print(f"[{NAME}] m {m} {schedule}: failed, {error}")
+                got = step = grads = opt = None
+                two.release()
+                continue
+            if schedule == "1f1b":
+                ref_grads = {n: g.detach().clone() for n, g in grads().items()}
+                ref_loss = loss
+            if ref_grads is not None:
+                d, scale = compare_grads(grads(), ref_grads, e.device)
+                row.update(grad_max_abs_diff=d, grad_max_abs=scale,
+                           grad_rel_diff=d / scale if scale else None,
+                           grad_ok=bool(scale) and d / scale <= grtol, grad_rtol=grtol,
+                           loss=loss, loss_diff=abs(loss - ref_loss),
+                           loss_ok=abs(loss - ref_loss) <= rtol * abs(ref_loss))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+            def train_step(x, y, step=step, opt=opt):
+                out = step(x, y)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return out
+
+            t, error = two.attempt(two.timed_steps, train_step, batches, warmup=warmup,
+                                   iters=iters, device=e.device)
+            if error is not None:
+                row["error"] = error
+                rows.append(row)
+                distributed.rank0_print(f"[{NAME}] m {m} {schedule}: failed, {error}")
+                got = step = grads = opt = train_step = None
+                two.release()
+                continue
+            peaks = two.per_rank(t.pop("peak_mem_gib"))
+            row.update(t, peak_mem_gib_per_rank=peaks,
+                       peak_mem_gib=None if None in peaks else max(peaks))
+            row["tokens_per_s"] = row["batch"] * seq_len / (row["step_ms"] / 1e3)
+            row["useful_ms_per_rank"] = useful_per_rank(fbw, schedule, m, L)
+            row["costs_from"] = "pipeline_sim.measure"
+            row["bubble"] = bubble(row["useful_ms_per_rank"], row["step_ms"])
+            row.update(_sim(fbw, schedule, m, L))
+            if row["bubble_sim"]:
+                row["bubble_vs_sim"] = row["bubble"] / row["bubble_sim"]
+            if schedule == "1f1b":
+                base = row
+            if base is not None:
+                row["step_ms_1f1b"] = base["step_ms"]
+                row["speedup_vs_1f1b"] = base["step_ms"] / row["step_ms"]
+            rows.append(row)
+            distributed.rank0_print(
+                f"[{NAME}] m {m} {schedule}: {row['step_ms']:.1f} ms (p10 "
+                f"{row['step_ms_p10']:.1f}, p90 {row['step_ms_p90']:.1f}), bubble "
+                f"{row['bubble']:.1%} (sim {row['bubble_sim']:.1%}), x"
+                f"{row.get('speedup_vs_1f1b', 1):.3f} vs 1F1B, grad diff "
+                f"{row.get('grad_max_abs_diff', 0):.2e}")
+            got = step = grads = opt = train_step = None
+            two.release()
+    for r in fbw:
+        if r.get("kind") == "measure":  # the costs the bubbles came from, on record
+            rows.append({"kind": "costs", **{k: v for k, v in r.items()
+                                             if not k.endswith("_all") and k != "kind"}})
+    return rows
+
+
+def _spawned(quick: bool) -> list[dict]:
+    return run_ranks(quick)
+
+
+def run(quick: bool = False) -> list[dict]:
+    """`quick`: two gloo CPU processes (`distributed.spawn`), rank 0's rows. Otherwise
+    this process is one rank of a torchrun job (`refuse_or_init` first)."""
+    if quick:
+        return distributed.spawn(_spawned, P, True, timeout_s=300.0)[0]
+    return run_ranks(False)
+
+
+COLUMNS = [("schedule", "schedule", ""), ("m", "m", "d"), ("step ms", "step_ms", ".1f"),
+           ("p10", "step_ms_p10", ".1f"), ("p90", "step_ms_p90", ".1f"),
+           ("tok/s", "tokens_per_s", ",.0f"), ("bubble", "bubble", ".3f"),
+           ("sim bubble", "bubble_sim", ".3f"), ("vs sim", "bubble_vs_sim", ".2f"),
+           ("vs 1F1B", "speedup_vs_1f1b", ".3f"), ("grad diff", "grad_max_abs_diff", ".1e")]
+
+
+def config_of() -> dict:
+    return {"preset": PRESET, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "p": P,
+            "ms": list(MS), "schedules": list(SCHEDULES), "warmup": WARMUP,
+            "iters": ITERS, "check_steps": 1, "fbw_reps": FBW_REPS,
+            "switches": repr(two.switches_for(False)), "grad_rtol": GRAD_RTOL,
+            "clip": None, "sim_link": SIM_LINK,
+            "bubble": "1 - sum(useful_ms_per_rank) / (p * step_ms); useful from "
+                      "pipeline_sim.measure's per-layer F/B/W (rank 0, isolated)",
+            "step_time": "per step the slower rank's (CUDA events), median/p10/p90",
+            "nccl_nvls_enable": "0"}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="switch 7 measured: schedules at p = 2")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--ms", type=int, nargs="*")
+    p.add_argument("--schedules", nargs="*", choices=SCHEDULES)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = p.parse_args(argv)
+    two.refuse_or_init(NAME, a.quick)
+    if a.quick:
+        rows = run(True)
+        two.print_table([r for r in rows if "schedule" in r], COLUMNS)
+        return
+    schedules = a.schedules or SCHEDULES
+    if "1f1b" not in schedules:
+        schedules = ["1f1b", *schedules]  # the gradients' and speed-ups' reference
+    with distributed.guard(NAME):
+        rows = run_ranks(False, ms=a.ms, schedules=schedules)
+    if distributed.is_main():
+        from colossal_lab import results
+
+        two.print_table([r for r in rows if "schedule" in r], COLUMNS)
+        path = results.save_results(
+            NAME, rows, config=config_of(), gpu=results.run_slug(),
+            command=" ".join([f"torchrun --nproc-per-node {P} -m colossal_lab bench "
+                              f"{NAME}", *argv]))
+        print(f"saved {path}")
+    distributed.destroy()

@@ -1,0 +1,358 @@
+"""Switch 5 measured: a training step of `llama-7b-8l` on two GPUs, tensor parallel
+(TP = 2), in each of its communication modes, side by side in one run.
+
+`sequence_parallel_gemm` predicts from one GPU what each scheme leaves exposed; this
+benchmark runs them. On two ranks (``torchrun --nproc-per-node 2``, NCCL, NVLink
+multicast off: ``NCCL_NVLS_ENABLE=0``), for sequence lengths `SEQ_LENS` (batch
+`BATCH[seq]`: 8192 tokens a step either way) and each mode of `MODES`:
+
+* "all_reduce": plain TP, an all-reduce after every attention and MLP block;
+* "split_gather": sequence parallelism, ColossalAI's default (all-gather before a
+  column-parallel linear, reduce-scatter after a row-parallel one);
+* "ring": the same collectives cut into t point-to-point steps under the GEMMs;
+* "symm_mem": torch's async TP (fused all-gather-matmul on symmetric memory), or a row
+  that says why it cannot run here (no CUDA/NCCL, a torch without the ops): never
+  another mode in its place (`tensor_parallel.apply` would fall back to "ring").
+
+The model carries the best single-GPU switches in bf16 (`config.SWITCH_SETS["best"]`)
+but the fused cross-entropy, which TP replaces by its vocabulary-parallel loss. Every
+mode starts from the same weights (seed 0, rank 0's broadcast) and the same batches.
+
+**Correctness first.** The first two steps of each mode are its check: the loss of step
+1 (the initial weights) and of step 2 (after one optimizer step) against plain TP's,
+``|loss − loss_tp| <= LOSS_RTOL[precision] · |loss_tp|`` (bf16 reduces in another order
+in each mode; fp32 on the CPU agrees to rounding). The difference is recorded
+(``loss_diff``, the larger of the two) with ``loss_ok``.
+
+**Timing.** `WARMUP` more steps, then `ITERS` timed with CUDA events
+(`timing.time_iterations`); a step's time is the slower rank's (an all-reduce of MAX
+over the two ranks' times of that step), so ``step_ms`` is the median of those, with
+p10 and p90. tokens/s counts the batch once (both ranks work on the same tokens):
+``tokens_per_s = batch · seq / step``, ``tokens_per_s_per_gpu`` half of it.
+
+**Memory**, per rank: ``peak_mem_gib`` (`torch.cuda.max_memory_allocated` over the
+timed steps, optimizer step included) and the probes of `memory.memory_probe` on one
+extra forward + backward: ``activation_gib`` its "saved" (what the forward keeps for
+the backward: the quantity sequence parallelism divides by t) and ``act_peak_gib`` its
+"activation" (peak minus what was allocated before the forward: saved activations,
+the backward's transients and the gradients). Both per rank as lists and their max.
+
+**Ratios** against plain TP at the same sequence length, from the same run:
+``vs_tp = step_ms_tp / step_ms`` (> 1: faster than plain TP) and ``act_vs_tp =
+activation_gib / activation_gib_tp``; the plain-TP figures are in the row
+(``step_ms_tp``, ``activation_gib_tp``), so `integrity` recomputes both.
+
+    torchrun --nproc-per-node 2 -m colossal_lab bench sequence_parallel_step
+    python -m colossal_lab bench sequence_parallel_step --quick   # 2 gloo CPU processes
+
+The quick run: the tiny model, fp32, gloo, two processes of `distributed.spawn`, a few
+steps; checks and prints, saves nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+import torch
+
+from colossal_lab import distributed, timing
+
+NAME = "sequence_parallel_step"
+PRESET = "llama-7b-8l"
+SEQ_LENS = (4096, 8192)
+BATCH = {4096: 2, 8192: 1}
+"""Sequences per step at each length: 8192 tokens a step either way."""
+MODES = ("all_reduce", "split_gather", "ring", "symm_mem")
+TP = 2
+WARMUP, ITERS = 3, 25
+"""Untimed steps after the two checking steps, then timed steps (>= 20)."""
+LOSS_RTOL = {"bf16-pure": 5e-3, "bf16": 5e-3, "fp32": 1e-5}
+"""Relative tolerance of a mode's loss against plain TP's, by precision."""
+QUICK = {"preset": "tiny", "seq_lens": (32,), "batch": 2, "warmup": 1, "iters": 3}
+"""The CPU smoke test: tiny model, fp32, gloo, a few steps."""
+WORLD = 2
+"""The runs need exactly two ranks (TP = 2; the pipeline p = 2)."""
+
+
+# ------------------------------------------------------------- shared by the two-GPU runs
+
+
+def refusal(quick: bool) -> str | None:
+    """Why this process cannot run the measured (non-quick) benchmark, or None."""
+    if quick:
+        return None
+    if not torch.cuda.is_available():
+        return ("needs CUDA: run it on a 2-GPU node under torchrun --nproc-per-node 2, "
+                "or pass --quick for the CPU smoke test")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != WORLD:
+        return (f"needs exactly {WORLD} ranks (world size is {world}): launch with "
+                f"torchrun --nproc-per-node {WORLD}; no other world size is measured")
+    return None
+
+
+def refuse_or_init(name: str, quick: bool) -> None:
+    """Exit with status 2 and one line on stderr when `refusal` says no; else (a
+    measured run) turn NVLink multicast off and start the NCCL group."""
+    why = refusal(quick)
+    if why is not None:
+        print(f"{name}: {why}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    if not quick:
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on this node
+        distributed.init()
+
+
+def slowest(times_ms: list[float]) -> list[float]:
+    """Each step's time on the slower rank: the element-wise MAX over the world."""
+    if distributed.world_size() == 1:
+        return list(times_ms)
+    t = torch.tensor(times_ms, dtype=torch.float64, device=distributed.env().device)
+    with distributed.collective("step-time max"):
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return [round(x, 3) for x in t.tolist()]
+
+
+def per_rank(value) -> list:
+    """`value` of every rank, by rank (`all_gather_object`)."""
+    if distributed.world_size() == 1:
+        return [value]
+    out: list = [None] * distributed.world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
+def release() -> None:
+    """Free what the last case left (its model, optimizer, cached blocks)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def attempt(fn, *args, **kw) -> tuple[object, str | None]:
+    """(`fn(*args, **kw)`, None) on every rank, or (None, why) on every rank when it
+    raised on any (out of memory, a backend that fails at run time): one case's failure
+    becomes its row's ``error`` instead of ending the run and losing the other rows. A
+    rank stuck in a collective its failed peer never joins waits out the group's
+    timeout first."""
+    try:
+        out, why = fn(*args, **kw), None
+    except Exception as exc:  # noqa: BLE001 - recorded in the row, never swallowed
+        out, why = None, f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+    errors = [w for w in per_rank(why) if w is not None]
+    if errors:
+        release()
+        return None, errors[0]
+    return out, None
+
+
+def timed_steps(step, data, *, warmup: int, iters: int, device) -> dict:
+    """Run `step(*data[i])` for `warmup` + `iters` steps, timing the last `iters`; the
+    summary of the slower rank's times, the peak memory over the timed steps."""
+    timing.reset_peak_memory(device)
+    times: list[float] = []
+    timing.time_iterations(lambda i: step(*data[i % len(data)]), warmup=warmup,
+                           iters=iters, device=device,
+                           on_step=lambda i, ms: times.append(ms))
+    peak = timing.peak_memory_gib(device)
+    times = slowest(times)
+    t = timing._summary(times)
+    return {"step_ms": t.median_ms, "step_ms_p10": t.p10_ms, "step_ms_p90": t.p90_ms,
+            "steps_timed": t.n, "step_ms_all": times, "peak_mem_gib": peak}
+
+
+def print_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
+    """A short aligned table of `rows`: `cols` are (header, key, format)."""
+    print("  ".join(f"{h:>12}" for h, _, _ in cols))
+    for r in rows:
+        cells = []
+        for _, k, fmt in cols:
+            v = r.get(k)
+            cells.append(f"{'-' if v is None else format(v, fmt):>12}")
+        why = r.get("skipped") or r.get("error")
+        print("  ".join(cells) + (f"  ({why})" if why else ""))
+
+
+# ----------------------------------------------------------------------- the cases
+
+
+def switches_for(quick: bool):
+    """The base switches: the best bf16 set without the fused cross-entropy (TP has its
+    own loss); on the CPU (`quick`) the same composition in fp32 with the CPU's best
+    norm (not Triton under the interpreter)."""
+    from colossal_lab.config import SWITCH_SETS
+
+    sw = SWITCH_SETS["best"].replace(enable_fused_cross_entropy=False)
+    if quick:
+        sw = sw.replace(precision="fp32", enable_fused_normalization=True)
+    return sw
+
+
+def unavailable(mode: str, group) -> str | None:
+    """Why `mode` cannot run on `group` here (None: it can)."""
+    from colossal_lab import tp_ops
+
+    if mode == "symm_mem" and not tp_ops.symm_mem_available(group):
+        backend = torch.distributed.get_backend(group)
+        return (f"no symm_mem: torch {torch.__version__} on {backend} "
+                f"({'CUDA' if torch.cuda.is_available() else 'no CUDA'}) lacks torch's "
+                "fused symmetric-memory ops (needs CUDA + NCCL)")
+    return None
+
+
+def measure_mode(mode: str, cfg, sw, mesh, seq_len: int, batch: int, *, warmup: int,
+                 iters: int, device) -> dict:
+    """One mode at one sequence length on this rank: its two checking steps' losses,
+    its timing and memory (this rank's figures; `run_ranks` combines them)."""
+    from colossal_lab import data, memory, train
+    from colossal_lab.model import build_model
+    from colossal_lab.switches.apply import apply_switches
+
+    sp = mode != "all_reduce"
+    msw = sw.replace(enable_sequence_parallelism=sp,
+                     sequence_parallelism_mode=mode if sp else None)
+    torch.manual_seed(0)
+    model = apply_switches(build_model(cfg, device), msw, mesh)
+    ran = model.tp.mode
+    if ran != mode:  # never measure one mode under another's name
+        raise RuntimeError(f"asked for {mode!r} but {ran!r} was built")
+    opt = train.make_optimizer(model)
+    step = train.make_step(model, opt)
+    gen = data.random_batches(cfg.vocab_size, batch, seq_len, seed=0, device=device)
+    batches = [next(gen) for _ in range(4)]
+    losses = [step(*batches[0]).item(), step(*batches[1]).item()]
+    out = timed_steps(step, batches, warmup=warmup, iters=iters, device=device)
+    probe = memory.memory_probe(model, train.our_loss, *batches[0])
+    out.update(mode_ran=ran, loss_step1=losses[0], loss_step2=losses[1],
+               activation_gib=probe.get("saved"), act_peak_gib=probe.get("activation"))
+    del model, opt, step
+    release()
+    return out
+
+
+def run_ranks(quick: bool = False, seq_lens=None, modes=MODES) -> list[dict]:
+    """The benchmark on every rank of a two-rank group (already initialised); returns
+    the rows (the same on every rank)."""
+    from colossal_lab.config import preset
+
+    e = distributed.env()
+    q = QUICK if quick else None
+    preset_name = q["preset"] if quick else PRESET
+    seq_lens = seq_lens or (q["seq_lens"] if quick else SEQ_LENS)
+    warmup, iters = (q["warmup"], q["iters"]) if quick else (WARMUP, ITERS)
+    cfg = preset(preset_name)
+    sw = switches_for(quick)
+    mesh = distributed.make_mesh(tp=TP)
+    group = mesh.get_group("tp")
+    rtol = LOSS_RTOL.get(sw.precision, 5e-3)
+    rows = []
+    for seq_len in seq_lens:
+        batch = q["batch"] if quick else BATCH[seq_len]
+        base = None
+        for mode in modes:
+            row = {"mode": mode, "seq_len": seq_len, "batch": batch, "tp": TP,
+                   "world": e.world_size, "preset": preset_name,
+                   "precision": sw.precision, "loss_rtol": rtol}
+            why = unavailable(mode, group)
+            if why is not None:
+                row["skipped"] = why
+                rows.append(row)
+                distributed.rank0_print(f"[{NAME}] seq {seq_len} {mode}: skipped, {why}")
+                continue
+            got, error = attempt(measure_mode, mode, cfg, sw, mesh, seq_len, batch,
+                                 warmup=warmup, iters=iters, device=e.device)
+            if error is not None:
+                row["error"] = error
+                rows.append(row)
+                distributed.rank0_print(f"[{NAME}] seq {seq_len} {mode}: failed, {error}")
+                continue
+            ranks = per_rank({k: got.pop(k) for k in ("peak_mem_gib", "activation_gib",
+                                                      "act_peak_gib")})
+            row.update(got)
+            for k in ("peak_mem_gib", "activation_gib", "act_peak_gib"):
+                vals = [r[k] for r in ranks]
+                row[f"{k}_per_rank"] = vals
+                row[k] = None if None in vals else max(vals)
+            row["tokens_per_s"] = batch * seq_len / (row["step_ms"] / 1e3)
+            row["tokens_per_s_per_gpu"] = row["tokens_per_s"] / e.world_size
+            if mode == "all_reduce":
+                base = row
+            if base is not None:
+                row["loss_diff"] = max(abs(row["loss_step1"] - base["loss_step1"]),
+                                       abs(row["loss_step2"] - base["loss_step2"]))
+                row["loss_ok"] = row["loss_diff"] <= rtol * abs(base["loss_step2"])
+                row["step_ms_tp"] = base["step_ms"]
+                row["vs_tp"] = base["step_ms"] / row["step_ms"]
+                row["activation_gib_tp"] = base["activation_gib"]
+                if base["activation_gib"] and row["activation_gib"] is not None:
+                    row["act_vs_tp"] = row["activation_gib"] / base["activation_gib"]
+            rows.append(row)
+            distributed.rank0_print(
+                f"[{NAME}] seq {seq_len} {mode}: {row['step_ms']:.1f} ms "
+                f"(p10 {row['step_ms_p10']:.1f}, p90 {row['step_ms_p90']:.1f}), "
+                f"{row['tokens_per_s']:,.0f} tok/s, x{row.get('vs_tp', 1):.3f} vs TP, "
+                f"loss diff {row.get('loss_diff', 0):.2e}")
+    return rows
+
+
+def _spawned(quick: bool) -> list[dict]:
+    return run_ranks(quick)
+
+
+def run(quick: bool = False) -> list[dict]:
+    """`quick`: two gloo CPU processes (`distributed.spawn`), rank 0's rows. Otherwise
+    this process is one rank of a torchrun job (`refuse_or_init` first)."""
+    if quick:
+        return distributed.spawn(_spawned, WORLD, True, timeout_s=300.0)[0]
+    return run_ranks(False)
+
+
+COLUMNS = [("mode", "mode", ""), ("seq", "seq_len", "d"), ("step ms", "step_ms", ".1f"),
+           ("p10", "step_ms_p10", ".1f"), ("p90", "step_ms_p90", ".1f"),
+           ("tok/s", "tokens_per_s", ",.0f"), ("tok/s/GPU", "tokens_per_s_per_gpu", ",.0f"),
+           ("vs TP", "vs_tp", ".3f"), ("act GiB", "activation_gib", ".2f"),
+           ("act vs TP", "act_vs_tp", ".3f"), ("loss diff", "loss_diff", ".1e")]
+
+
+def config_of(quick: bool = False) -> dict:
+    sw = switches_for(quick)
+    return {"preset": PRESET, "seq_lens": list(SEQ_LENS), "batch": BATCH, "tp": TP,
+            "world": WORLD, "modes": list(MODES), "warmup": WARMUP, "iters": ITERS,
+            "check_steps": 2, "switches": repr(sw), "loss_rtol": LOSS_RTOL,
+            "data": "random tokens, seed 0, the same on both ranks",
+            "step_time": "per step the slower rank's (CUDA events), median/p10/p90",
+            "activation": "memory.memory_probe 'saved' (forward keeps for backward), "
+                          "per rank; act_peak_gib its 'activation' (peak - before)",
+            "vs_tp": "step_ms_tp / step_ms", "nccl_nvls_enable": "0"}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="switch 5 measured: TP=2 modes on two GPUs")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--seq-lens", type=int, nargs="*")
+    p.add_argument("--modes", nargs="*", choices=MODES)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = p.parse_args(argv)
+    refuse_or_init(NAME, a.quick)
+    if a.quick:
+        rows = run(True)
+        print_table(rows, COLUMNS)
+        return
+    modes = a.modes or MODES
+    if "all_reduce" not in modes:
+        modes = ["all_reduce", *modes]  # the ratios' baseline
+    with distributed.guard(NAME):
+        rows = run_ranks(False, seq_lens=a.seq_lens, modes=modes)
+    if distributed.is_main():
+        from colossal_lab import results
+
+        print_table(rows, COLUMNS)
+        path = results.save_results(
+            NAME, rows, config=config_of(), gpu=results.run_slug(),
+            command=" ".join([f"torchrun --nproc-per-node {WORLD} -m colossal_lab bench "
+                              f"{NAME}", *argv]))
+        print(f"saved {path}")
+    distributed.destroy()
