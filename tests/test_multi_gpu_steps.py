@@ -12,7 +12,7 @@ import torch
 
 from colossal_lab import integrity
 from colossal_lab.benchmarks import pipeline_measured as pm
-from colossal_lab.benchmarks import pipeline_sim
+from colossal_lab.benchmarks import pipeline_sim, two_gpu
 from colossal_lab.benchmarks import sequence_parallel_step as sps
 
 
@@ -155,13 +155,13 @@ def test_refuses_without_cuda(name):
 def test_refuses_a_world_of_four(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert "exactly 2 ranks" in sps.refusal(quick=False)
+    assert "exactly 2 ranks" in two_gpu.refusal(quick=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert sps.refusal(quick=False) is None
-    assert sps.refusal(quick=True) is None
+    assert two_gpu.refusal(quick=False) is None
+    assert two_gpu.refusal(quick=True) is None
 
 
 def test_a_failing_case_becomes_its_rows_error():
-    assert sps.attempt(lambda x: x + 1, 1) == (2, None)
-    out, why = sps.attempt(lambda: 1 / 0)
+    assert two_gpu.attempt(lambda x: x + 1, 1) == (2, None)
+    out, why = two_gpu.attempt(lambda: 1 / 0)
     assert out is None and why.startswith("ZeroDivisionError")

@@ -56,7 +56,7 @@ import torch
 
 from colossal_lab import distributed
 from colossal_lab.benchmarks import pipeline_sim
-from colossal_lab.benchmarks import sequence_parallel_step as two
+from colossal_lab.benchmarks import two_gpu as two
 
 NAME = pipeline_sim.MEASURED
 PRESET, SEQ_LEN, MICRO_BATCH = "llama-7b-8l", 4096, 1
@@ -336,16 +336,9 @@ def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
     return rows
 
 
-def _spawned(quick: bool) -> list[dict]:
-    return run_ranks(quick)
-
-
 def run(quick: bool = False) -> list[dict]:
-    """`quick`: two gloo CPU processes (`distributed.spawn`), rank 0's rows. Otherwise
-    this process is one rank of a torchrun job (`refuse_or_init` first)."""
-    if quick:
-        return distributed.spawn(_spawned, P, True, timeout_s=300.0)[0]
-    return run_ranks(False)
+    """Rank 0's rows (`two_gpu.run`): two gloo CPU processes with `quick`."""
+    return two.run(run_ranks, quick)
 
 
 COLUMNS = [("schedule", "schedule", ""), ("m", "m", "d"), ("step ms", "step_ms", ".1f"),
@@ -385,12 +378,6 @@ def main(argv=None) -> None:
     with distributed.guard(NAME):
         rows = run_ranks(False, ms=a.ms, schedules=schedules)
     if distributed.is_main():
-        from colossal_lab import results
-
         two.print_table([r for r in rows if "schedule" in r], COLUMNS)
-        path = results.save_results(
-            NAME, rows, config=config_of(), gpu=results.run_slug(),
-            command=" ".join([f"torchrun --nproc-per-node {P} -m colossal_lab bench "
-                              f"{NAME}", *argv]))
-        print(f"saved {path}")
+        two.save(NAME, rows, config_of(), argv)
     distributed.destroy()

@@ -1,0 +1,149 @@
+"""What the two-GPU step benchmarks share (`sequence_parallel_step`,
+`pipeline_measured`): the refusal of a run that cannot measure, NCCL start with NVLink
+multicast off, each step's time on the slower rank, one value from every rank, a case's
+failure turned into its row's error, the timed steps, the table, and the base switches.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import torch
+
+from colossal_lab import distributed, timing
+
+WORLD = 2
+"""The runs need exactly two ranks (TP = 2; the pipeline p = 2)."""
+LOSS_RTOL = {"bf16-pure": 5e-3, "bf16": 5e-3, "fp32": 1e-5}
+"""Relative tolerance of a case's loss against its baseline's, by precision."""
+
+
+def refusal(quick: bool) -> str | None:
+    """Why this process cannot run the measured (non-quick) benchmark, or None."""
+    if quick:
+        return None
+    if not torch.cuda.is_available():
+        return ("needs CUDA: run it on a 2-GPU node under torchrun --nproc-per-node 2, "
+                "or pass --quick for the CPU smoke test")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != WORLD:
+        return (f"needs exactly {WORLD} ranks (world size is {world}): launch with "
+                f"torchrun --nproc-per-node {WORLD}; no other world size is measured")
+    return None
+
+
+def refuse_or_init(name: str, quick: bool) -> None:
+    """Exit with status 2 and one line on stderr when `refusal` says no; else (a
+    measured run) turn NVLink multicast off and start the NCCL group."""
+    why = refusal(quick)
+    if why is not None:
+        print(f"{name}: {why}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    if not quick:
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on this node
+        distributed.init()
+
+
+def slowest(times_ms: list[float]) -> list[float]:
+    """Each step's time on the slower rank: the element-wise MAX over the world."""
+    if distributed.world_size() == 1:
+        return list(times_ms)
+    t = torch.tensor(times_ms, dtype=torch.float64, device=distributed.env().device)
+    with distributed.collective("step-time max"):
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return [round(x, 3) for x in t.tolist()]
+
+
+def per_rank(value) -> list:
+    """`value` of every rank, by rank (`all_gather_object`)."""
+    if distributed.world_size() == 1:
+        return [value]
+    out: list = [None] * distributed.world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
+def release() -> None:
+    """Free what the last case left (its model, optimizer, cached blocks)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def attempt(fn, *args, **kw) -> tuple[object, str | None]:
+    """(`fn(*args, **kw)`, None) on every rank, or (None, why) on every rank when it
+    raised on any (out of memory, a backend that fails at run time): one case's failure
+    becomes its row's ``error`` instead of ending the run and losing the other rows. A
+    rank stuck in a collective its failed peer never joins waits out the group's
+    timeout first."""
+    try:
+        out, why = fn(*args, **kw), None
+    except Exception as exc:  # noqa: BLE001 - recorded in the row, never swallowed
+        out, why = None, f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+    errors = [w for w in per_rank(why) if w is not None]
+    if errors:
+        release()
+        return None, errors[0]
+    return out, None
+
+
+def timed_steps(step, data, *, warmup: int, iters: int, device) -> dict:
+    """Run `step(*data[i])` for `warmup` + `iters` steps, timing the last `iters`; the
+    summary of the slower rank's times, the peak memory over the timed steps."""
+    timing.reset_peak_memory(device)
+    times: list[float] = []
+    timing.time_iterations(lambda i: step(*data[i % len(data)]), warmup=warmup,
+                           iters=iters, device=device,
+                           on_step=lambda i, ms: times.append(ms))
+    peak = timing.peak_memory_gib(device)
+    times = slowest(times)
+    t = timing._summary(times)
+    return {"step_ms": t.median_ms, "step_ms_p10": t.p10_ms, "step_ms_p90": t.p90_ms,
+            "steps_timed": t.n, "step_ms_all": times, "peak_mem_gib": peak}
+
+
+def print_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
+    """A short aligned table of `rows`: `cols` are (header, key, format)."""
+    print("  ".join(f"{h:>12}" for h, _, _ in cols))
+    for r in rows:
+        cells = []
+        for _, k, fmt in cols:
+            v = r.get(k)
+            cells.append(f"{'-' if v is None else format(v, fmt):>12}")
+        why = r.get("skipped") or r.get("error")
+        print("  ".join(cells) + (f"  ({why})" if why else ""))
+
+
+def switches_for(quick: bool):
+    """The base switches: the best bf16 set without the fused cross-entropy (TP has its
+    own loss); on the CPU (`quick`) the same composition in fp32 with the CPU's best
+    norm (not Triton under the interpreter)."""
+    from colossal_lab.config import SWITCH_SETS
+
+    sw = SWITCH_SETS["best"].replace(enable_fused_cross_entropy=False)
+    if quick:
+        sw = sw.replace(precision="fp32", enable_fused_normalization=True)
+    return sw
+
+
+def run(run_ranks, quick: bool = False) -> list[dict]:
+    """`run_ranks(quick)` on rank 0's side: with `quick`, two gloo CPU processes
+    (`distributed.spawn`) and rank 0's rows; otherwise this process is one rank of a
+    torchrun job (`refuse_or_init` first)."""
+    if quick:
+        return distributed.spawn(run_ranks, WORLD, True, timeout_s=300.0)[0]
+    return run_ranks(False)
+
+
+def save(name: str, rows: list[dict], config: dict, argv: list[str]) -> None:
+    """Rank 0: write the rows into this run's folder (`results.run_slug`, "h200x2") with
+    the torchrun command that made them."""
+    from colossal_lab import results
+
+    path = results.save_results(
+        name, rows, config=config, gpu=results.run_slug(),
+        command=" ".join([f"torchrun --nproc-per-node {WORLD} -m colossal_lab bench {name}",
+                          *argv]))
+    print(f"saved {path}")
