@@ -335,17 +335,30 @@ def collective(what: str):
         raise failure from exc
 
 
+def _reduced(values: list[float], op, what: str, group=None) -> torch.Tensor:
+    t = torch.tensor(list(values), dtype=torch.float64,
+                     device=env().device if dist.get_backend(group) == "nccl" else "cpu")
+    with collective(what):
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
 def all_mean(values: list[float], group=None) -> list[float]:
     """The mean over the ranks of each of `values` (e.g. every step's loss on this
     rank's share of the batch -> the loss of the global batch); unchanged on one
     process."""
     if world_size(group) == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64,
-                     device=env().device if dist.get_backend(group) == "nccl" else "cpu")
-    with collective("all_mean"):
-        dist.all_reduce(t, group=group)
-    return (t / world_size(group)).tolist()
+    return (_reduced(values, dist.ReduceOp.SUM, "all_mean", group)
+            / world_size(group)).tolist()
+
+
+def all_max(values: list[float], group=None) -> list[float]:
+    """The largest over the ranks of each of `values`: every step's time on the slowest
+    rank, which is the step's time for all of them; unchanged on one process."""
+    if world_size(group) == 1:
+        return list(values)
+    return _reduced(values, dist.ReduceOp.MAX, "all_max", group).tolist()
 
 
 def abort() -> None:

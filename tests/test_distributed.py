@@ -38,6 +38,8 @@ def mesh_and_logging(tag: str) -> dict:
     with distributed.collective("a test all-reduce"):
         dist.all_reduce(t)
     out["sum"] = t.tolist()
+    out["max"] = distributed.all_max([float(e.rank), -float(e.rank)])
+    out["mean"] = distributed.all_mean([float(e.rank), 2.0 * e.rank])
     distributed.barrier()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -74,6 +76,7 @@ def test_spawn_returns_each_rank_result(two):
                                                (1, 2, 1, "gloo", "cpu")]
     assert all(out["env"][5] == 20 for out in two)  # the collective timeout is on the group
     assert all(out["sum"] == [3.0, 3.0] for out in two)
+    assert all(out["max"] == [1.0, 0.0] and out["mean"] == [0.5, 1.0] for out in two)
 
 
 def test_mesh_has_named_dims(two):

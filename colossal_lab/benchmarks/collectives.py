@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from colossal_lab import distributed, results, timing
+from colossal_lab.benchmarks import two_gpu
 
 NAME = "collectives"
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -98,22 +99,6 @@ def set_link(link: str) -> dict:
     return env
 
 
-def refuse_unless_gpus(what: str) -> None:
-    """Exit with status 2 and one line on stderr unless this is a CUDA run on at least
-    2 ranks (torchrun --nproc-per-node 2 or more): a multi-GPU measurement on anything
-    else would be a number about something else."""
-    why = None
-    if not torch.cuda.is_available():
-        why = (f"bench {what}: needs CUDA GPUs (none here); run --quick for the CPU "
-               "smoke test, or torchrun --nproc-per-node 2 on a GPU node")
-    elif int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        why = (f"bench {what}: needs at least 2 ranks; launch with torchrun "
-               f"--nproc-per-node 2 -m colossal_lab bench {what}")
-    if why:
-        print(why, file=sys.stderr, flush=True)
-        sys.exit(2)
-
-
 def _op_call(op: str, size_bytes: int, world: int, device, dtype=DTYPE, group=None):
     """The buffers for one `op` on a message of `size_bytes` and a call that runs it."""
     esize = torch.finfo(dtype).bits // 8
@@ -137,16 +122,6 @@ def _op_call(op: str, size_bytes: int, world: int, device, dtype=DTYPE, group=No
     raise ValueError(f"op={op!r}; choose one of {OPS}")
 
 
-def slowest_rank(times_ms: Sequence[float], group=None) -> list[float]:
-    """Each rep's time on the slowest rank (every rank gets the same list)."""
-    t = torch.tensor(list(times_ms), dtype=torch.float64)
-    if distributed.world_size(group) > 1:
-        if dist.get_backend(group) == "nccl":
-            t = t.to(distributed.env().device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.cpu().tolist()
-
-
 def time_collective(op: str, size_bytes: int, *, warmup: int = WARMUP, reps: int = REPS,
                     dtype=DTYPE, group=None) -> dict:
     """Time `op` on a message of `size_bytes`: the row's timing and bandwidth fields
@@ -165,7 +140,7 @@ def time_collective(op: str, size_bytes: int, *, warmup: int = WARMUP, reps: int
     times: list[float] = []
     timing.time_iterations(lambda i: call(), warmup=warmup, iters=reps, device=env.device,
                            before_step=line_up, on_step=lambda i, ms: times.append(ms))
-    times = [round(t, 5) for t in slowest_rank(times, group)]
+    times = [round(t, 5) for t in distributed.all_max(times, group)]
     s = timing._summary(times)
     return {"size_bytes": size_bytes, "elems": size_bytes // (torch.finfo(dtype).bits // 8),
             "ms": s.median_ms, "ms_p10": s.p10_ms, "ms_p90": s.p90_ms, "reps": s.n,
@@ -273,7 +248,7 @@ def main(argv=None) -> None:
         rows = run(True, link=a.link, reps=a.reps)
         print(summary(rows))
         return
-    refuse_unless_gpus(NAME)
+    two_gpu.refuse(NAME, quick=False, at_least=True)
     link_env = set_link(a.link)  # before init: NCCL reads its environment once
     with distributed.guard(f"bench {NAME}"):
         distributed.init()

@@ -69,7 +69,7 @@ from collections.abc import Sequence
 import torch
 
 from colossal_lab import distributed, results
-from colossal_lab.benchmarks import collectives
+from colossal_lab.benchmarks import collectives, two_gpu
 from colossal_lab.benchmarks import grad_overlap as go
 
 NAME = go.MEASURED
@@ -193,7 +193,7 @@ def time_steps(model, opt, cfg, preset_name: str, batch: int, seq_len: int, *, w
     m = train.measure_step(step, batches, cfg=cfg, setup="dp", preset=preset_name,
                            batch=batch, seq_len=seq_len, warmup=warmup, iters=iters,
                            peak_tflops=peak_tflops, progress=False)
-    times = [round(t, 3) for t in collectives.slowest_rank(m.step_ms_all)]
+    times = [round(t, 3) for t in distributed.all_max(m.step_ms_all)]
     s = timing._summary(times)
     st = mfu.step_stats(cfg, batch=batch, seq_len=seq_len, step_time_s=s.median_ms / 1e3,
                         peak_tflops=peak_tflops, recompute_flops=0.0)
@@ -445,7 +445,7 @@ def main(argv=None) -> None:
     if a.quick:
         print(summary(run(True, link=a.link)))
         return
-    collectives.refuse_unless_gpus(NAME)
+    two_gpu.refuse(NAME, quick=False, at_least=True)
     link_env = collectives.set_link(a.link)  # before init: NCCL reads it once
     with distributed.guard(f"bench {NAME}"):
         distributed.init()

@@ -27,15 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-from colossal_lab.benchmarks.steps import Setup, build, ran_backends
+from colossal_lab.benchmarks.steps import Setup, in_child, prepare, ran_backends
 from colossal_lab.config import SWITCH_SETS
 from colossal_lab.profile import step_ms_of
 
@@ -58,15 +53,9 @@ def profile_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
     """Build `setup` (`steps.build`), profile its training step in this process and
     return its rows; the trace is written to `trace_dir/<setup>.json`."""
     from colossal_lab import data, profile, timing, train
-    from colossal_lab.config import preset
     from colossal_lab.switches import precision
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    cfg = preset(preset_name)
-    model, loss_fn = build(setup, preset_name, device)
-    micro = min(setup.micro_batch or batch, batch)
-    opt = train.make_optimizer(model)
+    device, cfg, model, loss_fn, micro, opt = prepare(setup, preset_name, batch)
     step = train.make_step(model, opt, loss_fn, micro_batches=batch // micro)
     batches = data.random_batches(cfg.vocab_size, batch, seq_len, seed=0, device=device)
     trace = Path(trace_dir) / f"{setup.name}.json"
@@ -91,20 +80,12 @@ def profile_isolated(setup: Setup, preset_name: str, seq_len: int, batch: int,
                      trace_dir: str | Path) -> list[dict]:
     """`profile_one` in a child process; a failure becomes one ``kind="step"`` row with
     an `error`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "colossal_lab.benchmarks.profile_breakdown",
-               "--child", setup.to_json(), "--preset", preset_name, "--seq-len",
-               str(seq_len), "--batch", str(batch), "--trace-dir", str(trace_dir),
-               "--json-out", out]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode == 0 and os.path.exists(out):
-            with open(out) as f:
-                return json.load(f)
-    tail = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()][-3:]
-    why = "out of memory" if "OutOfMemoryError" in proc.stdout else " | ".join(tail)
-    return [{"setup": setup.name, "label": setup.label, "preset": preset_name,
-             "seq_len": seq_len, "batch": batch, "kind": "step", "error": why[-500:]}]
+    rows, why = in_child("colossal_lab.benchmarks.profile_breakdown", [
+        "--child", setup.to_json(), "--preset", preset_name, "--seq-len", str(seq_len),
+        "--batch", str(batch), "--trace-dir", str(trace_dir)])
+    return rows if why is None else [{"setup": setup.name, "label": setup.label,
+                                      "preset": preset_name, "seq_len": seq_len,
+                                      "batch": batch, "kind": "step", "error": why}]
 
 
 def run(quick: bool = False, *, preset_name: str = "llama-7b-8l", seq_len: int = 4096,

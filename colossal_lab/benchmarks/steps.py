@@ -162,6 +162,19 @@ def convert_torchao_float8(model: torch.nn.Module) -> int:
     return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
+def prepare(setup: Setup, preset_name: str, batch: int):
+    """What a measured step starts from, seeded: (device, config, model with its
+    switches, loss function, micro-batch, optimizer)."""
+    from colossal_lab import train
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    cfg = preset(preset_name)
+    model, loss_fn = build(setup, preset_name, device)
+    micro = min(setup.micro_batch or batch, batch)
+    return device, cfg, model, loss_fn, micro, train.make_optimizer(model)
+
+
 def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
                 progress: bool = True) -> dict:
     """Build, warm up and time one setup in this process; returns its results row.
@@ -169,16 +182,11 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
     On a GPU the row also carries the memory probes' fields (`memory.memory_probe`)
     and, when the setup asks, the largest batch (`find_largest_batch`) and the ratio
     chosen to fit (`auto_ratio`)."""
-    from colossal_lab import memory, train
+    from colossal_lab import memory
     from colossal_lab.switches import precision
 
     preset_name, batch = setup.preset or preset_name, setup.batch or batch
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    cfg = preset(preset_name)
-    model, loss_fn = build(setup, preset_name, device)
-    micro = min(setup.micro_batch or batch, batch)
-    opt = train.make_optimizer(model)
+    device, cfg, model, loss_fn, micro, opt = prepare(setup, preset_name, batch)
     quick = device.type == "cpu"
     extra = {"label": setup.label, "precision": precision.of(model),
              "optimizer": type(opt).__name__,
@@ -298,22 +306,31 @@ def colossalai_fields(row: dict, cfg, recompute: dict) -> dict:
             **{k: recompute[k] for k in ("ckpt_mode", "ckpt_layers", "ckpt_ratio")}}
 
 
-def measure_isolated(setup: Setup, preset_name: str, seq_len: int, batch: int) -> dict:
-    """`measure_one` in a child process; a failure becomes a row with an `error`."""
+def in_child(module: str, args: list[str]):
+    """Run ``python -m <module> <args> --json-out FILE`` in a fresh process (an
+    out-of-memory or a crash stays there, compile caches do not leak) and return
+    (what it wrote to FILE, None), or (None, why it failed) in one line."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "row.json")
-        cmd = [sys.executable, "-m", "colossal_lab.benchmarks.steps", "--setup-json",
-               setup.to_json(), "--preset", preset_name, "--seq-len", str(seq_len),
-               "--batch", str(batch), "--json-out", out]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out = os.path.join(tmp, "out.json")
+        proc = subprocess.run([sys.executable, "-m", module, *args, "--json-out", out],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode == 0 and os.path.exists(out):
             with open(out) as f:
-                return json.load(f)
-        tail = [line for line in proc.stdout.strip().splitlines() if line.strip()][-3:]
-        reason = "out of memory" if "OutOfMemoryError" in proc.stdout else " | ".join(tail)
-        return {"setup": setup.name, "label": setup.label,
-                "preset": setup.preset or preset_name, "seq_len": seq_len,
-                "batch": setup.batch or batch, "error": reason[-500:]}
+                return json.load(f), None
+    tail = [line for line in proc.stdout.strip().splitlines() if line.strip()][-3:]
+    return None, ("out of memory" if "OutOfMemoryError" in proc.stdout
+                  else " | ".join(tail))[-500:]
+
+
+def measure_isolated(setup: Setup, preset_name: str, seq_len: int, batch: int) -> dict:
+    """`measure_one` in a child process; a failure becomes a row with an `error`."""
+    row, why = in_child("colossal_lab.benchmarks.steps", [
+        "--setup-json", setup.to_json(), "--preset", preset_name, "--seq-len",
+        str(seq_len), "--batch", str(batch)])
+    return row if why is None else {"setup": setup.name, "label": setup.label,
+                                    "preset": setup.preset or preset_name,
+                                    "seq_len": seq_len, "batch": setup.batch or batch,
+                                    "error": why}
 
 
 def run_setups(setups, *, preset_name: str, seq_len: int, batch: int,

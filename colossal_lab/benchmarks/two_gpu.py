@@ -20,40 +20,39 @@ LOSS_RTOL = {"bf16-pure": 5e-3, "bf16": 5e-3, "fp32": 1e-5}
 """Relative tolerance of a case's loss against its baseline's, by precision."""
 
 
-def refusal(quick: bool) -> str | None:
-    """Why this process cannot run the measured (non-quick) benchmark, or None."""
+def refusal(quick: bool, at_least: bool = False) -> str | None:
+    """Why this process cannot run a measured (non-quick) multi-GPU benchmark, or None:
+    it needs CUDA and `WORLD` ranks (with `at_least`, `WORLD` or more)."""
     if quick:
         return None
     if not torch.cuda.is_available():
         return ("needs CUDA: run it on a 2-GPU node under torchrun --nproc-per-node 2, "
                 "or pass --quick for the CPU smoke test")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != WORLD:
+    if at_least and world < WORLD:
+        return (f"needs at least {WORLD} ranks (world size is {world}): launch with "
+                f"torchrun --nproc-per-node {WORLD} or more")
+    if not at_least and world != WORLD:
         return (f"needs exactly {WORLD} ranks (world size is {world}): launch with "
                 f"torchrun --nproc-per-node {WORLD}; no other world size is measured")
     return None
 
 
-def refuse_or_init(name: str, quick: bool) -> None:
-    """Exit with status 2 and one line on stderr when `refusal` says no; else (a
-    measured run) turn NVLink multicast off and start the NCCL group."""
-    why = refusal(quick)
+def refuse(name: str, quick: bool, at_least: bool = False) -> None:
+    """Exit with status 2 and one line on stderr when `refusal` says no, before anything
+    (the NCCL environment, the process group) is touched."""
+    why = refusal(quick, at_least)
     if why is not None:
         print(f"{name}: {why}", file=sys.stderr, flush=True)
         raise SystemExit(2)
+
+
+def refuse_or_init(name: str, quick: bool) -> None:
+    """`refuse`; then, for a measured run, NVLink multicast off and the NCCL group."""
+    refuse(name, quick)
     if not quick:
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on this node
         distributed.init()
-
-
-def slowest(times_ms: list[float]) -> list[float]:
-    """Each step's time on the slower rank: the element-wise MAX over the world."""
-    if distributed.world_size() == 1:
-        return list(times_ms)
-    t = torch.tensor(times_ms, dtype=torch.float64, device=distributed.env().device)
-    with distributed.collective("step-time max"):
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return [round(x, 3) for x in t.tolist()]
 
 
 def per_rank(value) -> list:
@@ -98,7 +97,7 @@ def timed_steps(step, data, *, warmup: int, iters: int, device) -> dict:
                            iters=iters, device=device,
                            on_step=lambda i, ms: times.append(ms))
     peak = timing.peak_memory_gib(device)
-    times = slowest(times)
+    times = [round(t, 3) for t in distributed.all_max(times)]
     t = timing._summary(times)
     return {"step_ms": t.median_ms, "step_ms_p10": t.p10_ms, "step_ms_p90": t.p90_ms,
             "steps_timed": t.n, "step_ms_all": times, "peak_mem_gib": peak}
