@@ -149,6 +149,27 @@ def save_results(name: str, rows: list[dict], *, config: dict | None = None,
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
     tmp.replace(path)  # atomic: an interrupted run never leaves half a file
+    partial_path(name, slug).unlink(missing_ok=True)
+    return path
+
+
+def partial_path(name: str, gpu: str | None = None) -> Path:
+    """Where a benchmark keeps the rows of a run still going (`save_partial`)."""
+    return results_dir() / (gpu or hardware.detect().slug) / "partial" / f"{name}.json"
+
+
+def save_partial(name: str, rows: list[dict], **kw) -> Path:
+    """The rows a running benchmark has so far, with provenance, in
+    `results/<gpu>/partial/<name>.json`: a run cut short (a time limit, a crash in a
+    later setup) keeps what it measured. `save_results` removes it when the run ends.
+    Nothing loads these files: a partial run is evidence, not a result."""
+    path = partial_path(name, kw.get("gpu"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"name": name, "partial": True, "provenance": provenance(kw.get("command")),
+           "config": kw.get("config") or {}, "rows": rows}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+    tmp.replace(path)
     return path
 
 

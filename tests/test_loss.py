@@ -403,3 +403,30 @@ def test_benchmark_quick():
         assert r["fwd_bwd_ms"] > 0 and r["speedup"] > 0
     losses = [r["loss"] for r in rows]
     assert abs(losses[0] - losses[1]) < 1e-4  # same inputs, same loss
+
+
+# ------------------------------------------------------------- dW accumulated in fp32
+
+
+def test_fp32_out_probe_matches_the_device():
+    """The probe finds cuBLAS's fp32-output GEMM on CUDA and none on the CPU (where
+    aten::mm.dtype is not registered), so the CPU keeps the zeroed-buffer path."""
+    dev = torch.device(DEVICE)
+    assert loss_switch.mm_fp32_out_supported(dev) == (dev.type == "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,d,v,chunk", [(37, 48, 1000, 10), (4099, 256, 3001, 1024)])
+def test_fp32_out_dw_matches_the_buffer_path(n, d, v, chunk, monkeypatch):
+    """bf16 chunks: dW from GEMMs that write and accumulate in fp32 equals dW from bf16
+    partials added into a zeroed fp32 buffer within one bf16 rounding per chunk, and
+    both meet the fp64 reference by the 2x rule; the loss and dh are the same path."""
+    h, w, y = _inputs(n, d, v)
+    fast = _run(fused_linear_cross_entropy, h, w, y, torch.bfloat16, chunk_tokens=chunk)
+    monkeypatch.setitem(loss_switch._FP32_OUT, "cuda", False)
+    slow = _run(fused_linear_cross_entropy, h, w, y, torch.bfloat16, chunk_tokens=chunk)
+    torch.testing.assert_close(fast[0], slow[0], rtol=0, atol=0)
+    torch.testing.assert_close(fast[1], slow[1], rtol=0, atol=0)
+    _check(fast, h, w, y, torch.bfloat16, 1e-5)
+    _check(slow, h, w, y, torch.bfloat16, 1e-5)

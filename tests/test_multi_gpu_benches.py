@@ -197,3 +197,32 @@ def test_refuses_one_rank(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         coll.main([])
     assert e.value.code == 2 and "at least 2 ranks" in capsys.readouterr().err
+
+
+def test_partial_rows_survive_a_failed_setup_and_go_when_the_run_ends(tmp_path, monkeypatch):
+    """`bench <chapter>` saves the rows it has after each setup under partial/: a run
+    killed in its second setup keeps the first; a finished run leaves only the result."""
+    from colossal_lab.benchmarks import steps
+
+    monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
+    slug = results.hardware.detect().slug
+    setups = [steps.Setup("a", "first"), steps.Setup("b", "second")]
+
+    def measure(s, *_):
+        if s.name == "b" and fail:
+            raise KeyboardInterrupt  # the time limit, in the second setup
+        return {"setup": s.name, "step_ms": 1.0}
+
+    monkeypatch.setattr(steps, "measure_isolated", measure)
+    monkeypatch.setattr(steps, "format_row", lambda r: r["setup"])
+    fail = True
+    with pytest.raises(KeyboardInterrupt):
+        steps.main_for("demo", setups, [])
+    kept = json.loads((tmp_path / slug / "partial" / "demo.json").read_text())
+    assert kept["partial"] is True and [r["setup"] for r in kept["rows"]] == ["a"]
+    assert not (tmp_path / slug / "demo.json").exists()
+    fail = False
+    steps.main_for("demo", setups, [])
+    done = json.loads((tmp_path / slug / "demo.json").read_text())
+    assert [r["setup"] for r in done["rows"]] == ["a", "b"]
+    assert not (tmp_path / slug / "partial" / "demo.json").exists()

@@ -334,8 +334,9 @@ def measure_isolated(setup: Setup, preset_name: str, seq_len: int, batch: int) -
 
 
 def run_setups(setups, *, preset_name: str, seq_len: int, batch: int,
-               isolate: bool = True, tag: str = "steps") -> list[dict]:
-    """Time every setup, side by side; prints one line per setup as it finishes."""
+               isolate: bool = True, tag: str = "steps", on_row=None) -> list[dict]:
+    """Time every setup, side by side; prints one line per setup as it finishes and
+    hands the rows so far to `on_row(rows)` (the command line saves them as it goes)."""
     rows = []
     for s in setups:
         print(f"[{tag}] {s.name} ...", flush=True)
@@ -343,6 +344,8 @@ def run_setups(setups, *, preset_name: str, seq_len: int, batch: int,
                else measure_one(s, preset_name, seq_len, batch, progress=False))
         rows.append(row)
         print(format_row(row), flush=True)
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -373,7 +376,7 @@ def _child(argv=None) -> None:
 
 
 def run_chapter(name: str, setups, quick: bool = False, *, preset_name: str = "llama-7b-8l",
-                seq_len: int = 4096, batch: int = 4) -> list[dict]:
+                seq_len: int = 4096, batch: int = 4, on_row=None) -> list[dict]:
     """A chapter's MFU delta: `setups` side by side (`quick`: tiny model, in-process;
     per-setup preset and batch overrides are dropped, and the setups `runs_quick`
     leaves to the GPU run are skipped)."""
@@ -384,7 +387,8 @@ def run_chapter(name: str, setups, quick: bool = False, *, preset_name: str = "l
                   if runs_quick(s)]
         return run_setups(setups, preset_name="tiny", seq_len=64, batch=2, isolate=False,
                           tag=name)
-    return run_setups(setups, preset_name=preset_name, seq_len=seq_len, batch=batch, tag=name)
+    return run_setups(setups, preset_name=preset_name, seq_len=seq_len, batch=batch, tag=name,
+                      on_row=on_row)
 
 
 def chapter_benchmark(name: str, setups):
@@ -419,14 +423,17 @@ def main_for(name: str, setups, argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
     chosen = [s for s in setups if a.setups is None or s.name in a.setups]
-    rows = run_chapter(name, chosen, a.quick, preset_name=a.preset, seq_len=a.seq_len,
-                       batch=a.batch)
-    if not a.quick:
-        from colossal_lab.results import save_results
+    config = step_config(a.preset, a.seq_len, a.batch)
+    command = " ".join([f"python -m colossal_lab bench {name}", *argv])
+    from colossal_lab.results import save_partial, save_results
 
-        path = save_results(name, rows, config=step_config(a.preset, a.seq_len, a.batch),
-                            command=" ".join([f"python -m colossal_lab bench {name}",
-                                              *argv]))
+    def keep(rows):  # an interrupted run keeps the setups it finished
+        save_partial(name, rows, config=config, command=command)
+
+    rows = run_chapter(name, chosen, a.quick, preset_name=a.preset, seq_len=a.seq_len,
+                       batch=a.batch, on_row=None if a.quick else keep)
+    if not a.quick:
+        path = save_results(name, rows, config=config, command=command)
         print(f"saved {path}")
 
 

@@ -52,7 +52,10 @@ depend on d.)
 works in fp32 and rounds dz once, to the logits' dtype, as the eager backward does
 when it casts the fp32 gradient back for the bf16 GEMM. dW is summed over the chunks in
 an fp32 buffer when there is more than one chunk or the weight is fp32 (autocast's
-master weights: the buffer is then the returned gradient); with a bf16 weight that is a
+master weights: the buffer is then the returned gradient). On CUDA the bf16 GEMM writes
+and then accumulates into that buffer itself (`out_dtype=torch.float32`,
+`mm_fp32_out_supported`); elsewhere each chunk's bf16 partial is added to a zeroed
+buffer. With a bf16 weight that is a
 (V, d) fp32 buffer of 0.5 GB at V = 32000, against the GBs saved, and rounding to bf16
 once at the end keeps dW as close to the eager one as a single GEMM's. The per-chunk
 partial dz_cᵀ h_c is one (V, d) temporary in the matmul dtype (fp32 matmuls add into the
@@ -144,6 +147,28 @@ def default_chunk_tokens(n_tokens: int, vocab: int, elem_size: int) -> int:
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
+_FP32_OUT: dict[str, bool] = {}
+
+
+def mm_fp32_out_supported(device: torch.device) -> bool:
+    """Whether this device's GEMMs take bf16/fp16 operands and write (`mm`) or
+    accumulate into (`addmm`) an fp32 result: `torch.mm(..., out_dtype=torch.float32)`,
+    cuBLAS with an fp32 C/D on CUDA. Then dW needs neither the zeroed buffer nor a
+    (V, d) bf16 partial per chunk added into it: one pass over 0.75 GB less per chunk at
+    V = 32000. Probed once per device type with a tiny GEMM; the CPU has no such kernel
+    (aten::mm.dtype is not registered there)."""
+    key = device.type
+    if key not in _FP32_OUT:
+        try:
+            a = torch.ones((2, 2), dtype=torch.bfloat16, device=device)
+            out = torch.mm(a, a, out_dtype=torch.float32)
+            torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+            _FP32_OUT[key] = out.dtype == torch.float32 and bool((out == 4).all())
+        except (NotImplementedError, RuntimeError, TypeError):
+            _FP32_OUT[key] = False
+    return _FP32_OUT[key]
+
+
 def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                  ignore_index: int = -100) -> None:
     """Shapes, dtypes and devices (no device sync); labels in range on CPU tensors."""
@@ -212,7 +237,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         n_chunks = math.ceil(n_tokens / chunk_tokens)
         direct_w = n_chunks == 1 and weight.dtype == dtype  # one GEMM: no buffer
         grad_w = None
-        if need_w and not direct_w:
+        # bf16 chunks with an fp32 dW: the GEMM itself writes (first chunk) and then
+        # accumulates (later chunks) into fp32 where the device has out_dtype GEMMs
+        fp32_out = (need_w and not direct_w and dtype != torch.float32
+                    and mm_fp32_out_supported(dev))
+        if need_w and not direct_w and not fp32_out:
             grad_w = torch.zeros((vocab, d), dtype=torch.float32, device=dev)
         loss = torch.zeros((), dtype=torch.float32, device=dev)
         z_buf = torch.empty((min(chunk_tokens, n_tokens), vocab), dtype=dtype, device=dev)
@@ -236,6 +265,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             if need_w:
                 if direct_w:
                     grad_w = z.t() @ h_c  # (V, d)
+                elif fp32_out and grad_w is None:
+                    grad_w = torch.mm(z.t(), h_c, out_dtype=torch.float32)
+                elif fp32_out:
+                    torch.addmm(grad_w, z.t(), h_c, out_dtype=torch.float32, out=grad_w)
                 elif dtype == torch.float32:
                     grad_w.addmm_(z.t(), h_c)
                 else:
