@@ -38,8 +38,11 @@ ANALYSIS_PACKAGES = ["pandas", "plotly", "pyyaml", "psutil"]
 TORCHAO = "torchao==0.17.0"
 # Pulled without dependencies: their own needs (torch, triton, transformers) are on the node.
 NO_DEPS_PACKAGES = ["liger-kernel", "HolisticTraceAnalysis", TORCHAO]
-# Never worth carrying: the node's image has them, and several are gigabytes.
-SKIP_PREFIXES = ("torch", "triton", "nvidia", "numpy", "setuptools", "pip", "wheel")
+# Never worth carrying: the node's image has them, and several are gigabytes. Matched
+# against a wheel's distribution name, not a prefix of its file name: "torch" must not
+# take "torchao" with it.
+SKIP_NAMES = frozenset({"torch", "triton", "numpy", "setuptools", "pip", "wheel"})
+SKIP_PREFIXES = ("nvidia_",)  # nvidia-cublas-cu12, nvidia-cudnn-cu12, ...
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]
@@ -55,6 +58,13 @@ def _pip_download(dest: Path, python: str, packages: list[str], no_deps: bool) -
     subprocess.run(cmd + packages, check=True)
 
 
+def skipped(wheel_name: str) -> bool:
+    """Whether a wheel file is one the node's image already has (`SKIP_NAMES`, the
+    CUDA libraries): its distribution name is what precedes the first "-"."""
+    dist = wheel_name.split("-", 1)[0].lower()
+    return dist in SKIP_NAMES or dist.startswith(SKIP_PREFIXES)
+
+
 def build(dest: str | Path = ".whl", python: str = "3.12", extra: list[str] | None = None
           ) -> list[Path]:
     """Download the wheels into `dest`; returns the wheels kept."""
@@ -64,7 +74,7 @@ def build(dest: str | Path = ".whl", python: str = "3.12", extra: list[str] | No
     _pip_download(dest, python, NO_DEPS_PACKAGES + list(extra or []), no_deps=True)
     kept = []
     for whl in sorted(dest.glob("*.whl")):
-        if whl.name.lower().startswith(SKIP_PREFIXES):
+        if skipped(whl.name):
             whl.unlink()
         else:
             kept.append(whl)

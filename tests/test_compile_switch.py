@@ -255,3 +255,16 @@ def test_first_step_time_is_the_first_call_only():
     assert isinstance(first, float) and first >= 0
     timed(3)
     assert timed.seconds == first
+
+
+def test_wheelhouse_keeps_torchao_and_drops_what_the_node_has():
+    """The wheelhouse drops the node image's own packages by distribution name: torch,
+    triton and the CUDA libraries go, torchao (a name that starts with "torch") stays."""
+    from colossal_lab.wheelhouse import skipped
+
+    assert skipped("torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl")
+    assert skipped("triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.whl")
+    assert skipped("nvidia_cublas_cu12-12.8.4.1-py3-none-manylinux_2_27_x86_64.whl")
+    assert not skipped("torchao-0.17.0-cp310-abi3-manylinux_2_24_x86_64.whl")
+    assert not skipped("liger_kernel-0.8.5-py3-none-any.whl")
+    assert not skipped("pandas-2.3.3-cp312-cp312-manylinux_2_17_x86_64.whl")
