@@ -173,6 +173,12 @@ def save_partial(name: str, rows: list[dict], **kw) -> Path:
     return path
 
 
+def load_partial(name: str, gpu: str | None = None) -> dict | None:
+    """The rows an interrupted run of `name` saved (`save_partial`), or None."""
+    path = partial_path(name, gpu)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def merge_rows(name: str, rows: list[dict], key: str | tuple[str, ...], *,
                gpu: str | None = None) -> list[dict]:
     """`rows` merged into the rows recorded in `results/<gpu>/<name>.json`: a recorded

@@ -226,3 +226,37 @@ def test_partial_rows_survive_a_failed_setup_and_go_when_the_run_ends(tmp_path, 
     done = json.loads((tmp_path / slug / "demo.json").read_text())
     assert [r["setup"] for r in done["rows"]] == ["a", "b"]
     assert not (tmp_path / slug / "partial" / "demo.json").exists()
+
+
+def test_resume_keeps_the_finished_setups_and_measures_the_rest(tmp_path, monkeypatch, capsys):
+    """`--resume` measures only what the interrupted run lacks (a failed setup runs
+    again), saves all rows with the interrupted run's provenance in `resumed_from`, and
+    refuses with no partial run or one of another configuration."""
+    from colossal_lab.benchmarks import steps
+
+    monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
+    setups = [steps.Setup(n, n) for n in "abc"]
+    measured = []
+
+    def measure(s, *_):
+        measured.append(s.name)
+        return {"setup": s.name, "step_ms": 2.0}
+
+    monkeypatch.setattr(steps, "measure_isolated", measure)
+    monkeypatch.setattr(steps, "format_row", lambda r: r["setup"])
+    with pytest.raises(SystemExit) as e:
+        steps.main_for("demo", setups, ["--resume"])
+    assert e.value.code == 2 and "no interrupted run" in capsys.readouterr().err
+    rows = [{"setup": "a", "step_ms": 1.0}, {"setup": "b", "error": "boom"}]
+    results.save_partial("demo", rows, config=steps.step_config(), command="first")
+    with pytest.raises(SystemExit):
+        steps.main_for("demo", setups, ["--resume", "--batch", "8"])
+    assert "not {" in capsys.readouterr().err and measured == []
+    steps.main_for("demo", setups, ["--resume"])
+    assert measured == ["b", "c"]
+    doc = json.loads(next(tmp_path.glob("*/demo.json")).read_text())
+    assert [(r["setup"], r["step_ms"]) for r in doc["rows"]] == [("a", 1.0), ("b", 2.0),
+                                                                 ("c", 2.0)]
+    assert doc["rows"][0]["measured_at"] and "measured_at" not in doc["rows"][1]
+    assert [p["command"] for p in doc["config"]["resumed_from"]] == ["first"]
+    assert results.load_partial("demo") is None

@@ -420,21 +420,53 @@ def main_for(name: str, setups, argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--setups", nargs="*", choices=[s.name for s in setups])
+    p.add_argument("--resume", action="store_true",
+                   help="finish an interrupted run: keep the rows it saved in "
+                        "results/<gpu>/partial/ and measure only the setups it lacks")
     argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
+    if a.resume and a.quick:
+        p.error("--resume continues a saved GPU run; --quick runs are not saved")
     chosen = [s for s in setups if a.setups is None or s.name in a.setups]
     config = step_config(a.preset, a.seq_len, a.batch)
     command = " ".join([f"python -m colossal_lab bench {name}", *argv])
-    from colossal_lab.results import save_partial, save_results
+    from colossal_lab.results import load_partial, save_partial, save_results
+
+    done: list[dict] = []
+    if a.resume:
+        done, config = resumed_rows(name, load_partial(name), config, p.error)
+        have = {r["setup"] for r in done}
+        print(f"[{name}] resuming: {len(done)} setups kept ({', '.join(sorted(have))})",
+              flush=True)
+        chosen = [s for s in chosen if s.name not in have]
 
     def keep(rows):  # an interrupted run keeps the setups it finished
-        save_partial(name, rows, config=config, command=command)
+        save_partial(name, done + rows, config=config, command=command)
 
     rows = run_chapter(name, chosen, a.quick, preset_name=a.preset, seq_len=a.seq_len,
                        batch=a.batch, on_row=None if a.quick else keep)
     if not a.quick:
-        path = save_results(name, rows, config=config, command=command)
+        path = save_results(name, done + rows, config=config, command=command)
         print(f"saved {path}")
+
+
+def resumed_rows(name: str, partial: dict | None, config: dict, error):
+    """(rows kept, config) to resume from `partial`, a run's saved rows
+    (`results.load_partial`): its finished setups (failed ones run again), and the
+    config with `resumed_from`, the interrupted run's provenance, so the saved file says
+    which rows came from which invocation (a kept row's `measured_at` is the commit it
+    was measured at; the rows without one are the resuming run's). `error`
+    (argparse's) refuses a missing partial run or one of another configuration."""
+    if partial is None:
+        error(f"--resume: no interrupted run of {name} is saved (results/<gpu>/partial/)")
+    old = {k: v for k, v in partial["config"].items() if k != "resumed_from"}
+    if old != config:
+        error(f"--resume: the saved run of {name} measured {old}, not {config}")
+    prov = partial["provenance"]
+    kept = [dict(r, measured_at=r.get("measured_at") or prov.get("git_sha"))
+            for r in partial["rows"] if "error" not in r]
+    earlier = partial["config"].get("resumed_from", [])
+    return kept, dict(config, resumed_from=[*earlier, prov])
 
 
 if __name__ == "__main__":
