@@ -11,6 +11,8 @@ import inspect
 import time
 from pathlib import Path
 
+from colossal_lab.results import error_line
+
 SOURCE_KEY = "colossal_lab"
 """Output metadata key under which `show_source` records what it showed:
 ``{"colossal_lab": {"source_of": "module:qualname", "lines": [a, b] or None}}``.
@@ -87,7 +89,7 @@ def table(rows: list[dict], columns: dict[str, str | None], *, headers: dict | N
     for r in rows:
         cells = [_fmt(r.get(c), spec) for c, spec in columns.items()]
         if "error" in r:  # keep what was measured; say what failed
-            why = _fmt(r["error"][:60], None)
+            why = _fmt(error_line(r["error"])[:60], None)
             cells[-1] = f"{cells[-1] if cells[-1] != '–' else ''} failed: {why}"
         out.append("| " + " | ".join(cells) + " |")
     return Markdown("\n".join(out))

@@ -7,6 +7,7 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 
 from colossal_lab import compare
+from colossal_lab.results import error_line
 
 BLUE, ORANGE, GREY = "#3b6ea8", "#e08a2c", "#9a9a9a"
 _ERR = {"ecolor": "#333333", "elinewidth": 1.0, "capsize": 2.5}
@@ -49,7 +50,7 @@ def mfu_delta(rows: list[dict], *, baseline: str | None = None, key: str = "setu
     xmax = max([r.get("mfu_attn", 0) for r in rows if "error" not in r] + [0.05])
     for yi, r in zip(y, rows):
         if "error" in r:
-            ax.text(0.002, yi, f"failed: {r['error'][:60]}", va="center", color=GREY,
+            ax.text(0.002, yi, f"failed: {error_line(r['error'])[:60]}", va="center", color=GREY,
                     fontsize=9)
             continue
         first = yi == n - 1
@@ -145,8 +146,33 @@ def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: st
     return ax
 
 
+def chain_bases(rows: list[dict], *, key: str = "setup", peers=None,
+                outside: dict[str, str] | None = None) -> list[dict | None]:
+    """For each row of a waterfall, the row it is compared with, or None: ours (rows
+    that are not peers: see `waterfall`) against the bar above, except a bar named in
+    `outside` (bar → base bar), which is compared with its base and is not the bar
+    above the next one; none for peers, below a failed bar, or for a failed row."""
+    outside = outside or {}
+    peer_names = None if peers is None else set(peers)
+    by_name = {r.get(key): r for r in rows if "error" not in r}
+    bases, prev = [], None
+    for r in rows:
+        name = str(r.get(key, ""))
+        peer = name.startswith("hf") if peer_names is None else name in peer_names
+        if peer:
+            bases.append(None)
+            continue
+        if name in outside:
+            bases.append(None if "error" in r else by_name.get(outside[name]))
+            continue
+        bases.append(None if "error" in r else prev)
+        prev = None if "error" in r else r
+    return bases
+
+
 def waterfall(rows: list[dict], *, peers=None, key: str = "setup", label: str = "setup",
-              title: str | None = None, capacity_gib: float | None = None):
+              title: str | None = None, capacity_gib: float | None = None,
+              outside: dict[str, str] | None = None):
     """One bar of tokens/s per row, top to bottom, each row one switch more than the one
     before it (`benchmarks.waterfall`), then the peers (rows whose `key` is in `peers`;
     by default those starting with "hf"), hatched and set apart below.
@@ -154,7 +180,8 @@ def waterfall(rows: list[dict], *, peers=None, key: str = "setup", label: str = 
     Each bar carries the p10-p90 spread of the step time as an error bar (tokens/s is
     inversely proportional to the step time, as MFU is: `mfu_spread`), its MFU (6N),
     and for ours its speed-up over the bar above (`compare.verdict`: "(level)" when the
-    two lie inside each other's spread; none below a failed bar). When the rows carry
+    two lie inside each other's spread; none below a failed bar), or for a bar named in
+    `outside` over its base bar (`chain_bases`). When the rows carry
     memory, a second panel draws each bar's peak (`peak_mem_gib`) and, inside it, the
     activations of one step (`activation_mem_gib`): what each switch costs or saves in
     memory; `capacity_gib` draws the device's memory as a line. Rows with an `error`
@@ -186,29 +213,29 @@ def waterfall(rows: list[dict], *, peers=None, key: str = "setup", label: str = 
     ax = axes[0]
     ok = [r for r in rows if "error" not in r]
     xmax = max([r["tokens_per_s"] for r in ok] + [1.0])
-    prev = None
+    base_of = {id(r): b for r, b in zip(ours + theirs, chain_bases(
+        ours + theirs, key=key, peers=[str(r.get(key)) for r in theirs], outside=outside))}
     for y, r in placed:
         peer = is_peer(r)
         if "error" in r:
-            ax.text(xmax * 0.01, y, f"failed: {r['error'][:50]}", va="center",
+            ax.text(xmax * 0.01, y, f"failed: {error_line(r['error'])[:50]}", va="center",
                     color=GREY, fontsize=8)
-            if not peer:
-                prev = None  # the next bar would differ by two switches: no ratio
             continue
         ax.barh(y, r["tokens_per_s"], 0.7, color=GREY if peer else BLUE,
                 hatch="//" if peer else None, edgecolor="white" if peer else None,
                 xerr=mfu_spread(r, "tokens_per_s"), error_kw=_ERR)
         note = f"{r['mfu']:.1%} MFU" if r.get("mfu") is not None else ""
-        if not peer and prev is not None:
+        prev = base_of[id(r)]
+        if prev is not None:
             same = (r.get("batch"), r.get("seq_len")) == (prev.get("batch"),
                                                           prev.get("seq_len"))
             if same and "step_ms_p10" in r and "step_ms_p10" in prev:
                 note += "  " + compare.verdict(r, prev).replace("x", "×", 1)
             else:
                 note += f"  ×{r['tokens_per_s'] / prev['tokens_per_s']:.2f}"
+            if str(r.get(key)) in (outside or {}):
+                note += f" vs {prev.get(key)}"
         ax.text(r["tokens_per_s"] + xmax * 0.03, y, note, va="center", fontsize=8)
-        if not peer:
-            prev = r
     ax.set_yticks([y for y, _ in placed])
     ax.set_yticklabels([str(r.get(label) or r.get(key)) for _, r in placed], fontsize=9)
     ax.set_xlim(0, xmax * 1.5)

@@ -19,6 +19,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -151,6 +152,23 @@ def save_results(name: str, rows: list[dict], *, config: dict | None = None,
     tmp.replace(path)  # atomic: an interrupted run never leaves half a file
     partial_path(name, slug).unlink(missing_ok=True)
     return path
+
+
+_EXC = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)|AssertionError)\b")
+
+
+def error_line(error: str) -> str:
+    """What a row's `error` says first: the exception (``ImportError: ...``) where the
+    text is a traceback's last lines joined by " | " (a child process's output), then
+    the rest in brackets; any other text unchanged. A cell or a bar that shows a few
+    dozen characters then shows why, not ``File "...", line 158``."""
+    parts = [p.strip() for p in str(error).split(" | ") if p.strip()]
+    hits = [i for i, p in enumerate(parts) if _EXC.match(p)]
+    if not hits or hits[-1] == 0:
+        return str(error)
+    i = hits[-1]
+    rest = parts[:i] + parts[i + 1:]
+    return parts[i] + (f" [{' | '.join(rest)}]" if rest else "")
 
 
 def partial_path(name: str, gpu: str | None = None) -> Path:

@@ -92,6 +92,23 @@ def test_waterfall_bars_peers_and_memory():
     assert [t.get_text() for t in mx.texts] == ["100", "80", "79", "78", "70", "50"]
 
 
+def test_a_bar_outside_the_chain_is_compared_with_its_base():
+    """A bar named in `outside` is compared with its base, not the bar above, and the
+    next bar of the chain is still compared with the last chain bar."""
+    rows = _waterfall_rows()
+    extra = dict(rows[1], setup="bf16+compile", label="bf16+compile", tokens_per_s=40_000,
+                 mfu=0.4, step_ms=rows[1]["step_ms"] / 2, step_ms_p10=rows[1]["step_ms"] / 2.05,
+                 step_ms_p90=rows[1]["step_ms"] / 1.95)
+    rows = rows[:2] + [extra] + rows[2:]
+    bases = plot.chain_bases(rows, outside={"bf16+compile": "+bf16"})
+    names = [b and b["setup"] for b in bases]
+    assert names == [None, "naive-fp32", "+bf16", "+bf16", None, None, None, None]
+    ax, _ = plot.waterfall(rows, outside={"bf16+compile": "+bf16"})
+    texts = [t.get_text() for t in ax.texts]
+    assert "40.0% MFU  ×2.00 vs +bf16" in texts
+    assert any(t.startswith("20.1% MFU") and "(level)" in t for t in texts)
+
+
 def test_waterfall_without_memory_has_one_panel():
     rows = [{k: v for k, v in r.items() if "mem" not in k} for r in _waterfall_rows()]
     axes = plot.waterfall(rows, peers=("hf-liger",))

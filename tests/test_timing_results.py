@@ -130,3 +130,20 @@ def test_committed_results_have_provenance():
             for k in ("mfu", "mfu_attn", "hfu"):
                 if k in r:
                     assert 0 < r[k] < 1, f"{path}: {k}={r[k]} is not a fraction"
+
+
+def test_error_line_puts_the_exception_first():
+    """A child's traceback tail ("File ... | code | XError: why") reads as the
+    exception first, the context after it; other texts are left as they are."""
+    from colossal_lab.results import error_line
+
+    tail = ('File "/x/steps.py", line 158, in convert | raise ImportError(f"...") | '
+            "ImportError: torchao float8 setups need torchao")
+    assert error_line(tail) == ("ImportError: torchao float8 setups need torchao "
+                                '[File "/x/steps.py", line 158, in convert | '
+                                'raise ImportError(f"...")]')
+    assert error_line("x | torch.OutOfMemoryError: CUDA out of memory") == (
+        "torch.OutOfMemoryError: CUDA out of memory [x]")
+    for plain in ("out of memory", "ValueError: bad", "no exception | here",
+                  "KeyError: first | then context"):
+        assert error_line(plain) == plain

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from colossal_lab.config import Switches, preset
+from colossal_lab.results import error_line
 
 
 @dataclass(frozen=True)
@@ -318,8 +319,9 @@ def in_child(module: str, args: list[str]):
             with open(out) as f:
                 return json.load(f), None
     tail = [line for line in proc.stdout.strip().splitlines() if line.strip()][-3:]
-    return None, ("out of memory" if "OutOfMemoryError" in proc.stdout
-                  else " | ".join(tail))[-500:]
+    if "OutOfMemoryError" in proc.stdout:
+        return None, "out of memory"
+    return None, error_line(" | ".join(tail))[:500]
 
 
 def measure_isolated(setup: Setup, preset_name: str, seq_len: int, batch: int) -> dict:
@@ -351,7 +353,7 @@ def run_setups(setups, *, preset_name: str, seq_len: int, batch: int,
 
 def format_row(r: dict) -> str:
     if "error" in r:
-        return f"  {r['setup']:<26} failed: {r['error'][:80]}"
+        return f"  {r['setup']:<26} failed: {error_line(r['error'])[:80]}"
     mem = f"{r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") else "-"
     if r.get("activation_mem_gib") is not None:
         mem += f" (activations {r['activation_mem_gib']:.1f})"

@@ -77,6 +77,9 @@ SETUPS = tuple(
           "torch.compile", "hf", compile=True, torchao_fp8=True),
 )
 SETUP_NAMES = tuple(s.name for s in SETUPS)
+OUTSIDE_CHAIN = {"best+compile": "+adamw"}
+"""Bars outside the one-switch-per-bar chain, and the bar each is compared with
+(`plot.chain_bases`, `plot.waterfall(outside=...)`)."""
 
 run, main = chapter_benchmark(NAME, SETUPS)
 
