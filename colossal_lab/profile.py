@@ -212,7 +212,9 @@ def profile_steps(step: Callable, batches: Iterator, trace_path: str | Path, *,
             activities=activities, record_shapes=record_shapes,
             schedule=make_schedule(wait=schedule.wait, warmup=schedule.warmup,
                                    active=schedule.active, repeat=1),
-            on_trace_ready=on_ready) as prof:
+            # one cycle (repeat=1): keeping its events changes nothing in the trace and
+            # spares the warning that a later cycle would clear them
+            acc_events=True, on_trace_ready=on_ready) as prof:
         for i in range(schedule.steps):
             with record_function("data"):
                 ids, labels = next(batches)

@@ -171,6 +171,32 @@ def test_profile_writes_a_trace_without_stderr_noise(cpu_trace, capfd):
     assert "USDT" not in capfd.readouterr().err
 
 
+def test_profile_keeps_its_one_cycle_and_warns_nothing(tmp_path, monkeypatch):
+    """torch 2.11's profiler warns on every first cycle ("Profiler clears events at the
+    end of each cycle", with its file path, on stderr) unless `acc_events=True`; with
+    one cycle that flag changes nothing in the trace, so `profile_steps` passes it."""
+    import warnings
+
+    import torch.profiler as tp
+
+    seen = {}
+    real = tp.profile
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tp, "profile", spy)
+    step = lambda ids, labels: (ids.float() @ ids.float().T).sum()  # noqa: E731
+    batches = iter([(torch.ones(4, 4), None)] * 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = profile.profile_steps(step, batches, tmp_path / "t.json", cuda=False,
+                                     schedule=profile.Schedule(wait=1, warmup=1, active=2))
+    assert seen.get("acc_events") is True and path.exists()
+    assert not [w for w in caught if "Profiler clears events" in str(w.message)]
+
+
 def test_cpu_summary(cpu_trace):
     s = profile.summarize(cpu_trace)
     assert s.device == "cpu" and s.steps == 2 and s.hta is None
