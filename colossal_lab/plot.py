@@ -337,3 +337,143 @@ def loss_curves(rows: list[dict], *, window: int = 10, reference: str | None = N
         axes[0].set_title(title, fontsize=11)
     plt.tight_layout()
     return tuple(axes)
+
+
+# ---------------------------------------------------------------- attention sweep
+
+
+def _layout(r: dict) -> str:
+    """A speed row's head layout ("mha", "gqa4", ...), from its heads when the row
+    predates the `layout` field."""
+    if r.get("layout"):
+        return r["layout"]
+    h, kv = r["heads"], r.get("kv_heads", r["heads"])
+    return "mha" if h == kv else f"gqa{h // kv}"
+
+
+def _seq_label(s: int) -> str:
+    return f"{s // 1024}k" if s >= 1024 else str(s)
+
+
+_METRIC_NAMES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
+
+
+def ratio_heatmap(rows: list[dict], numerator: str = "triton", denominator: str = "cudnn",
+                  metric=("fwd", "fwd_bwd"), *, title: str | None = None):
+    """`numerator` / `denominator` TFLOP/s at every point of an attention sweep
+    (`benchmarks.flash_attention`): S across, (D, layout, causal) down, one panel per
+    metric ("fwd", "fwd_bwd"). Each cell is annotated with its ratio on a diverging
+    colormap centred at 1.0 (blue: the numerator faster); a cell without both figures
+    is grey and hatched, annotated "err" or "skip" when a provider's row says so, "–"
+    when there is none. Returns the axes, one per metric."""
+    import numpy as np
+    from matplotlib.colors import CenteredNorm
+    from matplotlib.patches import Rectangle
+
+    metrics = (metric,) if isinstance(metric, str) else tuple(metric)
+    speed = [r for r in rows if r.get("kind", "speed") == "speed" and "provider" in r]
+    by = {(r["provider"], r["seq_len"], r["head_dim"], _layout(r), r["causal"]): r
+          for r in speed}
+    seqs = sorted({r["seq_len"] for r in speed})
+    ys = sorted({(r["head_dim"], _layout(r), r["causal"]) for r in speed},
+                key=lambda y: (y[0], 1 if y[1] == "mha" else int(y[1][3:]), not y[2]))
+
+    def cell(m: str, s: int, y: tuple) -> tuple[float | None, str]:
+        a, b = (by.get((p, s, *y)) for p in (numerator, denominator))
+        if a and b and a.get(f"{m}_tflops") and b.get(f"{m}_tflops"):
+            return a[f"{m}_tflops"] / b[f"{m}_tflops"], ""
+        found = [r for r in (a, b) if r is not None]
+        if any("error" in r or f"{m}_error" in r for r in found):
+            return None, "err"
+        return None, "skip" if any("skipped" in r for r in found) else "–"
+
+    grids = {m: [[cell(m, s, y) for s in seqs] for y in ys] for m in metrics}
+    values = [v for g in grids.values() for line in g for v, _ in line if v is not None]
+    half = max([0.25] + [abs(v - 1.0) * 1.05 for v in values])
+    norm, cmap = CenteredNorm(vcenter=1.0, halfrange=half), plt.get_cmap("RdBu")
+    fig, axes = plt.subplots(1, len(metrics), figsize=(9, 0.3 * len(ys) + 1.9),
+                             sharey=True, squeeze=False, layout="constrained")
+    axes = tuple(axes[0])
+    for ax, m in zip(axes, metrics):
+        data = np.ma.masked_invalid(np.array(
+            [[np.nan if v is None else v for v, _ in line] for line in grids[m]], float)
+            .reshape(len(ys), len(seqs)))
+        image = ax.imshow(data, cmap=cmap, norm=norm, aspect="auto")
+        for i, line in enumerate(grids[m]):
+            for j, (v, why) in enumerate(line):
+                if v is None:
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="#eeeeee",
+                                           edgecolor=GREY, hatch="//", lw=0))
+                    ax.text(j, i, why, ha="center", va="center", fontsize=7, color="#555555")
+                else:
+                    dark = abs(v - 1.0) > 0.6 * half
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                            color="white" if dark else "black")
+        ax.set_xticks(range(len(seqs)))
+        ax.set_xticklabels([_seq_label(s) for s in seqs], fontsize=8)
+        ax.set_xlabel("sequence length S", fontsize=9)
+        ax.set_title(_METRIC_NAMES.get(m, m), fontsize=10)
+        ax.tick_params(length=0)
+    axes[0].set_yticks(range(len(ys)))
+    axes[0].set_yticklabels([f"D={d} {lay} {'causal' if c else 'full'}" for d, lay, c in ys],
+                            fontsize=8)
+    fig.colorbar(image, ax=list(axes), shrink=0.8, pad=0.01).set_label(
+        f"{numerator} / {denominator} TFLOP/s", fontsize=8)
+    fig.suptitle(title or f"{numerator} / {denominator}: above 1 (blue) the first is "
+                 "faster", fontsize=10)
+    return axes
+
+
+def tflops_lines(rows: list[dict], select=None, *, metric: str = "fwd_bwd",
+                 providers=None, highlight: str | None = "triton", ncols: int = 3):
+    """Absolute TFLOP/s (`metric`: "fwd" or "fwd_bwd") against S, one line per provider,
+    for each selection in `select`: a dict of `head_dim`, `layout`, `causal` (one
+    panel), or a list of them (a grid of `ncols` columns); default the canonical
+    D=128 MHA causal. Colours follow the provider across panels; points without a
+    figure (skipped, failed) leave a gap. Returns the axes, one per selection."""
+    speed = [r for r in rows if r.get("kind", "speed") == "speed" and "provider" in r]
+    sels = [select] if isinstance(select, dict) else list(select or [
+        {"head_dim": 128, "layout": "mha", "causal": True}])
+    names = [p for p in dict.fromkeys(r["provider"] for r in speed)
+             if providers is None or p in providers]
+    colours = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    ncols = min(ncols, len(sels))
+    nrows = -(-len(sels) // ncols)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(9, 3.0 * nrows + 1.0), squeeze=False,
+                             sharey=True, layout="constrained")
+    axes = [ax for line in grid for ax in line]
+    for ax in axes[len(sels):]:
+        ax.set_visible(False)
+    key = f"{metric}_tflops"
+    for ax, sel in zip(axes, sels):
+        here = [r for r in speed if all((_layout(r) if k == "layout" else r.get(k)) == v
+                                        for k, v in sel.items())]
+        for name in names:
+            pts = sorted((r["seq_len"], r[key]) for r in here
+                         if r["provider"] == name and r.get(key))
+            if not pts:
+                continue
+            lw, z = (2.6, 3) if name == highlight else (1.4, 2)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3.5, lw=lw,
+                    zorder=z, label=name, color=colours[name])
+        xs = sorted({r["seq_len"] for r in here})
+        ax.set_xscale("log", base=2)
+        if xs:
+            ax.set_xticks(xs)
+            ax.set_xticklabels([_seq_label(s) for s in xs], fontsize=8)
+        ax.minorticks_off()
+        ax.set_title(" ".join(f"D={v}" if k == "head_dim" else
+                              (("causal" if v else "full") if k == "causal" else str(v))
+                              for k, v in sel.items()), fontsize=10)
+        ax.set_xlabel("sequence length S", fontsize=9)
+        ax.spines[["top", "right"]].set_visible(False)
+    for line in grid:
+        line[0].set_ylabel(f"{_METRIC_NAMES.get(metric, metric)} TFLOP/s", fontsize=9)
+    handles: dict = {}  # one legend for every panel
+    for ax in axes[:len(sels)]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", frameon=False,
+               ncol=min(len(handles), 8), fontsize=8, bbox_to_anchor=(0.5, -0.01))
+    fig.get_layout_engine().set(rect=(0, 0.07 / nrows, 1, 1 - 0.07 / nrows))
+    return tuple(axes[:len(sels)])

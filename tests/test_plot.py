@@ -129,3 +129,60 @@ def test_running_mean_and_loss_curves():
     assert ax.figure.get_size_inches()[0] <= 9
     (only,) = plot.loss_curves(rows[:1])
     assert len(only.get_lines()) == 1
+
+
+def _sweep_rows():
+    """Synthetic attention-sweep rows: ours and cuDNN at two S, two (D, layout, causal)
+    rows; cuDNN failed at one point, has no row at another."""
+    def row(provider, s, d, kv, causal, fwd, all_):
+        return {"kind": "speed", "provider": provider, "batch": 16384 // s, "heads": 32,
+                "kv_heads": kv, "seq_len": s, "head_dim": d, "causal": causal,
+                "fwd_tflops": fwd, "fwd_bwd_tflops": all_}
+
+    return [row("triton", 1024, 128, 32, True, 400, 300),
+            row("cudnn", 1024, 128, 32, True, 500, 300),
+            row("triton", 4096, 128, 32, True, 450, 360),
+            row("cudnn", 4096, 128, 32, True, 400, 400),
+            row("flex", 4096, 128, 32, True, 380, 350),
+            row("triton", 1024, 128, 8, False, 420, 330),
+            {**row("cudnn", 1024, 128, 8, False, 0, 0), "fwd_tflops": None,
+             "fwd_bwd_tflops": None, "error": "RuntimeError: No available kernel"},
+            row("triton", 4096, 128, 8, False, 430, 340),
+            {"kind": "memory", "provider": "triton", "seq_len": 4096, "peak_mem_gib": 1.0}]
+
+
+def test_ratio_heatmap_annotates_ratios_and_hatches_missing_cells():
+    fwd, both = plot.ratio_heatmap(_sweep_rows())
+    assert fwd.figure.get_size_inches()[0] <= 9
+    assert [t.get_text() for t in fwd.get_xticklabels()] == ["1k", "4k"]
+    assert [t.get_text() for t in fwd.get_yticklabels()] == ["D=128 mha causal",
+                                                             "D=128 gqa4 full"]
+    texts = [t.get_text() for t in fwd.texts]  # row by row, S across
+    assert texts == ["0.80", "1.12", "err", "–"]
+    assert [t.get_text() for t in both.texts] == ["1.00", "0.90", "err", "–"]
+    hatched = [p for p in fwd.patches if p.get_hatch()]
+    assert sorted((p.get_x() + 0.5, p.get_y() + 0.5) for p in hatched) == [(0, 1), (1, 1)]
+    # the colour scale is centred at 1.0
+    norm = fwd.images[0].norm
+    assert norm.vcenter == 1.0
+    (only,) = plot.ratio_heatmap(_sweep_rows(), "flex", "cudnn", metric="fwd")
+    assert [t.get_text() for t in only.texts] == ["–", "0.95", "err", "–"]
+
+
+def test_tflops_lines_one_line_per_provider_per_panel():
+    (ax,) = plot.tflops_lines(_sweep_rows())
+    assert ax.figure.get_size_inches()[0] <= 9
+    lines = {ln.get_label(): list(ln.get_xdata()) for ln in ax.get_lines()}
+    assert lines == {"triton": [1024, 4096], "cudnn": [1024, 4096], "flex": [4096]}
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1k", "4k"]
+    assert ax.get_title() == "D=128 mha causal"
+    grid = plot.tflops_lines(_sweep_rows(), [
+        {"head_dim": 128, "layout": "mha", "causal": True},
+        {"head_dim": 128, "layout": "gqa4", "causal": False}], metric="fwd",
+        providers=("triton", "cudnn"))
+    assert len(grid) == 2
+    gqa = {ln.get_label(): list(ln.get_ydata()) for ln in grid[1].get_lines()}
+    assert gqa == {"triton": [420, 430]}  # cuDNN failed there: no line
+    assert grid[0].figure.get_size_inches()[0] <= 9
+    (legend,) = grid[0].figure.legends  # one for every panel
+    assert [t.get_text() for t in legend.get_texts()] == ["triton", "cudnn"]
