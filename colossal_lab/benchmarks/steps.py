@@ -235,19 +235,23 @@ def time_setup(model, opt, loss_fn, setup: Setup, cfg, preset_name: str, batch: 
     """The timed results row of `setup` (model and optimizer already built) at `batch`,
     in micro-batches of `micro`, on random tokens: `train.measure_step`, with the
     recompute counted in HFU and ColossalAI's 8N figure next to it."""
-    from colossal_lab import data, train
+    from colossal_lab import data, telemetry, train
 
     micro = micro or batch
     step = FirstCallTimer(train.make_step(model, opt, loss_fn, micro_batches=batch // micro),
                           device)
     batches = data.random_batches(cfg.vocab_size, batch, seq_len, seed=seed, device=device)
     recompute = recompute_accounting(model, setup, cfg, batch, seq_len, device)
-    m = train.measure_step(step, batches, cfg=cfg, setup=setup.name, preset=preset_name,
-                           batch=batch, seq_len=seq_len, micro_batch=micro, warmup=warmup,
-                           iters=iters, progress=progress, gc_policy=setup.gc_policy,
-                           recompute_flops=recompute["recompute_flops"], extra=extra)
+    with telemetry.GpuSampler(device) as gpu:  # clocks and power beside the steps
+        m = train.measure_step(step, batches, cfg=cfg, setup=setup.name, preset=preset_name,
+                               batch=batch, seq_len=seq_len, micro_batch=micro,
+                               warmup=warmup, iters=iters, progress=progress,
+                               gc_policy=setup.gc_policy,
+                               recompute_flops=recompute["recompute_flops"], extra=extra)
     row = m.row()
     row["first_step_s"] = step.seconds
+    # the timed steps only: warm-up (and any compilation) runs at other clocks
+    row.update(gpu.fields(step.starts[warmup] if len(step.starts) > warmup else None))
     row.update(colossalai_fields(row, cfg, recompute))
     return row
 
@@ -256,12 +260,17 @@ class FirstCallTimer:
     """`step`, with the wall time of its first call kept in `seconds`: the first
     warm-up step, where `torch.compile` compiles (forward and backward graphs) and
     Triton JIT-compiles our kernels. Waits for the device, so the time covers the
-    kernels that call queued."""
+    kernels that call queued. `starts`: the local time each call began
+    (`telemetry.now`), so the GPU's samples can be cut to the timed steps."""
 
     def __init__(self, step, device):
         self.step, self.device, self.seconds = step, torch.device(device), None
+        self.starts: list = []
 
     def __call__(self, *args):
+        from colossal_lab.telemetry import now
+
+        self.starts.append(now())
         if self.seconds is not None:
             return self.step(*args)
         start = time.perf_counter()
