@@ -19,7 +19,7 @@ def rows():
 
 def test_rows_have_every_field(rows):
     ops = [r for r in rows if r["kind"] == "op"]
-    assert {r["op"] for r in ops} == set(fused_norm.OPS)
+    assert {r["op"] for r in ops} == set(fused_norm.NORM_OPS)
     assert {"eager", "torch", "triton"} <= {r["provider"] for r in ops}
     assert {r["provider"] for r in ops if r["op"] == "add_rms_norm"} >= {"separate"}
     for r in ops:
@@ -64,3 +64,187 @@ def test_eager_traffic_matches_docstrings(op, fwd, bwd):
 def test_measure_records_errors():
     row = fused_norm.measure("rms_norm", "triton", 2, 70000, torch.float32, "cpu")
     assert "65536" in row["error"]
+
+
+# ------------------------------------------------- issue #14: the sweep, targets, table
+
+SWEEP_FIELDS = ("fwd_bwd_ms", "eager_fwd_ms", "eager_fwd_bwd_ms", "eager_fwd_bwd_gbps",
+                "timing", "timed_as", "copy_gbps")
+
+
+@pytest.fixture()
+def small_host(monkeypatch):
+    """Host-time rows at one tiny shape, 2 calls: the interpreter is slow."""
+    monkeypatch.setattr(fused_norm, "HOST_SHAPES", ((4, 64),))
+    monkeypatch.setattr(fused_norm, "HOST_CALLS", 2)
+
+
+def test_sweep_rows_carry_both_timings_and_host_time(small_host):
+    cases = [("rms_norm", 8, 100, "bfloat16"), ("swiglu", 8, 70, "float32")]
+    rows = fused_norm.sweep(cases, ["torch", "triton"])
+    ops = [r for r in rows if r["kind"] == "op"]
+    assert {(r["op"], r["provider"]) for r in ops} == {
+        ("rms_norm", "torch"), ("rms_norm", "triton"), ("swiglu", "torch"),
+        ("swiglu", "triton")}
+    for r in ops:
+        assert "error" not in r, r
+        for f in SWEEP_FIELDS:
+            assert r.get(f), (f, r)
+    hosts = [r for r in rows if r["kind"] == "host"]
+    assert len(hosts) == 4 and all(r["host_us"] > 0 and r["device"] == "cpu"
+                                   for r in hosts)
+    assert [r for r in rows if r["kind"] == "ceiling"]
+    json.dumps(rows)
+
+
+def test_sweep_cases_cover_the_issue_and_skip_by_memory():
+    cases = fused_norm.sweep_cases("rms_norm")
+    assert cases[0] == ("rms_norm", *fused_norm.HEADLINE, "bfloat16")
+    hidden = set(fused_norm.HIDDEN) | set(fused_norm.ODD_HIDDEN)
+    assert {(t, h, d) for _, t, h, d in cases} == {
+        (t, h, d) for t in fused_norm.TOKENS for h in hidden for d in fused_norm.DTYPES}
+    assert "GiB" in fused_norm.skip_reason("rms_norm", 65536, 16384, "float32")
+    assert fused_norm.skip_reason("rms_norm", 16384, 4096, "float32") is None
+    models = fused_norm.sweep_cases("models")
+    assert {h for op, _, h, _ in models if op == "swiglu"} == {
+        i for _, i in fused_norm.MODEL_SIZES.values()}
+    assert {h for op, _, h, _ in models if op == "layer_norm"} == {
+        h for h, _ in fused_norm.MODEL_SIZES.values()}
+
+
+@pytest.mark.parametrize("group", list(fused_norm.GROUPS))
+def test_dry_run_chunks_cover_every_case(group):
+    cases = fused_norm.sweep_cases(group)
+    providers = list(fused_norm.SWEEP_PROVIDERS)
+    chunks = fused_norm.plan_chunks(cases, len(providers))
+    assert sorted(c for ch in chunks for c in ch) == sorted(cases)
+    for ch in chunks:  # a chunk is over budget only when one (op, dtype, H) is
+        est = fused_norm.chunk_estimate_s(ch, len(providers))
+        one_size = len({(c[0], c[2], c[3]) for c in ch}) == 1
+        assert est < fused_norm.CHUNK_BUDGET_S or one_size
+    text = fused_norm.dry_run(cases, providers, group, "x")
+    commands = [line for line in text.splitlines() if "bench fused_norm" in line]
+    assert "--resume" not in commands[0].split("&&")[0]
+    assert all("--resume" in part for line in commands for part in line.split("&&")[1:])
+
+
+def test_resume_appends_the_missing_cases(small_host, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
+    args = ["--group", "rms_norm", "--providers", "torch", "triton", "--dtypes",
+            "float32", "--tokens", "8", "--name", "sweep_test"]
+    fused_norm.main([*args, "--hidden", "100"])
+    fused_norm.main([*args, "--hidden", "100", "64", "--resume"])
+    doc = json.loads(next(tmp_path.glob("*/sweep_test.json")).read_text())
+    ops = [r for r in doc["rows"] if r["kind"] == "op"]
+    assert sorted((r["hidden"], r["provider"]) for r in ops) == [
+        (64, "torch"), (64, "triton"), (100, "torch"), (100, "triton")]
+    assert len(doc["config"]["resumed_from"]) == 1
+    assert all("measured_at" in r for r in ops if r["hidden"] == 100)
+    with pytest.raises(SystemExit):  # another configuration: refused
+        fused_norm.main([*args, "--group", "models", "--ops", "swiglu", "--resume"])
+
+
+def _pair(tokens, hidden, ours_ms, torch_ms, eager=(1.0, 1.0), dtype="bfloat16"):
+    base = {"kind": "op", "op": "rms_norm", "tokens": tokens, "hidden": hidden,
+            "dtype": dtype, "timing": "cuda_graph", "copy_gbps": 4000.0}
+    return [{**base, "provider": "triton", "fwd_bwd_ms": ours_ms,
+             "eager_fwd_bwd_ms": eager[0], "fwd_bwd_gbps": 3500.0},
+            {**base, "provider": "torch", "fwd_bwd_ms": torch_ms,
+             "eager_fwd_bwd_ms": eager[1], "fwd_bwd_gbps": 3000.0}]
+
+
+def test_targets_on_synthetic_rows():
+    host = [{"kind": "host", "op": "rms_norm", "provider": p, "tokens": 16,
+             "hidden": 4096, "dtype": "bfloat16", "host_us": us}
+            for p, us in (("triton", 60.0), ("torch", 50.0))]
+    rows = (_pair(16384, 4096, 1.0, 1.5) + _pair(4096, 5000, 1.0, 1.1, eager=(2.0, 1.0))
+            + _pair(65536, 1000, 1.0, 1.2) + host)
+    graph, eager, copy, host_gap = fused_norm.targets(rows)
+    assert [c["ok"] for c in (graph, eager, copy, host_gap)] == [True] * 4
+    assert graph["points"] == 3 and eager["points"] == 2  # eager loses at 4096 tokens
+    assert copy["worst"] == 3500.0 / 4000.0 and host_gap["worst"] == 10.0
+
+    slow = _pair(16384, 4096, 1.0, 0.9, eager=(1.2, 1.0))
+    slow[0]["fwd_bwd_gbps"] = 3000.0  # 75% of copy
+    host[0]["host_us"] = 90.0
+    bad = fused_norm.targets(slow + host)
+    assert [c["ok"] for c in bad] == [False, False, False, False]
+    assert bad[0]["failing"][0]["at"] == (16384, 4096, "bfloat16")
+    assert round(bad[0]["worst"], 2) == 0.9 and bad[3]["worst"] == 40.0
+    eager_capture = _pair(4096, 4096, 1.0, 2.0)
+    eager_capture[0]["timing"] = "events (capture failed: X)"  # not graph replay
+    assert fused_norm.targets(eager_capture)[0]["ok"] is None
+
+
+@pytest.fixture()
+def table(monkeypatch):
+    """A launch table for a pretend GPU, its cache cleared before and after."""
+    from colossal_lab.kernels import _norm_common, norm_table
+
+    entries = {"128/float32/fwd": {"rows": 2, "num_warps": 8},
+               "128/float32/bwd": {"rows": 4, "num_warps": 4, "programs_per_sm": 3,
+                                   "num_stages": 1}}
+    monkeypatch.setattr(norm_table, "TABLES", {"NVIDIA H200": entries})
+    monkeypatch.setattr(_norm_common, "_gpu_name", lambda: "NVIDIA H200")
+    _norm_common.launch_config.cache_clear()
+    yield _norm_common
+    _norm_common.launch_config.cache_clear()
+
+
+def test_table_entry_overrides_the_heuristic(table):
+    heuristic = table.launch_config(100)  # no dtype: never the table
+    assert heuristic.source == "heuristic" and heuristic.rows == 32
+    cfg = table.launch_config(100, torch.float32)
+    assert (cfg.rows, cfg.num_warps, cfg.source) == (2, 8, "table:NVIDIA H200")
+    bwd = table.launch_config(100, torch.float32, backward=True)
+    assert (bwd.rows, bwd.programs_per_sm, bwd.num_stages) == (4, 3, 1)
+    assert table.launch_config(100, torch.bfloat16).source == "heuristic"  # missing
+    assert table.launch_config(1000, torch.float32).source == "heuristic"  # bucket 1024
+    assert table.launch_config(100, torch.float32, rows=1).source == "override"
+
+
+def test_kernels_correct_with_a_table_launch(table):
+    from colossal_lab.kernels.rms_norm import rms_norm_triton
+    from colossal_lab.switches import norm
+
+    x = torch.randn(7, 100, requires_grad=True)
+    w = (torch.randn(100) * 0.1 + 1).requires_grad_(True)
+    dy = torch.randn(7, 100)
+    got = torch.autograd.grad(rms_norm_triton(x, w, 1e-6), (x, w), dy)
+    ref = torch.autograd.grad(norm.rms_norm_ref(x, w, 1e-6), (x, w), dy)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+def test_write_table_from_tune_rows(tmp_path, monkeypatch):
+    from colossal_lab.results import save_results
+
+    monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
+    tune = [{"kind": "tune", "hidden": 4096, "dtype": "bfloat16", "pass": "fwd",
+             "rows": r, "num_warps": nw, "gbps": g}
+            for r, nw, g in ((1, 8, 3000.0), (2, 8, 3500.0), (1, 16, None))]
+    tune += [{"kind": "tune", "hidden": 4096, "dtype": "bfloat16", "pass": "bwd",
+              "rows": 1, "num_warps": 8, "programs_per_sm": 2, "num_stages": s,
+              "gbps": g} for s, g in ((1, 2000.0), (2, 2500.0))]
+    saved = save_results("fused_norm_tune", tune, gpu="h200")
+    path = fused_norm.write_table(path=tmp_path / "norm_table.py")
+    ns: dict = {}
+    exec(path.read_text(), ns)
+    gpu = json.loads(saved.read_text())["provenance"]["gpu"]  # keyed by torch's name
+    assert ns["TABLES"][gpu] == {
+        "4096/bfloat16/bwd": {"rows": 1, "num_warps": 8, "programs_per_sm": 2,
+                              "num_stages": 2},
+        "4096/bfloat16/fwd": {"rows": 2, "num_warps": 8}}
+
+
+def test_host_parts_stubs_the_launches_and_puts_them_back():
+    from colossal_lab.kernels import _norm_common, rms_norm
+
+    kernels = (rms_norm._rms_norm_forward_kernel, rms_norm._rms_norm_backward_kernel,
+               _norm_common._rms_norm_partials_sum_kernel)
+    rows = fused_norm.host_parts(calls=3)
+    assert {r["triton_launches_per_fwd_bwd"] for r in rows} == {3}  # fwd, bwd, dw sum
+    parts = {r["part"]: r["us"] for r in rows}
+    assert parts["launch_config"] > 0 and "F.rms_norm fwd+bwd" in parts
+    assert (rms_norm._rms_norm_forward_kernel, rms_norm._rms_norm_backward_kernel,
+            _norm_common._rms_norm_partials_sum_kernel) == kernels

@@ -342,3 +342,23 @@ def test_other_backends_on_gpu(backend):
     dy = torch.randn(256, 1000, device=DEVICE).to(torch.bfloat16)
     _check_op(lambda x, w: norm.rms_norm(x, w, backend=backend), rms_norm_ref, [x, w],
               [dy], 1e-3, 0.0)
+
+
+@pytest.mark.parametrize("programs,n_cols", [(1, 1), (5, 70), (67, 130)], ids=str)
+def test_partials_sum_is_one_deterministic_launch(programs, n_cols, monkeypatch):
+    """The backward's dweight (and dbias) partials are summed in fp32 and rounded once to
+    each parameter's dtype, by one launch, the same bits on every call."""
+    from colossal_lab.kernels import _norm_common as nc
+
+    partials = torch.randn(2, programs, n_cols) * 3
+    w, b = torch.empty(n_cols, dtype=torch.bfloat16), torch.empty(n_cols)
+    counts = count_launches(monkeypatch, nc._rms_norm_partials_sum_kernel)
+    dw, db = nc.sum_partials(partials, w, b)
+    assert counts == {"_rms_norm_partials_sum_kernel": 1}
+    assert (dw.dtype, db.dtype) == (torch.bfloat16, torch.float32)
+    expect = partials.double().sum(1)  # (2, n_cols)
+    torch.testing.assert_close(db.double(), expect[1], atol=1e-4, rtol=1e-5)
+    # rounded once: within half a bf16 ulp of the exact sum (plus fp32 summation error)
+    torch.testing.assert_close(dw.double(), expect[0], atol=1e-4, rtol=2 ** -8)
+    again = nc.sum_partials(partials, w, b)
+    assert torch.equal(again[0], dw) and torch.equal(again[1], db)

@@ -15,12 +15,26 @@ the ceiling.
     python -m colossal_lab bench fused_norm --quick  # tiny shapes, CPU smoke test
     python -m colossal_lab bench fused_norm --tune   # launch parameters of our kernels
     python -m colossal_lab.benchmarks.fused_norm     # the same without the CLI
+
+Issue #14's sweep (`sweep`): `--group rms_norm` (the hidden-size sweep, bf16 and fp32,
+-> fused_norm.json) and `--group models` (LayerNorm, add+RMSNorm, SwiGLU at LLaMA
+sizes -> fused_norm_models.json), graph-replay and eager timings in every row, host
+time per call (`host_us`), run in chunks under a per-command time limit:
+
+    python -m colossal_lab bench fused_norm --group rms_norm --dry-run   # cases, chunks
+    python -m colossal_lab bench fused_norm --group rms_norm --hidden 4096 --resume
+    python -m colossal_lab bench fused_norm --host-parts   # our host time, part by part
+    python -m colossal_lab bench fused_norm --tune --dtypes bfloat16 float32
+    python -m colossal_lab bench fused_norm --write-table  # -> kernels/norm_table.py
+
+`targets(rows)` checks the issue's done-when on the saved rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import warnings
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,15 +45,41 @@ from colossal_lab.results import save_results
 from colossal_lab.switches import norm
 from colossal_lab.timing import gbps, time_fn, time_kernels
 
-OPS = ("rms_norm", "layer_norm", "add_rms_norm")
+OPS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu")
 PROVIDERS = ("eager", "torch", "compile", "triton", "liger", "apex", "separate")
-HIDDEN = (1024, 2048, 4096, 8192, 16384)
-TOKENS = (4096, 16384, 65536)
+HIDDEN = (1024, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 12288, 13824, 16384)
+ODD_HIDDEN = (1000, 3000, 5000, 11008)
+"""Sizes that are no multiple of 16 or of a power of two: masked tiles, no 16-byte
+loads where the row stride is not divisible by 16 elements."""
+TOKENS = (1024, 4096, 16384, 65536)
+DTYPES = ("bfloat16", "float32")
+MODEL_SIZES = {"llama-7b": (4096, 11008), "llama-13b": (5120, 13824),
+               "llama-70b": (8192, 28672), "tinyllama": (2048, 5632)}
+"""(hidden, intermediate) of the models issue #14 names: the norms run at the hidden
+size, SwiGLU at the intermediate size."""
+GROUPS = {"rms_norm": "fused_norm", "models": "fused_norm_models"}
+"""--group: "rms_norm", the hidden-size sweep (HIDDEN + ODD_HIDDEN x TOKENS x DTYPES);
+"models": LayerNorm, add+RMSNorm and SwiGLU at MODEL_SIZES x TOKENS x DTYPES. The
+value is the results file each saves to by default (`--name`)."""
+CHUNK_BUDGET_S = 300.0
+"""--dry-run's chunks: estimated GPU seconds per command line, well under a 600 s limit
+(the estimate leaves out Triton's JIT and process start-up)."""
+SWEEP_PROVIDERS = ("torch", "triton", "liger")
+"""Providers of the sweep (those installed): ours against the library kernels."""
 HEADLINE = (16384, 4096)
 """(tokens, hidden) of the summary table and of the first compile (see `run`)."""
 MAX_CASE_BYTES = 8 << 30
 """Skip cases whose inputs, outputs and gradients exceed this (eager needs more)."""
 EPS = 1e-6
+HOST_SHAPES = ((16, 2048), (16, 16384))
+"""(tokens, hidden) of the host-time rows: few tokens, so the GPU drains the queue
+faster than the host fills it and the loop times the host alone."""
+HOST_CALLS = 200
+"""fwd+bwd calls per host-time loop."""
+EST_FIXED_S, EST_REPLAYS, EST_START_S = 1.5, 400, 20.0
+"""--dry-run's estimate per provider and case: set-up, JIT and captures (s), plus this
+many passes over the case's fwd+bwd bytes at 3 TB/s (graph replays and do_bench); and
+per command: start-up, the copy ceiling and the host-time rows (s)."""
 
 
 # ----------------------------------------------------------------------------- the bytes
@@ -56,6 +96,8 @@ def moved_bytes(op: str, tokens: int, hidden: int, elem: int = 2,
     add_rms_norm  fwd: read x, residual, w; write h, y, rstd          4Ne + wH + 4T
                   bwd: read dy, dh_in, h, w, rstd; write dh (= dx = dresidual), dw
                                                                        4Ne + 2wH + 4T
+    swiglu        fwd: read gate, up; write h (N = tokens·i)   3Ne
+                  bwd: read dh, gate, up; write dgate, dup      5Ne
     fwd+bwd is the sum: the forward's outputs are written, the backward reads them.
     """
     n, w, t = tokens * hidden, (w_elem or elem) * hidden, tokens
@@ -65,6 +107,8 @@ def moved_bytes(op: str, tokens: int, hidden: int, elem: int = 2,
         return 2 * n * elem + 2 * w + 8 * t, 3 * n * elem + 3 * w + 8 * t
     if op == "add_rms_norm":
         return 4 * n * elem + w + 4 * t, 4 * n * elem + 2 * w + 4 * t
+    if op == "swiglu":  # hidden = i; fwd: read gate, up; write h. bwd: read dh, gate,
+        return 3 * n * elem, 5 * n * elem  # up; write dgate, dup
     raise ValueError(f"unknown op {op!r}; choose from {OPS}")
 
 
@@ -121,6 +165,11 @@ def traffic_bytes(op: str, tokens: int, hidden: int, dtype=torch.bfloat16,
 
 
 def _provider_fn(op: str, provider: str):
+    if op == "swiglu":  # "torch": silu(gate) * up on views, what Hugging Face runs
+        from colossal_lab.switches import projections
+
+        name = {"torch": "eager", "eager": "eager"}.get(provider, provider)
+        return lambda gu: projections.swiglu(gu, backend=name)
     if provider == "separate":  # the unfused baseline of the fused add
         from colossal_lab.kernels.rms_norm import rms_norm_triton
 
@@ -151,6 +200,9 @@ def _inputs(op: str, tokens: int, hidden: int, dtype, device):
         t = torch.randn(*shape, generator=g, device=device) * scale + shift
         return t.to(dtype).requires_grad_(True)
 
+    if op == "swiglu":  # hidden = i: one (tokens, 2i) [gate | up] input
+        gu = rnd(tokens, 2 * hidden)
+        return (gu,), (torch.randn(tokens, hidden, generator=g, device=device).to(dtype),)
     x, w = rnd(tokens, hidden), rnd(hidden, scale=0.1, shift=1.0)
     if op == "rms_norm":
         inputs = (x, w)
@@ -169,9 +221,12 @@ def _as_tuple(out):
 
 
 def measure(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat16,
-            device=None) -> dict:
-    """Time one provider on one case: forward, backward (on a retained graph) and both.
-    A failure becomes an `error` field; the other timings are kept."""
+            device=None, *, eager: bool = False) -> dict:
+    """Time one provider on one case: forward, backward (on a retained graph) and both,
+    as CUDA-graph replays (`fwd_ms`, ...: the kernels); with `eager`, also forward and
+    fwd+bwd launched from Python (`eager_fwd_ms`, `eager_fwd_bwd_ms`: do_bench, as a
+    user times them); `timed_as` says which field was taken how. A failure becomes an
+    `error` field; the other timings are kept."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     row = {"kind": "op", "op": op, "provider": provider, "tokens": tokens,
            "hidden": hidden, "dtype": str(dtype).replace("torch.", "")}
@@ -205,6 +260,20 @@ def measure(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat
             errors.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
             timings[name] = None
     row["timing"] = "/".join(dict.fromkeys(methods))
+    if eager:  # as most users call it: launches from Python, host time included
+        for name, f in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+            try:
+                ms = time_fn(f, device=device, warmup_ms=10, rep_ms=50).median_ms
+            except Exception as e:
+                errors.append(f"eager {name}: {type(e).__name__}: {str(e)[:200]}")
+                ms = None
+            nbytes = fwd_bytes + (bwd_bytes if name == "fwd_bwd" else 0)
+            row[f"eager_{name}_ms"] = ms
+            row[f"eager_{name}_gbps"] = gbps(nbytes, ms) if ms else None
+        row["timed_as"] = {
+            "fwd_ms/bwd_ms/fwd_bwd_ms": row["timing"],
+            "eager_fwd_ms/eager_fwd_bwd_ms": "do_bench" if device.type == "cuda"
+            else "perf_counter"}
     # effective bandwidth = bytes an ideal kernel moves / time (see moved_bytes)
     for name, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes),
                          ("fwd_bwd", fwd_bytes + bwd_bytes)):
@@ -227,8 +296,388 @@ def _backward_only(fn, inputs, grads):
 
 def _case_bytes(op: str, tokens: int, hidden: int, elem: int) -> int:
     """Inputs, outputs, upstream and input gradients of one case (fused version)."""
-    n_tensors = {"rms_norm": 4, "layer_norm": 4, "add_rms_norm": 7}[op]
+    n_tensors = {"rms_norm": 4, "layer_norm": 4, "add_rms_norm": 7, "swiglu": 6}[op]
     return n_tensors * tokens * hidden * elem
+
+
+def host_us(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat16,
+            device=None, *, calls: int = 200, repeats: int = 5) -> dict:
+    """Host time of one eager forward+backward: `calls` of them enqueued back to back
+    with no synchronisation inside the loop, the loop's wall time / `calls`, median of
+    `repeats`. At few tokens the GPU finishes each call before the host has enqueued
+    the next, so the loop never waits on a full launch queue: it times the host work
+    (Python, autograd, allocations, launchers). On a CPU the ops also run: meaningless
+    as host time, kept as a smoke test (`device` says so)."""
+    import time
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    row = {"kind": "host", "op": op, "provider": provider, "tokens": tokens,
+           "hidden": hidden, "dtype": str(dtype).replace("torch.", ""),
+           "device": device.type,
+           "host_timing": f"perf_counter around {calls} fwd+bwd calls enqueued without "
+                          f"synchronising, / calls; median of {repeats}; "
+                          "synchronised before and after each loop"}
+    try:
+        fn = _provider_fn(op, provider)
+        inputs, grads = _inputs(op, tokens, hidden, dtype, device)
+
+        def call():
+            return torch.autograd.grad(_as_tuple(fn(*inputs)), inputs, grads)
+
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        for _ in range(10):
+            call()
+        per_call = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call()
+            per_call.append((time.perf_counter() - t0) / calls * 1e6)
+            sync()
+        per_call.sort()
+        row.update(host_us=per_call[len(per_call) // 2], host_us_min=per_call[0])
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: `kernel[grid](...)` only counts the launch."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args, **kwargs):
+        self.launches += 1
+
+
+def _per_call_us(fn, calls: int, repeats: int = 7) -> float:
+    """Best of `repeats` loops of `calls` calls, µs per call (no synchronisation)."""
+    import time
+
+    for _ in range(min(calls, 200)):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def host_parts(tokens: int = 4, hidden: int = 64, dtype=torch.bfloat16, device=None,
+               calls: int = 2000) -> list[dict]:
+    """Host time per call of our RMSNorm and of its parts, next to F.rms_norm's, at a
+    tiny shape (the device never holds the host up). The Triton launches are replaced
+    by a counter (`_NoLaunch`), so "ours, launches stubbed" is our Python alone:
+    autograd Function, checks, launch config, allocations. On a GPU, "ours" minus it is
+    what Triton's launchers cost; on a CPU the launcher cannot run (the interpreter
+    replaces it) and F.rms_norm also computes, so only our parts are host time there."""
+    import torch.nn.functional as F
+
+    from colossal_lab.kernels import _norm_common as nc
+    from colossal_lab.kernels import rms_norm as rk
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    (x, w), (dy,) = _inputs("rms_norm", tokens, hidden, dtype, device)
+    x2d, wd = x.detach(), w.detach()
+    partials = torch.zeros(1, 4, hidden, device=device)
+
+    class Empty(torch.autograd.Function):  # the floor of any autograd.Function
+        @staticmethod
+        def forward(ctx, x, w):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return dy, None
+
+    def grad(f):
+        return lambda: torch.autograd.grad(f(), (x, w), dy, allow_unused=True)
+
+    timed = {"F.rms_norm fwd+bwd": grad(lambda: F.rms_norm(x, (hidden,), w, EPS)),
+             "empty autograd.Function fwd+bwd": grad(lambda: Empty.apply(x, w))}
+    if device.type == "cuda":
+        timed["ours fwd+bwd"] = grad(lambda: rk.rms_norm_triton(x, w, EPS))
+    rows = [{"part": k, "us": _per_call_us(f, calls)} for k, f in timed.items()]
+    stubs = {(m, n): _NoLaunch() for m in (rk, nc) for n in dir(m)
+             if n.endswith("_kernel")}
+    saved = {k: getattr(*k) for k in stubs}
+    try:
+        for (m, n), stub in stubs.items():
+            setattr(m, n, stub)
+        parts = {
+            "ours fwd+bwd, launches stubbed": grad(lambda: rk.rms_norm_triton(x, w, EPS)),
+            "ours fwd+bwd via norm.rms_norm, launches stubbed":
+                grad(lambda: norm.rms_norm(x, w, EPS, backend="triton")),
+            "check_input + check_param": lambda: (nc.check_input(x2d),
+                                                  nc.check_param(wd, hidden, x2d, "w")),
+            "as_rows": lambda: nc.as_rows(x2d, hidden),
+            "launch_config": lambda: nc.launch_config(hidden, dtype),
+            "persistent_programs": lambda: nc.persistent_programs(64, 4, device),
+            "torch.empty (tokens, hidden)": lambda: torch.empty(
+                (tokens, hidden), dtype=dtype, device=device),
+            "sum_partials, launch stubbed": lambda: nc.sum_partials(partials, wd),
+            "partials.sum(0).to(w.dtype) (before)": lambda: partials[0].sum(0).to(dtype),
+            "resolve_backend('triton')": lambda: norm.resolve_backend("triton", device),
+        }
+        rows += [{"part": k, "us": _per_call_us(f, calls)} for k, f in parts.items()]
+        for stub in stubs.values():
+            stub.launches = 0
+        torch.autograd.grad(rk.rms_norm_triton(x, w, EPS), (x, w), dy)
+        launches = sum(s.launches for s in stubs.values())
+    finally:
+        for (m, n), kernel in saved.items():
+            setattr(m, n, kernel)
+    base = {"kind": "host_part", "tokens": tokens, "hidden": hidden,
+            "dtype": str(dtype).replace("torch.", ""), "device": device.type,
+            "triton_launches_per_fwd_bwd": launches,
+            "how": f"perf_counter, best of 7 loops of {calls} calls, no synchronisation"}
+    return [{**base, **r} for r in rows]
+
+
+# ------------------------------------------------------------------ the sweep, in chunks
+
+
+def sweep_cases(group: str = "rms_norm", *, hidden=None, tokens=None, dtypes=DTYPES,
+                ops=None) -> list[tuple[str, int, int, str]]:
+    """(op, tokens, hidden, dtype) of a `--group` (see GROUPS), headline case first
+    (the compile provider's static graph), then by dtype, hidden, tokens. `hidden`
+    and `tokens` replace the group's sizes (for every op: name one with `ops`)."""
+    if group == "rms_norm":
+        widths = {"rms_norm": sorted(set(HIDDEN) | set(ODD_HIDDEN))}
+    elif group == "models":
+        h = sorted({m[0] for m in MODEL_SIZES.values()})
+        i = sorted({m[1] for m in MODEL_SIZES.values()})
+        widths = {"layer_norm": h, "add_rms_norm": h, "swiglu": i}
+    else:
+        raise ValueError(f"unknown group {group!r}; choose from {GROUPS}")
+    cases = [(op, t, h, d) for op, hs in widths.items() for d in dtypes
+             for h in (hidden or hs) for t in (tokens or TOKENS)
+             if ops is None or op in ops]
+    return sorted(cases, key=lambda c: ((c[1], c[2]) != HEADLINE or c[3] != "bfloat16",
+                                        c[0], DTYPES.index(c[3]) if c[3] in DTYPES else 9,
+                                        c[2], c[1]))
+
+
+def skip_reason(op: str, tokens: int, hidden: int, dtype: str) -> str | None:
+    """Why a case is not run (its memory), or None."""
+    nbytes = _case_bytes(op, tokens, hidden, getattr(torch, dtype).itemsize)
+    if nbytes > MAX_CASE_BYTES:
+        return (f"inputs, outputs and gradients need {nbytes / 2**30:.1f} GiB > "
+                f"MAX_CASE_BYTES {MAX_CASE_BYTES / 2**30:.0f} GiB")
+    return None
+
+
+def estimate_s(case, n_providers: int) -> float:
+    """Rough GPU seconds of one case (`EST_FIXED_S`, `EST_REPLAYS`); 0 when skipped."""
+    op, t, h, d = case
+    if skip_reason(*case):
+        return 0.0
+    fwd, bwd = moved_bytes(op, t, h, getattr(torch, d).itemsize)
+    return n_providers * (EST_FIXED_S + EST_REPLAYS * (fwd + bwd) / 3e12)
+
+
+def plan_chunks(cases, n_providers: int, budget_s: float = CHUNK_BUDGET_S
+                ) -> list[list]:
+    """Cases split, in order, into chunks whose estimates stay under `budget_s`, each
+    a whole (op, dtype, hidden) so that `--hidden`/`--dtypes`/`--ops` can name it."""
+    groups: dict[tuple, list] = {}
+    for c in cases:
+        groups.setdefault((c[0], c[3], c[2]), []).append(c)
+    chunks, cur, cur_s = [], [], 0.0
+    for g in groups.values():
+        g_s = sum(estimate_s(c, n_providers) for c in g)
+        new_command = not cur or (cur[-1][0], cur[-1][3]) != (g[0][0], g[0][3])
+        g_s += EST_START_S if new_command else 0.0
+        if cur and cur_s + g_s > budget_s:
+            chunks.append(cur)
+            cur, cur_s = [], 0.0
+            g_s += 0.0 if new_command else EST_START_S
+        cur += g
+        cur_s += g_s
+    return chunks + ([cur] if cur else [])
+
+
+def chunk_estimate_s(chunk, n_providers: int) -> float:
+    """Estimated seconds of one chunk's command line, each command's start-up included."""
+    commands = len({(c[0], c[3]) for c in chunk})
+    return commands * EST_START_S + sum(estimate_s(c, n_providers) for c in chunk)
+
+
+def chunk_command(chunk, group: str, name: str, first: bool = False) -> str:
+    """The command line that runs `chunk` (one op and dtype per command); all but the
+    `first` command of a run append to the results file (--resume)."""
+    parts = []
+    for (op, d), cs in _by(chunk, lambda c: (c[0], c[3])).items():
+        hs = " ".join(str(h) for h in dict.fromkeys(c[2] for c in cs))
+        resume = "" if first and not parts else " --resume"
+        parts.append(f"python -m colossal_lab bench fused_norm --group {group} "
+                     f"--ops {op} --dtypes {d} --hidden {hs} --name {name}{resume}")
+    return " && ".join(parts)
+
+
+def _by(items, key) -> dict:
+    out: dict = {}
+    for it in items:
+        out.setdefault(key(it), []).append(it)
+    return out
+
+
+def dry_run(cases, providers, group: str, name: str,
+            budget_s: float = CHUNK_BUDGET_S) -> str:
+    """The case list, what is skipped and why, the estimated GPU time, and command
+    lines that run it in chunks of < `budget_s`: the first starts the results file
+    afresh, the others append (--resume; so does a chunk run again after a cut)."""
+    n = len(providers)
+    lines = [f"fused_norm --group {group}: {len(cases)} cases x {n} providers "
+             f"({', '.join(providers)})"]
+    for c in cases:
+        why = skip_reason(*c)
+        lines.append(f"  {c[0]:<13}{c[1]:>6} x {c[2]:<6}{c[3]:<9}"
+                     + (f" skipped: {why}" if why else f" ~{estimate_s(c, n):.0f} s"))
+    total = sum(estimate_s(c, n) for c in cases)
+    chunks = plan_chunks(cases, n, budget_s)
+    lines.append(f"estimate {total:.0f} s of GPU time (rough: {EST_FIXED_S} s per "
+                 f"provider-case + {EST_REPLAYS} passes at 3 TB/s); {len(chunks)} "
+                 f"chunks of < {budget_s:.0f} s:")
+    lines += [f"  [{chunk_estimate_s(ch, n):.0f} s] "
+              f"{chunk_command(ch, group, name, first=i == 0)}"
+              for i, ch in enumerate(chunks)]
+    return "\n".join(lines)
+
+
+def case_key(r: dict) -> tuple:
+    return (r.get("kind"), r.get("op"), r.get("provider"), r.get("tokens"),
+            r.get("hidden"), r.get("dtype"))
+
+
+def sweep(cases, providers=None, *, host: bool = True, on_row=None,
+          done: set | None = None, host_shapes=None, host_calls: int | None = None
+          ) -> list[dict]:
+    """Every provider on every case, graph replay and eager side by side, each row
+    with the copy ceiling measured once in this process; then, with `host`, the host
+    time of every provider at `host_shapes` (default `HOST_SHAPES`, `HOST_CALLS` calls)
+    for each op and dtype. `done` (case keys) is skipped; `on_row(rows)` gets the rows
+    so far after each case (save them)."""
+    host_shapes = host_shapes or HOST_SHAPES
+    host_calls = host_calls or HOST_CALLS
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    done = done or set()
+    copy = measure_copy_gbps(device=device)
+    rows = [{"kind": "ceiling", "copy_gbps": copy}]  # also in every row: its run's
+
+    def names(op):
+        want = providers or SWEEP_PROVIDERS
+        if op == "swiglu":
+            return [p for p in ("torch", "compile", "triton") if p in want]
+        return [p for p in providers_here(op, device) if p in want]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for op, t, h, d in cases:
+            dtype = getattr(torch, d)
+            new = []
+            for p in names(op):
+                if ("op", op, p, t, h, d) in done:
+                    continue
+                why = skip_reason(op, t, h, d)
+                if why:
+                    new.append({"kind": "op", "op": op, "provider": p, "tokens": t,
+                                "hidden": h, "dtype": d, "skipped": why})
+                    continue
+                row = measure(op, p, t, h, dtype, device, eager=True)
+                row["copy_gbps"] = copy
+                new.append(row)
+                print(format_row(row), flush=True)
+            rows += new
+            if new and on_row is not None:
+                on_row(rows)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if host:
+            for op, d in dict.fromkeys((c[0], c[3]) for c in cases):
+                for t, h in host_shapes:
+                    for p in names(op):
+                        if ("host", op, p, t, h, d) in done:
+                            continue
+                        row = host_us(op, p, t, h, getattr(torch, d), device,
+                                      calls=host_calls,
+                                      repeats=5 if host_calls > 20 else 1)
+                        rows.append(row)
+                        print(f"  host {op:<13}{p:<9}{t:>6} x {h:<6}{d:<9}"
+                              f"{row.get('host_us', float('nan')):8.1f} us", flush=True)
+            if on_row is not None:
+                on_row(rows)
+    return rows
+
+
+# ------------------------------------------------------------------------ the targets
+
+
+def targets(rows: list[dict], *, op: str = "rms_norm", min_eager_tokens: int = 16384,
+            copy_share: float = 0.85, host_gap_us: float = 20.0) -> list[dict]:
+    """Issue #14's done-when, evaluated on sweep rows: one dict per check with `check`,
+    `ok` (None when no row can tell), `worst` and where (`at`), and `failing`.
+
+    1. graph replay: ours ("triton") >= 1.0 x torch in fwd+bwd at every point;
+    2. eager (do_bench) >= 1.0 x torch at every point with >= `min_eager_tokens`;
+    3. ours >= `copy_share` of the copy bandwidth at 16384 x 4096 bf16, fwd+bwd;
+    4. one eager fwd+bwd's host time within `host_gap_us` of torch's, at every host row.
+    """
+    ops = [r for r in rows if r.get("kind") == "op" and r.get("op") == op]
+    pairs = {}
+    for r in ops:
+        pairs.setdefault((r["tokens"], r["hidden"], r["dtype"]), {})[r["provider"]] = r
+
+    def ratio_check(name, field, keep):
+        worst, at, failing, n = None, None, [], 0
+        for k, prov in sorted(pairs.items()):
+            ours, ref = prov.get("triton", {}), prov.get("torch", {})
+            if not keep(k, ours) or not ours.get(field) or not ref.get(field):
+                continue
+            n += 1
+            x = ref[field] / ours[field]  # time ratio: > 1 means ours is faster
+            if worst is None or x < worst:
+                worst, at = x, k
+            if x < 1.0:
+                failing.append({"at": k, "ratio": round(x, 3)})
+        return {"check": name, "ok": (not failing) if n else None, "points": n,
+                "worst": worst, "at": at, "failing": failing}
+
+    out = [ratio_check("graph replay fwd+bwd >= 1.0x torch at every point", "fwd_bwd_ms",
+                       lambda k, r: str(r.get("timing", "")) == "cuda_graph"),
+           ratio_check(f"eager fwd+bwd >= 1.0x torch at >= {min_eager_tokens} tokens",
+                       "eager_fwd_bwd_ms", lambda k, r: k[0] >= min_eager_tokens)]
+    head = pairs.get((*HEADLINE, "bfloat16"), {}).get("triton", {})
+    share = (head["fwd_bwd_gbps"] / head["copy_gbps"]
+             if head.get("fwd_bwd_gbps") and head.get("copy_gbps") else None)
+    low = share is not None and share < copy_share
+    out.append({"check": f">= {copy_share:.0%} of copy at {HEADLINE[0]} x {HEADLINE[1]} "
+                         "bf16 fwd+bwd", "ok": None if share is None else not low,
+                "points": int(share is not None), "worst": share,
+                "at": (*HEADLINE, "bfloat16"),
+                "failing": [{"share": round(share, 3)}] if low else []})
+    hosts = {}
+    for r in rows:
+        if r.get("kind") == "host" and r.get("op") == op and "host_us" in r:
+            key = (r["tokens"], r["hidden"], r["dtype"])
+            hosts.setdefault(key, {})[r["provider"]] = r
+    gaps = [(k, v["triton"]["host_us"] - v["torch"]["host_us"]) for k, v in
+            sorted(hosts.items()) if "triton" in v and "torch" in v]
+    worst_gap = max(gaps, key=lambda g: g[1], default=None)
+    out.append({"check": f"eager fwd+bwd host time <= torch's + {host_gap_us:.0f} us",
+                "ok": all(g <= host_gap_us for _, g in gaps) if gaps else None,
+                "points": len(gaps), "worst": worst_gap[1] if worst_gap else None,
+                "at": worst_gap[0] if worst_gap else None,
+                "failing": [{"at": k, "gap_us": round(g, 1)} for k, g in gaps
+                            if g > host_gap_us]})
+    return out
 
 
 def providers_here(op: str, device) -> list[str]:
@@ -243,8 +692,14 @@ def providers_here(op: str, device) -> list[str]:
 # ---------------------------------------------------------------------------------- run
 
 
-def run(quick: bool = False, *, ops=OPS, providers=None, hidden=HIDDEN, tokens=TOKENS,
-        dtype=torch.bfloat16) -> list[dict]:
+RUN_HIDDEN, RUN_TOKENS = (1024, 2048, 4096, 8192, 16384), (4096, 16384, 65536)
+"""`run`'s grid: every provider, bf16 (the sweep of issue #14 is `sweep`)."""
+NORM_OPS = OPS[:3]
+"""`run`'s ops: the norms (SwiGLU is in the sweep's "models" group)."""
+
+
+def run(quick: bool = False, *, ops=NORM_OPS, providers=None, hidden=RUN_HIDDEN,
+        tokens=RUN_TOKENS, dtype=torch.bfloat16) -> list[dict]:
     """Every provider on every case, side by side in this process, plus the copy
     ceiling and the eager reference's counted traffic.
 
@@ -345,20 +800,26 @@ def summary(rows: list[dict], tokens: int | None = None, hidden: int | None = No
 # ------------------------------------------------------------------------------ tuning
 
 
-def tune(tokens: int = 16384, hidden=(1024, 4096, 8192, 16384), dtype=torch.bfloat16
-         ) -> list[dict]:
+TUNE_HIDDEN = (1024, 2048, 4096, 8192, 16384)
+"""One hidden size per table bucket (`launch_config` keys by next_power_of_2(H)): the
+power of two itself; sizes between two (5120, 13824) get their bucket's entry."""
+
+
+def tune(tokens: int = 16384, hidden=TUNE_HIDDEN, dtypes=(torch.bfloat16,)) -> list[dict]:
     """Time our RMSNorm launchers over their launch parameters (forward: rows per tile
     and warps; backward: also programs per SM and pipelining stages) and print the best
-    of each next to the default. The winners go into `kernels._norm_common.DEFAULTS`.
-    About a minute per hidden size on an H200."""
+    of each next to the default. `--write-table` turns the winners into
+    `kernels/norm_table.py`. About a minute per hidden size and dtype on an H200."""
     if not torch.cuda.is_available():
         raise SystemExit("--tune times GPU kernels: it needs a CUDA device")
     device = torch.device("cuda")
     rows = []
-    for h in hidden:
-        rows += _tune_hidden(tokens, h, dtype, device)
-        torch.cuda.empty_cache()
-    rows.append({"kind": "ceiling", "copy_gbps": measure_copy_gbps(device=device)})
+    for dtype in dtypes:
+        for h in hidden:
+            rows += _tune_hidden(tokens, h, dtype, device)
+            torch.cuda.empty_cache()
+    rows.append({"kind": "ceiling", "hidden": None, "dtype": None,
+                 "copy_gbps": measure_copy_gbps(device=device)})
     return rows
 
 
@@ -372,7 +833,8 @@ def _tune_hidden(tokens: int, h: int, dtype, device) -> list[dict]:
     _, rstd = rms_norm_forward(x, w, EPS)
     fwd_bytes, bwd_bytes = moved_bytes("rms_norm", tokens, h, dtype.itemsize)
     default = launch_config(h)
-    base = {"kind": "tune", "tokens": tokens, "hidden": h}
+    base = {"kind": "tune", "tokens": tokens, "hidden": h,
+            "dtype": str(dtype).replace("torch.", "")}
 
     def timed(row, nbytes, fn):
         try:
@@ -404,22 +866,76 @@ def _tune_hidden(tokens: int, h: int, dtype, device) -> list[dict]:
     for pas in ("fwd", "bwd"):
         ok = [r for r in rows if r["pass"] == pas and "gbps" in r]
         best = max(ok, key=lambda r: r["gbps"], default=None)
-        print(f"  H={h:<6} {pas}: default {default}; best {best}", flush=True)
+        print(f"  H={h:<6} {base['dtype']} {pas}: default {default}; best {best}",
+              flush=True)
     return rows
+
+
+def save_tune(name: str, rows: list[dict], command: str) -> Path:
+    """Save tuning rows into `results/<gpu>/<name>.json`, replacing the (hidden, dtype)
+    an earlier invocation measured and keeping the others: --tune runs in chunks."""
+    from colossal_lab.results import merge_rows
+
+    merged = merge_rows(name, rows, ("kind", "hidden", "dtype"))
+    return save_results(name, merged, config=config_of(dtype="per row"), command=command)
+
+
+def table_from_tune(rows: list[dict]) -> dict[str, dict[str, int]]:
+    """The fastest launch per (bucket, dtype, pass) of tuning rows, keyed as
+    `_norm_common.table_entry` looks it up: "<next_power_of_2(H)>/<dtype>/<pass>"."""
+    from colossal_lab.kernels._norm_common import next_power_of_2
+
+    best: dict[str, dict] = {}
+    for r in rows:
+        if r.get("kind") != "tune" or not r.get("gbps"):
+            continue
+        key = f"{next_power_of_2(r['hidden'])}/{r.get('dtype', 'bfloat16')}/{r['pass']}"
+        if key not in best or r["gbps"] > best[key]["gbps"]:
+            best[key] = r
+    fields = {"fwd": ("rows", "num_warps"),
+              "bwd": ("rows", "num_warps", "programs_per_sm", "num_stages")}
+    return {k: {f: r[f] for f in fields[r["pass"]]} for k, r in sorted(best.items())}
+
+
+def write_table(tune_name: str = "fused_norm_tune", path: Path | None = None) -> Path:
+    """Rewrite `colossal_lab/kernels/norm_table.py` with the tuned entries of the GPU
+    whose `results/<gpu>/<tune_name>.json` is found (this GPU's, else the reference's),
+    keeping other GPUs' entries."""
+    import pprint
+
+    from colossal_lab.kernels import norm_table
+    from colossal_lab.results import load_results
+
+    res = load_results(tune_name)
+    gpu = res.provenance["gpu"]  # torch's device name: what `launch_config` looks up
+    tables = {**norm_table.TABLES, gpu: table_from_tune(res.rows)}
+    path = path or Path(norm_table.__file__)
+    doc = (norm_table.__doc__ or "").strip()
+    body = pprint.pformat(tables, width=88, sort_dicts=True)
+    path.write_text(f'"""{doc}\n"""\n\n# from {res._file_label()}, commit '
+                    f"{str(res.provenance.get('git_sha'))[:10]}\n"
+                    f"TABLES: dict[str, dict[str, dict[str, int]]] = {body}\n")
+    return path
 
 
 # -------------------------------------------------------------------------------- main
 
 
-def config_of(dtype="bf16") -> dict:
-    return {"dtype": dtype, "weight_dtype": dtype, "eps": EPS,
-            "timing": "CUDA graph replay, median of 100, L2 flushed before each "
-                      "(eager do_bench where a provider cannot be captured: row 'timing')",
-            "backward": "torch.autograd.grad on a retained graph (no .grad accumulation)",
-            "gbps": "bytes an ideal kernel moves / time; see moved_bytes()",
-            "max_case_gib": MAX_CASE_BYTES / 2**30,
-            "compile": "torch.compile default (static first graph at the headline shape, "
-                       "then dynamic shapes)"}
+def config_of(dtype="bf16", group: str | None = None) -> dict:
+    cfg = {"dtype": dtype, "weight_dtype": dtype, "eps": EPS,
+           "timing": "CUDA graph replay, median of 100, L2 flushed before each "
+                     "(eager do_bench where a provider cannot be captured: row 'timing')",
+           "backward": "torch.autograd.grad on a retained graph (no .grad accumulation)",
+           "gbps": "bytes an ideal kernel moves / time; see moved_bytes()",
+           "max_case_gib": MAX_CASE_BYTES / 2**30,
+           "compile": "torch.compile default (static first graph at the headline shape, "
+                      "then dynamic shapes)"}
+    if group is not None:  # the sweep: both timings in every row, host-time rows
+        cfg.update(group=group, dtype="per row", weight_dtype="the input's",
+                   eager_timing="do_bench of fwd and fwd+bwd launched from Python "
+                                "(eager_*_ms), next to the graph replays",
+                   host_timing="kind 'host' rows: see host_us()")
+    return cfg
 
 
 def main(argv=None) -> None:
@@ -429,25 +945,107 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--tune", action="store_true", help="launch-parameter sweep (GPU)")
-    p.add_argument("--ops", nargs="*", choices=OPS, default=list(OPS))
+    p.add_argument("--write-table", action="store_true",
+                   help="write kernels/norm_table.py from results/<gpu>/<name>_tune.json")
+    p.add_argument("--group", choices=list(GROUPS),
+                   help="issue #14's sweep: graph and eager timings, host time, chunks")
+    p.add_argument("--ops", nargs="*", choices=OPS)
     p.add_argument("--providers", nargs="*", choices=PROVIDERS)
-    p.add_argument("--hidden", nargs="*", type=int, help=f"default {HIDDEN}")
+    p.add_argument("--hidden", nargs="*", type=int,
+                   help=f"default {HIDDEN} + {ODD_HIDDEN}")
     p.add_argument("--tokens", nargs="*", type=int, help=f"default {TOKENS}")
-    p.add_argument("--name", default="fused_norm",
-                   help="results file name (keep partial runs apart)")
+    p.add_argument("--dtypes", nargs="*", choices=DTYPES, default=list(DTYPES))
+    p.add_argument("--resume", action="store_true",
+                   help="keep the cases already in results/<gpu>/<name>.json (same "
+                        "config), measure and append the rest")
+    p.add_argument("--host-parts", action="store_true",
+                   help="host time of our RMSNorm's parts vs F.rms_norm (tiny shape)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the cases, a time estimate and chunked commands; no GPU")
+    p.add_argument("--name", help="results file name (keep partial runs apart); "
+                   f"default fused_norm, with --group {GROUPS}")
     a = p.parse_args(argv)
+    a.name = a.name or GROUPS.get(a.group, "fused_norm")
     command = " ".join(["python -m colossal_lab bench fused_norm", *argv])
+    if a.host_parts:
+        rows = [r for d in a.dtypes for r in host_parts(dtype=getattr(torch, d))]
+        for r in rows:
+            print(f"  {r['dtype']:<9}{r['us']:9.2f} us  {r['part']}")
+        if not a.quick:
+            path = save_results(f"{a.name}_host", rows, config=config_of(dtype="per row"),
+                                command=command)
+            print(f"saved {path}")
+        return
+    if a.write_table:
+        print(f"wrote {write_table(f'{a.name}_tune')}")
+        return
     if a.tune:
         rows = tune(a.tokens[0] if a.tokens else 16384,
-                    tuple(a.hidden) if a.hidden else (1024, 4096, 8192, 16384))
-        path = save_results(f"{a.name}_tune", rows, config=config_of(), command=command)
+                    tuple(a.hidden) if a.hidden else TUNE_HIDDEN,
+                    dtypes=tuple(getattr(torch, d) for d in a.dtypes))
+        path = save_tune(f"{a.name}_tune", rows, command)
         print(f"saved {path}")
         return
-    rows = run(a.quick, ops=tuple(a.ops), providers=a.providers,
-               hidden=tuple(a.hidden or HIDDEN), tokens=tuple(a.tokens or TOKENS))
-    if not a.quick:
-        path = save_results(a.name, rows, config=config_of(), command=command)
-        print(f"saved {path}")
+    if a.group is None:
+        if a.resume or a.dry_run:
+            p.error("--resume and --dry-run go with --group (the chunked sweep)")
+        rows = run(a.quick, ops=tuple(a.ops or NORM_OPS), providers=a.providers,
+                   hidden=tuple(a.hidden or RUN_HIDDEN),
+                   tokens=tuple(a.tokens or RUN_TOKENS))
+        if not a.quick:
+            path = save_results(a.name, rows, config=config_of(), command=command)
+            print(f"saved {path}")
+        return
+    run_group(a, p, command)
+
+
+def run_group(a, p, command: str) -> None:
+    """`--group`: the sweep of issue #14, resumable, in chunks."""
+    if a.quick:  # CPU smoke test of the whole path: tiny shapes, nothing saved
+        cases = sweep_cases(a.group, hidden=None, tokens=(8,), dtypes=a.dtypes,
+                            ops=a.ops)
+        cases = [(op, t, 100 if op != "swiglu" else 70, d) for op, t, h, d in cases
+                 if h == min(c[2] for c in cases if c[0] == op)]
+    else:
+        cases = sweep_cases(a.group, hidden=a.hidden, tokens=a.tokens, dtypes=a.dtypes,
+                            ops=a.ops)
+    providers = a.providers or list(SWEEP_PROVIDERS)
+    if a.dry_run:
+        print(dry_run(cases, providers, a.group, a.name))
+        return
+    if a.quick:
+        rows = sweep(cases, providers, host_shapes=((4, 64),), host_calls=3)
+        for t in targets(rows):
+            print(f"  {t['check']}: {t['ok']} (worst {t['worst']})")
+        return
+    from colossal_lab.benchmarks.steps import resumed_rows
+    from colossal_lab.results import load_results
+
+    config, kept = config_of(group=a.group), []
+    if a.resume:
+        try:
+            old = load_results(a.name, gpu=_slug())
+            doc = {"config": old.config, "provenance": old.provenance, "rows": old.rows}
+        except FileNotFoundError:
+            doc = None  # the first chunk: nothing to keep
+        if doc is not None:
+            kept, config = resumed_rows(a.name, doc, config, p.error)
+            print(f"[fused_norm] resuming: {len(kept)} rows kept", flush=True)
+
+    def save(rows):
+        save_results(a.name, kept + rows, config=config, command=command)
+
+    rows = sweep(cases, providers, on_row=save, done={case_key(r) for r in kept})
+    save(rows)
+    for t in targets(kept + rows):
+        print(f"  {t['check']}: {t['ok']} (worst {t['worst']} at {t['at']})")
+    print(f"saved {len(kept + rows)} rows")
+
+
+def _slug() -> str:
+    from colossal_lab import hardware
+
+    return hardware.detect().slug
 
 
 if __name__ == "__main__":

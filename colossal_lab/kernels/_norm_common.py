@@ -14,13 +14,16 @@ So the launch settings aim at one thing, keeping enough bytes in flight:
 - small H gets several rows per program (ROWS > 1) so a program still moves ~8 KB;
 - the backward runs a *persistent* grid of a few programs per SM that loop over row
   tiles, each accumulating its dweight partial sum in registers and writing it once:
-  the (programs, H) fp32 partials are then summed by torch. Few programs keep that
-  buffer small (132 x 4096 x 4 B = 2 MB on an H200, against 400 MB of row traffic), and
-  no atomics make the result deterministic.
+  the (programs, H) fp32 partials are then summed by `sum_partials` (one launch, which
+  also rounds to the weight's dtype). Few programs keep that buffer small (132 x 4096
+  x 4 B = 2 MB on an H200, against 400 MB of row traffic), and no atomics make the
+  result deterministic.
 
 The defaults below are the result of reasoning, not of a sweep on every GPU:
 `python -m colossal_lab.benchmarks.fused_norm --tune` times the alternatives on the
-card at hand; change `DEFAULTS` when it finds better ones.
+card at hand per hidden bucket and dtype, and `--write-table` stores the winners in
+`norm_table.py`, which `launch_config` consults for the GPU it runs on; `DEFAULTS`
+remain the fallback.
 """
 
 from __future__ import annotations
@@ -67,26 +70,80 @@ class LaunchConfig:
     """Rows per tile (ROWS)."""
     num_warps: int
     """Warps per program."""
+    programs_per_sm: int | None = None
+    """Backward: persistent programs per SM (None: `DEFAULTS.programs_per_sm_warps //
+    num_warps`)."""
+    num_stages: int | None = None
+    """Backward: pipelining depth of the row loop (None: `DEFAULTS.bwd_stages`)."""
+    source: str = "heuristic"
+    """"heuristic", "override" or "table:<gpu>" (`norm_table.TABLES`)."""
 
 
-def launch_config(n_cols: int, *, rows: int | None = None,
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in plain Python: `triton.cdiv` is a ConstexprFunction in Triton 3.7
+    and costs ~4 us per host call (measured on the CPU, notes/fused_norm.md)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1), in plain Python (see `cdiv`)."""
+    return 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def _gpu_name() -> str | None:
+    """This process's GPU as torch names it ("NVIDIA H200", the `gpu` of a results
+    file's provenance), the key of `norm_table.TABLES`; None without CUDA or under the
+    interpreter. (Kernels import nothing above them, so not `hardware`'s slug.)"""
+    if INTERPRET or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name()
+
+
+def table_entry(block: int, dtype: torch.dtype | None, backward: bool,
+                gpu: str | None = None) -> dict | None:
+    """The tuned launch of (hidden bucket `block`, `dtype`, pass) for `gpu` (default
+    this one) from `colossal_lab.kernels.norm_table`, or None."""
+    from colossal_lab.kernels import norm_table
+
+    gpu = gpu or _gpu_name()
+    if gpu is None or dtype is None:
+        return None
+    key = f"{block}/{str(dtype).replace('torch.', '')}/{'bwd' if backward else 'fwd'}"
+    return norm_table.TABLES.get(gpu, {}).get(key)
+
+
+@functools.lru_cache(maxsize=1024)
+def launch_config(n_cols: int, dtype: torch.dtype | None = None, *,
+                  backward: bool = False, rows: int | None = None,
                   num_warps: int | None = None) -> LaunchConfig:
-    """Tile and warps for rows of `n_cols` elements; `rows`/`num_warps` override the
-    heuristic (the tuning sweep uses them)."""
+    """Tile and warps for rows of `n_cols` elements of `dtype`, for the forward or the
+    `backward`: the tuned entry for this GPU when `norm_table` has one, the heuristic
+    otherwise; `rows`/`num_warps` override both (the tuning sweep uses them).
+
+    Cached per argument tuple: every launch asks, and the answer never changes within
+    a process (call `launch_config.cache_clear()` after editing `norm_table.TABLES`)."""
     if n_cols > MAX_HIDDEN:
         raise ValueError(
             f"hidden size {n_cols} > {MAX_HIDDEN}: a fused norm keeps one row in "
             "registers; use the 'torch' backend for rows this long")
     if n_cols < 1:
         raise ValueError("cannot normalise rows of 0 elements")
-    block = triton.next_power_of_2(n_cols)
-    if rows is None:
-        rows = max(1, DEFAULTS.tile_elems // block)
+    block = next_power_of_2(n_cols)
+    if rows is not None or num_warps is not None:
+        source, entry = "override", {}
+    else:
+        entry = table_entry(block, dtype, backward)
+        source = f"table:{_gpu_name()}" if entry else "heuristic"
+        entry = entry or {}
+    rows = rows or entry.get("rows") or max(1, DEFAULTS.tile_elems // block)
     if num_warps is None:
         tile = rows * block
         cap = 32 if tile >= 32768 else 16
-        num_warps = min(cap, max(4, tile // (32 * DEFAULTS.elems_per_thread)))
-    return LaunchConfig(block, rows, num_warps)
+        num_warps = entry.get("num_warps") or min(
+            cap, max(4, tile // (32 * DEFAULTS.elems_per_thread)))
+    return LaunchConfig(block, rows, num_warps, entry.get("programs_per_sm"),
+                        entry.get("num_stages"), source)
 
 
 @functools.cache
@@ -163,3 +220,49 @@ def _to_dtype(x, dtype: tl.constexpr):
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def _rms_norm_partials_sum_kernel(
+    PARTIALS,  # (N_PARTS, n_programs, n_cols) fp32 partial sums, contiguous
+    OUT0,  # (n_cols,) Σ over programs of PARTIALS[0], in OUT0's dtype
+    OUT1,  # (n_cols,) Σ of PARTIALS[1], in OUT1's dtype (N_PARTS == 2 only)
+    n_programs,  # rows of each partial block
+    n_cols,  # H
+    BLOCK_P: tl.constexpr,  # partial rows summed per step
+    BLOCK: tl.constexpr,  # columns per program
+):
+    """Column sums of the backward's dweight (and dbias) partials, in fp32, rounded once
+    to the parameter's dtype: one launch where `partials.sum(0).to(w.dtype)` takes two
+    (three for LayerNorm's dw and db). The order of the sum is fixed: deterministic.
+    LayerNorm's too; the name keeps `profile`'s "norm" category (it matches rms_?norm)."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    part = tl.program_id(1)
+    col_ok = cols < n_cols
+    base = PARTIALS + part.to(tl.int64) * n_programs * n_cols
+    acc = tl.zeros((BLOCK_P, BLOCK), dtype=tl.float32)
+    for start in range(0, n_programs, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        mask = (p < n_programs)[:, None] & col_ok[None, :]
+        acc += tl.load(base + p[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)  # (BLOCK,)
+    if part == 0:
+        tl.store(OUT0 + cols, _to_dtype(total, OUT0.dtype.element_ty), mask=col_ok)
+    else:
+        tl.store(OUT1 + cols, _to_dtype(total, OUT1.dtype.element_ty), mask=col_ok)
+
+
+_SUM_BLOCK, _SUM_BLOCK_P = 64, 64
+"""Columns per program and partial rows per step of the partials sum: H / 64
+programs (64 at H = 4096), each reading 64 x 64 fp32 per step."""
+
+
+def sum_partials(partials: torch.Tensor, *params: torch.Tensor) -> list[torch.Tensor]:
+    """(len(params), programs, H) fp32 partials -> one (H,) sum per parameter, in that
+    parameter's dtype, in one launch."""
+    n_parts, n_programs, n_cols = partials.shape
+    outs = [torch.empty(n_cols, dtype=p.dtype, device=partials.device) for p in params]
+    _rms_norm_partials_sum_kernel[(cdiv(n_cols, _SUM_BLOCK), n_parts)](
+        partials, outs[0], outs[-1], n_programs, n_cols,
+        BLOCK_P=_SUM_BLOCK_P, BLOCK=_SUM_BLOCK, num_warps=4)
+    return outs

@@ -33,10 +33,12 @@ from colossal_lab.kernels._norm_common import (
     _row_tile,
     _to_dtype,
     as_rows,
+    cdiv,
     check_input,
     check_param,
     launch_config,
     persistent_programs,
+    sum_partials,
 )
 
 
@@ -148,12 +150,12 @@ def layer_norm_forward(x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
         y (rows, H) in x2d's dtype, mean and rstd (rows,) fp32.
     """
     n_rows, n_cols = x2d.shape
-    cfg = config or launch_config(n_cols)
+    cfg = config or launch_config(n_cols, x2d.dtype)
     y = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     if n_rows:
-        _layer_norm_forward_kernel[(triton.cdiv(n_rows, cfg.rows),)](
+        _layer_norm_forward_kernel[(cdiv(n_rows, cfg.rows),)](
             x2d, w, b if b is not None else w, y, mean, rstd,
             x2d.stride(0), n_rows, n_cols, eps,
             HAS_BIAS=b is not None, ROWS=cfg.rows, BLOCK=cfg.block,
@@ -176,23 +178,24 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
         dx (rows, H) in x's dtype; dw (H,) in w's dtype; db (H,) in b's dtype, or None.
     """
     n_rows, n_cols = x.shape
-    cfg = config or launch_config(n_cols)
+    cfg = config or launch_config(n_cols, x.dtype, backward=True)
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return dx, torch.zeros_like(w), None if b is None else torch.zeros_like(b)
-    n_tiles = triton.cdiv(n_rows, cfg.rows)
-    programs = persistent_programs(n_tiles, cfg.num_warps, x.device, programs_per_sm)
+    n_tiles = cdiv(n_rows, cfg.rows)
+    programs = persistent_programs(n_tiles, cfg.num_warps, x.device,
+                                   programs_per_sm or cfg.programs_per_sm)
     partials = torch.empty((2 if b is not None else 1, programs, n_cols),
                            dtype=torch.float32, device=x.device)
     _layer_norm_backward_kernel[(programs,)](
         dy, x, w, mean, rstd, dx, partials[0], partials[-1],
         dy.stride(0), x.stride(0), n_rows, n_cols,
         HAS_BIAS=b is not None, ROWS=cfg.rows, BLOCK=cfg.block,
-        NUM_STAGES=num_stages or DEFAULTS.bwd_stages, num_warps=cfg.num_warps)
-    sums = partials.sum(1)  # (1 or 2, H): one reduction for dw and db
-    dw = sums[0].to(w.dtype)
-    db = sums[1].to(b.dtype) if b is not None else None
-    return dx, dw, db
+        NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages,
+        num_warps=cfg.num_warps)
+    # dw and db, each in its parameter's dtype, in one launch
+    sums = sum_partials(partials, w, *([b] if b is not None else []))
+    return dx, sums[0], sums[1] if b is not None else None
 
 
 # ------------------------------------------------------------------------------ autograd

@@ -37,7 +37,8 @@ registers between reading and writing it.
 
 Design (see `_norm_common`): forward, one program per tile of whole rows, 16-byte loads;
 backward, a persistent grid of a few programs per SM looping over row tiles, each
-accumulating Σ dy·x̂ in registers and writing one (H,) fp32 partial, summed by torch.
+accumulating Σ dy·x̂ in registers and writing one (H,) fp32 partial, summed by
+`sum_partials` (one launch, in fp32, rounded once to w's dtype).
 
 Numerics differ from the LLaMA reference in one place: the reference rounds x̂ to x's
 dtype before multiplying by w; we multiply in fp32 and round once. The output is x's
@@ -56,10 +57,12 @@ from colossal_lab.kernels._norm_common import (
     _row_tile,
     _to_dtype,
     as_rows,
+    cdiv,
     check_input,
     check_param,
     launch_config,
     persistent_programs,
+    sum_partials,
 )
 
 
@@ -160,16 +163,16 @@ def _rms_norm_backward_kernel(
 
 def _forward(x2d, residual2d, w, eps, config):
     n_rows, n_cols = x2d.shape
-    cfg = config or launch_config(n_cols)
     dtype = x2d.dtype  # of y and h: torch's promotion of x and residual, as for x + res
     if residual2d is not None:
         dtype = torch.result_type(x2d, residual2d)
+    cfg = config or launch_config(n_cols, x2d.dtype)
     y = torch.empty((n_rows, n_cols), dtype=dtype, device=x2d.device)
     h = torch.empty_like(y) if residual2d is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     if n_rows:
         res = residual2d if residual2d is not None else x2d
-        _rms_norm_forward_kernel[(triton.cdiv(n_rows, cfg.rows),)](
+        _rms_norm_forward_kernel[(cdiv(n_rows, cfg.rows),)](
             x2d, res, w, y, h if h is not None else y, rstd,
             x2d.stride(0), res.stride(0), n_rows, n_cols, eps,
             HAS_RESIDUAL=residual2d is not None, ROWS=cfg.rows, BLOCK=cfg.block,
@@ -205,20 +208,24 @@ def add_rms_norm_forward(x2d: torch.Tensor, residual2d: torch.Tensor, w: torch.T
 
 def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages):
     n_rows, n_cols = x2d.shape
-    cfg = config or launch_config(n_cols)
+    cfg = config or launch_config(n_cols, x2d.dtype, backward=True)
     dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
     if n_rows == 0:
         return dx, torch.zeros_like(w)
-    n_tiles = triton.cdiv(n_rows, cfg.rows)
-    programs = persistent_programs(n_tiles, cfg.num_warps, x2d.device, programs_per_sm)
-    dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
+    n_tiles = cdiv(n_rows, cfg.rows)
+    programs = persistent_programs(n_tiles, cfg.num_warps, x2d.device,
+                                   programs_per_sm or cfg.programs_per_sm)
+    dw_partial = torch.empty((1, programs, n_cols), dtype=torch.float32,
+                             device=x2d.device)  # (1, P, H): sum_partials' layout
     dh = dh_in2d if dh_in2d is not None else dy2d
     _rms_norm_backward_kernel[(programs,)](
         dy2d, x2d, w, rstd, dh, dx, dw_partial,
         dy2d.stride(0), x2d.stride(0), dh.stride(0), n_rows, n_cols,
         HAS_DH_IN=dh_in2d is not None, ROWS=cfg.rows, BLOCK=cfg.block,
-        NUM_STAGES=num_stages or DEFAULTS.bwd_stages, num_warps=cfg.num_warps)
-    return dx, dw_partial.sum(0).to(w.dtype)
+        NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages,
+        num_warps=cfg.num_warps)
+    (dw,) = sum_partials(dw_partial, w)  # (H,) in w's dtype, one launch
+    return dx, dw
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,

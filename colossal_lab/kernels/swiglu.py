@@ -32,11 +32,13 @@ specialises integer arguments divisible by 16, which i = 11008 and 5632 are).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from colossal_lab.kernels._norm_common import _to_dtype
+from colossal_lab.kernels._norm_common import _to_dtype, cdiv, next_power_of_2
 
 MAX_BLOCK = 1024
 """Columns per program: 1024 bf16 = 2 KB per tensor, 8 elements per thread at 4 warps."""
@@ -101,14 +103,15 @@ def _swiglu_backward_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
+@functools.cache
 def _tiling(n_cols: int) -> tuple[int, int, int]:
-    block = min(MAX_BLOCK, triton.next_power_of_2(max(n_cols, 1)))
+    block = min(MAX_BLOCK, next_power_of_2(max(n_cols, 1)))
     rows = max(1, TILE_ELEMS // block)
     return block, rows, 4
 
 
 def _grid(n_rows: int, n_cols: int, rows: int, block: int) -> tuple[int, int]:
-    return triton.cdiv(n_rows, rows), triton.cdiv(n_cols, block)
+    return cdiv(n_rows, rows), cdiv(n_cols, block)  # plain Python: see _norm_common.cdiv
 
 
 def _rows_of(t: torch.Tensor, width: int) -> torch.Tensor:
