@@ -7,7 +7,7 @@ kernels can run faster than in a stream of GEMMs. Chapter 09's profile shows exa
 that: GEMMs of the naive bf16 step above the rate one sustained GEMM reaches. Whether
 the clock is the reason is a measurement, not an inference, once each timed row says
 what the clock and the power were while its steps ran: `GpuSampler` runs
-``nvidia-smi --query-gpu=... -lms 100`` beside the steps, and `fields` summarises the
+``nvidia-smi --query-gpu=... --loop-ms=100`` beside the steps, and `fields` summarises the
 samples taken after a given moment (the first timed step, so warm-up and compilation
 are left out).
 
@@ -141,7 +141,7 @@ class GpuSampler:
             self.why = "unavailable: no nvidia-smi on PATH"
             return self
         cmd = [exe, f"--query-gpu={','.join(QUERY)}", "--format=csv,noheader,nounits",
-               f"-lms={self.interval_ms}"]
+               f"--loop-ms={self.interval_ms}"]
         gpu = _gpu_id(self.device)
         if gpu is not None:
             cmd.append(f"--id={gpu}")
