@@ -358,18 +358,74 @@ def _seq_label(s: int) -> str:
 _METRIC_NAMES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
 
 
-def ratio_heatmap(rows: list[dict], numerator: str = "triton", denominator: str = "cudnn",
-                  metric=("fwd", "fwd_bwd"), *, title: str | None = None):
-    """`numerator` / `denominator` TFLOP/s at every point of an attention sweep
-    (`benchmarks.flash_attention`): S across, (D, layout, causal) down, one panel per
-    metric ("fwd", "fwd_bwd"). Each cell is annotated with its ratio on a diverging
-    colormap centred at 1.0 (blue: the numerator faster); a cell without both figures
-    is grey and hatched, annotated "err" or "skip" when a provider's row says so, "–"
-    when there is none. Returns the axes, one per metric."""
+def ratio_grid(panels: dict[str, list[list[tuple[float | None, str]]]],
+               xlabels: list[str], ylabels: list[str], *, xlabel: str,
+               colorbar_label: str, title: str | None = None, ncols: int = 2):
+    """Heatmaps of ratios, one panel per entry of `panels` (panel title -> rows of
+    cells, each cell `(ratio, why)`), `ncols` panels a row, sharing the axes' labels and
+    one diverging colormap centred at 1.0 (blue above 1). Each cell is annotated with
+    its ratio; a cell without one (ratio None) is grey and hatched and shows `why`
+    ("err", "skip", "–"). Returns the axes, one per panel."""
     import numpy as np
     from matplotlib.colors import CenteredNorm
     from matplotlib.patches import Rectangle
 
+    values = [v for g in panels.values() for line in g for v, _ in line if v is not None]
+    half = max([0.25] + [abs(v - 1.0) * 1.05 for v in values])
+    norm, cmap = CenteredNorm(vcenter=1.0, halfrange=half), plt.get_cmap("RdBu")
+    ncols = max(1, min(ncols, len(panels)))
+    nrows = -(-len(panels) // ncols)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(9, nrows * (0.3 * len(ylabels) + 1.2)
+                                                    + 0.7),
+                             sharey=True, squeeze=False, layout="constrained")
+    axes = tuple(ax for line in grid for ax in line)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    image = None
+    for ax, (name, cells) in zip(axes, panels.items()):
+        data = np.ma.masked_invalid(np.array(
+            [[np.nan if v is None else v for v, _ in line] for line in cells], float)
+            .reshape(len(ylabels), len(xlabels)))
+        image = ax.imshow(data, cmap=cmap, norm=norm, aspect="auto")
+        for i, line in enumerate(cells):
+            for j, (v, why) in enumerate(line):
+                if v is None:
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="#eeeeee",
+                                           edgecolor=GREY, hatch="//", lw=0))
+                    ax.text(j, i, why, ha="center", va="center", fontsize=7, color="#555555")
+                else:
+                    dark = abs(v - 1.0) > 0.6 * half
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                            color="white" if dark else "black")
+        ax.set_xticks(range(len(xlabels)))
+        ax.set_xticklabels(xlabels, fontsize=8)
+        ax.set_xlabel(xlabel, fontsize=9)
+        ax.set_title(name, fontsize=10)
+        ax.tick_params(length=0)
+        ax.set_yticks(range(len(ylabels)))
+        ax.set_yticklabels(ylabels, fontsize=8)
+    fig.colorbar(image, ax=list(axes[:len(panels)]), shrink=0.8, pad=0.01).set_label(
+        colorbar_label, fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return axes[:len(panels)]
+
+
+def _missing(found: list[dict], *error_fields: str) -> str:
+    """What a ratio cell without a value shows: "err" when a row failed, "skip" when
+    one was skipped, "–" when there is no row."""
+    if any(any(f in r for f in ("error", *error_fields)) for r in found):
+        return "err"
+    return "skip" if any("skipped" in r for r in found) else "–"
+
+
+def ratio_heatmap(rows: list[dict], numerator: str = "triton", denominator: str = "cudnn",
+                  metric=("fwd", "fwd_bwd"), *, title: str | None = None):
+    """`numerator` / `denominator` TFLOP/s at every point of an attention sweep
+    (`benchmarks.flash_attention`): S across, (D, layout, causal) down, one panel per
+    metric ("fwd", "fwd_bwd"), drawn by `ratio_grid`. A cell without both figures says
+    "err" or "skip" when a provider's row says so, "–" when there is none. Returns the
+    axes, one per metric."""
     metrics = (metric,) if isinstance(metric, str) else tuple(metric)
     speed = [r for r in rows if r.get("kind", "speed") == "speed" and "provider" in r]
     by = {(r["provider"], r["seq_len"], r["head_dim"], _layout(r), r["causal"]): r
@@ -382,46 +438,49 @@ def ratio_heatmap(rows: list[dict], numerator: str = "triton", denominator: str 
         a, b = (by.get((p, s, *y)) for p in (numerator, denominator))
         if a and b and a.get(f"{m}_tflops") and b.get(f"{m}_tflops"):
             return a[f"{m}_tflops"] / b[f"{m}_tflops"], ""
-        found = [r for r in (a, b) if r is not None]
-        if any("error" in r or f"{m}_error" in r for r in found):
-            return None, "err"
-        return None, "skip" if any("skipped" in r for r in found) else "–"
+        return None, _missing([r for r in (a, b) if r is not None], f"{m}_error")
 
-    grids = {m: [[cell(m, s, y) for s in seqs] for y in ys] for m in metrics}
-    values = [v for g in grids.values() for line in g for v, _ in line if v is not None]
-    half = max([0.25] + [abs(v - 1.0) * 1.05 for v in values])
-    norm, cmap = CenteredNorm(vcenter=1.0, halfrange=half), plt.get_cmap("RdBu")
-    fig, axes = plt.subplots(1, len(metrics), figsize=(9, 0.3 * len(ys) + 1.9),
-                             sharey=True, squeeze=False, layout="constrained")
-    axes = tuple(axes[0])
-    for ax, m in zip(axes, metrics):
-        data = np.ma.masked_invalid(np.array(
-            [[np.nan if v is None else v for v, _ in line] for line in grids[m]], float)
-            .reshape(len(ys), len(seqs)))
-        image = ax.imshow(data, cmap=cmap, norm=norm, aspect="auto")
-        for i, line in enumerate(grids[m]):
-            for j, (v, why) in enumerate(line):
-                if v is None:
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="#eeeeee",
-                                           edgecolor=GREY, hatch="//", lw=0))
-                    ax.text(j, i, why, ha="center", va="center", fontsize=7, color="#555555")
-                else:
-                    dark = abs(v - 1.0) > 0.6 * half
-                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
-                            color="white" if dark else "black")
-        ax.set_xticks(range(len(seqs)))
-        ax.set_xticklabels([_seq_label(s) for s in seqs], fontsize=8)
-        ax.set_xlabel("sequence length S", fontsize=9)
-        ax.set_title(_METRIC_NAMES.get(m, m), fontsize=10)
-        ax.tick_params(length=0)
-    axes[0].set_yticks(range(len(ys)))
-    axes[0].set_yticklabels([f"D={d} {lay} {'causal' if c else 'full'}" for d, lay, c in ys],
-                            fontsize=8)
-    fig.colorbar(image, ax=list(axes), shrink=0.8, pad=0.01).set_label(
-        f"{numerator} / {denominator} TFLOP/s", fontsize=8)
-    fig.suptitle(title or f"{numerator} / {denominator}: above 1 (blue) the first is "
-                 "faster", fontsize=10)
-    return axes
+    panels = {_METRIC_NAMES.get(m, m): [[cell(m, s, y) for s in seqs] for y in ys]
+              for m in metrics}
+    return ratio_grid(panels, [_seq_label(s) for s in seqs],
+                      [f"D={d} {lay} {'causal' if c else 'full'}" for d, lay, c in ys],
+                      xlabel="sequence length S", ncols=len(metrics),
+                      colorbar_label=f"{numerator} / {denominator} TFLOP/s",
+                      title=title or f"{numerator} / {denominator}: above 1 (blue) the "
+                                     "first is faster")
+
+
+def norm_ratio_heatmap(rows: list[dict], numerator: str = "triton",
+                       denominator: str = "torch", op: str = "rms_norm", *,
+                       timings=(("fwd_bwd_ms", "graph replay"),
+                                ("eager_fwd_bwd_ms", "eager")),
+                       title: str | None = None):
+    """`denominator`'s time over `numerator`'s (above 1: the numerator faster) for
+    every (tokens, hidden) of a fused-norm sweep (`benchmarks.fused_norm`): tokens
+    across, hidden size down, one panel per dtype and timing in `timings` (row field,
+    name) that any row has, drawn by `ratio_grid`. Returns the axes."""
+    ops = [r for r in rows if r.get("kind") == "op" and r.get("op") == op]
+    by = {(r["provider"], r["tokens"], r["hidden"], r.get("dtype", "bfloat16")): r
+          for r in ops}
+    tokens = sorted({r["tokens"] for r in ops})
+    hidden = sorted({r["hidden"] for r in ops})
+    dtypes = list(dict.fromkeys(r.get("dtype", "bfloat16") for r in ops))
+
+    def cell(field: str, d: str, t: int, h: int) -> tuple[float | None, str]:
+        a, b = (by.get((p, t, h, d)) for p in (numerator, denominator))
+        if a and b and a.get(field) and b.get(field):
+            return b[field] / a[field], ""
+        return None, _missing([r for r in (a, b) if r is not None])
+
+    panels = {f"{d}, {name}": [[cell(field, d, t, h) for t in tokens] for h in hidden]
+              for d in dtypes for field, name in timings
+              if any(r.get(field) for r in ops if r.get("dtype", "bfloat16") == d)}
+    if not panels:
+        raise ValueError(f"no {op} rows with {[f for f, _ in timings]} to compare")
+    return ratio_grid(panels, [_seq_label(t) for t in tokens], [str(h) for h in hidden],
+                      xlabel="tokens", colorbar_label=f"{denominator} time / "
+                      f"{numerator} time", title=title or f"{op}: {denominator} time over "
+                      f"{numerator}'s (above 1, blue: {numerator} faster)")
 
 
 def tflops_lines(rows: list[dict], select=None, *, metric: str = "fwd_bwd",

@@ -1,4 +1,5 @@
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
@@ -186,3 +187,34 @@ def test_tflops_lines_one_line_per_provider_per_panel():
     assert grid[0].figure.get_size_inches()[0] <= 9
     (legend,) = grid[0].figure.legends  # one for every panel
     assert [t.get_text() for t in legend.get_texts()] == ["triton", "cudnn"]
+
+
+def test_norm_ratio_heatmap_panels_per_dtype_and_timing():
+    """torch time / ours per (tokens, hidden): a panel per dtype and timing present,
+    skipped and failed cells marked, the ratio annotated."""
+    def row(p, t, h, d, ms, eager=None, **kw):
+        r = {"kind": "op", "op": "rms_norm", "provider": p, "tokens": t, "hidden": h,
+             "dtype": d, "fwd_bwd_ms": ms, **kw}
+        if eager is not None:
+            r["eager_fwd_bwd_ms"] = eager
+        return r
+
+    rows = [row("triton", 4096, 4096, "bfloat16", 1.0, 2.0),
+            row("torch", 4096, 4096, "bfloat16", 1.5, 1.0),
+            row("triton", 4096, 5120, "bfloat16", 2.0, 2.0),
+            row("torch", 4096, 5120, "bfloat16", 1.6, 2.2),
+            {"kind": "op", "op": "rms_norm", "provider": "triton", "tokens": 65536,
+             "hidden": 4096, "dtype": "float32", "skipped": "memory"},
+            row("triton", 4096, 4096, "float32", 2.0),
+            row("torch", 4096, 4096, "float32", 3.0),
+            {"kind": "ceiling", "copy_gbps": 4000.0}]
+    axes = plot.norm_ratio_heatmap(rows)
+    assert [ax.get_title() for ax in axes] == ["bfloat16, graph replay", "bfloat16, eager",
+                                               "float32, graph replay"]
+    texts = [[t.get_text() for t in ax.texts] for ax in axes]
+    assert "1.50" in texts[0] and "0.80" in texts[0]  # 1.5 / 1.0 and 1.6 / 2.0
+    assert "0.50" in texts[1] and "1.10" in texts[1]
+    assert "skip" in texts[2] and "1.50" in texts[2]
+    assert axes[0].figure.get_size_inches()[0] <= 9
+    with pytest.raises(ValueError, match="no layer_norm rows"):
+        plot.norm_ratio_heatmap(rows, op="layer_norm")
