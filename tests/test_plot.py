@@ -6,6 +6,13 @@ matplotlib.use("Agg")
 from colossal_lab import plot  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Each test's figures closed after it: pyplot keeps every open figure."""
+    yield
+    matplotlib.pyplot.close("all")
+
+
 def test_mfu_delta_draws_every_row():
     rows = [{"setup": "a", "label": "naive", "mfu": 0.1, "mfu_attn": 0.11, "tokens_per_s": 10},
             {"setup": "b", "label": "fast", "mfu": 0.4, "mfu_attn": 0.44, "tokens_per_s": 40},
