@@ -197,6 +197,39 @@ def load_partial(name: str, gpu: str | None = None) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved run",
+                 carry: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
+    """(rows kept, config) for an invocation that continues `recorded` (`--resume`):
+    a results document (a dict with "config", "provenance" and "rows", as
+    `save_partial` writes it) or a `Results`, or None when nothing was saved.
+
+    The rows kept are the finished ones (a row with an `error` runs again), each with
+    `measured_at`, the commit it was measured at (the resuming run's rows have none).
+    The config is `config` with `resumed_from`, the provenance of every invocation
+    before this one, and the entries named in `carry` (ones each invocation adds to)
+    taken over from `recorded`. `error` (argparse's) refuses a missing `what` of `name`
+    or one measured with another configuration (compared as the file holds it)."""
+    if recorded is None:
+        error(f"--resume: no {what} of {name} is saved to continue from")
+    if isinstance(recorded, Results):
+        recorded = {"config": recorded.config, "provenance": recorded.provenance,
+                    "rows": recorded.rows}
+    skip = ("resumed_from", *carry)
+    old = {k: v for k, v in recorded["config"].items() if k not in skip}
+    want = json.loads(json.dumps({k: v for k, v in config.items() if k not in skip},
+                                 default=_json_default))  # tuples read back as lists
+    if old != want:
+        diff = sorted(k for k in set(old) | set(want) if old.get(k) != want.get(k))
+        error(f"--resume: the {what} of {name} measured another configuration (differs "
+              f"in {', '.join(diff)}): {old}, not {want}")
+    prov = recorded["provenance"]
+    kept = [dict(r, measured_at=r.get("measured_at") or prov.get("git_sha"))
+            for r in recorded["rows"] if "error" not in r]
+    earlier = recorded["config"].get("resumed_from", [])
+    carried = {k: recorded["config"][k] for k in carry if k in recorded["config"]}
+    return kept, {**config, **carried, "resumed_from": [*earlier, prov]}
+
+
 def merge_rows(name: str, rows: list[dict], key: str | tuple[str, ...], *,
                gpu: str | None = None) -> list[dict]:
     """`rows` merged into the rows recorded in `results/<gpu>/<name>.json`: a recorded

@@ -214,6 +214,10 @@ def test_kernels_correct_with_a_table_launch(table):
     ref = torch.autograd.grad(norm.rms_norm_ref(x, w, 1e-6), (x, w), dy)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    used = [table.launch_config(100, torch.float32),
+            table.launch_config(100, torch.float32, backward=True)]
+    assert [c.rows for c in used] == [2, 4]  # the table's tiles, not the heuristic's 32
+    assert table.launch_config.cache_info().hits >= 2  # the launches asked the same
 
 
 def test_write_table_from_tune_rows(tmp_path, monkeypatch):

@@ -866,40 +866,6 @@ def config_of(quick: bool = False, timing: str = "graph") -> dict:
             "memory": "peak of one fwd+bwd incl. inputs, B=1 H=32 D=128 causal"}
 
 
-RESUME_KEEPS = ("resumed_from", "triton_tiles")
-"""Config entries an invocation adds to (not part of the sweep's definition)."""
-
-
-def resumed_rows(name: str, recorded, config: dict, error) -> tuple[list[dict], dict]:
-    """(rows kept, config) to add to `recorded` (`results.Results` of the file, or
-    None): all its rows, each with `measured_at` (the commit it was measured at), and
-    the config with `resumed_from`, the provenance of every invocation before this one,
-    as `steps.resumed_rows` keeps them. `error` (argparse's) refuses a missing file or
-    one of another configuration."""
-    if recorded is None:
-        error(f"--resume: no results/<gpu>/{name}.json to continue; run without --resume "
-              "first")
-    old = {k: v for k, v in recorded.config.items() if k not in RESUME_KEEPS}
-    want = _jsonable({k: v for k, v in config.items() if k not in RESUME_KEEPS})
-    if old != want:
-        diff = sorted(k for k in set(old) | set(want) if old.get(k) != want.get(k))
-        error(f"--resume: {name}.json measured another configuration (differs in "
-              f"{', '.join(diff)}); run without --resume to start the file anew")
-    prov = recorded.provenance
-    kept = [dict(r, measured_at=r.get("measured_at") or prov.get("git_sha"))
-            for r in recorded.rows]
-    earlier = recorded.config.get("resumed_from", [])
-    tiles = recorded.config.get("triton_tiles", {})
-    return kept, dict(config, resumed_from=[*earlier, prov], triton_tiles=tiles)
-
-
-def _jsonable(x):
-    """`x` as it reads back from a results file (tuples become lists)."""
-    import json
-
-    return json.loads(json.dumps(x))
-
-
 def merged(kept: list[dict], new: list[dict]) -> list[dict]:
     """`kept` with the rows `new` re-measures (an errored row run again) replaced,
     then `new`."""
@@ -980,13 +946,14 @@ def main(argv=None) -> None:
     kept: list[dict] = []
     if a.resume:
         from colossal_lab import hardware
-        from colossal_lab.results import load_results
+        from colossal_lab.results import load_results, resumed_rows
 
         try:
             recorded = load_results(name, gpu=a.gpu or hardware.detect().slug)
         except FileNotFoundError:
             recorded = None
-        kept, config = resumed_rows(name, recorded, config, p.error)
+        kept, config = resumed_rows(name, recorded, config, p.error, what="results file",
+                                    carry=("triton_tiles",))
         cases = pending(cases, kept)
         print(f"[flash_attention] resuming: {len(kept)} rows kept, "
               f"{sum(len(c.providers) for c in cases)} provider runs to go", flush=True)

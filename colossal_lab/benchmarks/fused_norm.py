@@ -1018,18 +1018,16 @@ def run_group(a, p, command: str) -> None:
         for t in targets(rows):
             print(f"  {t['check']}: {t['ok']} (worst {t['worst']})")
         return
-    from colossal_lab.benchmarks.steps import resumed_rows
-    from colossal_lab.results import load_results
+    from colossal_lab.results import load_results, resumed_rows
 
     config, kept = config_of(group=a.group), []
     if a.resume:
         try:
             old = load_results(a.name, gpu=_slug())
-            doc = {"config": old.config, "provenance": old.provenance, "rows": old.rows}
         except FileNotFoundError:
-            doc = None  # the first chunk: nothing to keep
-        if doc is not None:
-            kept, config = resumed_rows(a.name, doc, config, p.error)
+            old = None  # the first chunk: nothing to keep
+        if old is not None:
+            kept, config = resumed_rows(a.name, old, config, p.error, what="results file")
             print(f"[fused_norm] resuming: {len(kept)} rows kept", flush=True)
 
     def save(rows):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from colossal_lab import telemetry
 from colossal_lab.config import Switches, preset
 from colossal_lab.results import error_line
 
@@ -235,7 +236,7 @@ def time_setup(model, opt, loss_fn, setup: Setup, cfg, preset_name: str, batch: 
     """The timed results row of `setup` (model and optimizer already built) at `batch`,
     in micro-batches of `micro`, on random tokens: `train.measure_step`, with the
     recompute counted in HFU and ColossalAI's 8N figure next to it."""
-    from colossal_lab import data, telemetry, train
+    from colossal_lab import data, train
 
     micro = micro or batch
     step = FirstCallTimer(train.make_step(model, opt, loss_fn, micro_batches=batch // micro),
@@ -268,9 +269,7 @@ class FirstCallTimer:
         self.starts: list = []
 
     def __call__(self, *args):
-        from colossal_lab.telemetry import now
-
-        self.starts.append(now())
+        self.starts.append(telemetry.now())
         if self.seconds is not None:
             return self.step(*args)
         start = time.perf_counter()
@@ -441,11 +440,12 @@ def main_for(name: str, setups, argv=None) -> None:
     chosen = [s for s in setups if a.setups is None or s.name in a.setups]
     config = step_config(a.preset, a.seq_len, a.batch)
     command = " ".join([f"python -m colossal_lab bench {name}", *argv])
-    from colossal_lab.results import load_partial, save_partial, save_results
+    from colossal_lab.results import load_partial, resumed_rows, save_partial, save_results
 
     done: list[dict] = []
     if a.resume:
-        done, config = resumed_rows(name, load_partial(name), config, p.error)
+        done, config = resumed_rows(name, load_partial(name), config, p.error,
+                                    what="interrupted run")
         have = {r["setup"] for r in done}
         print(f"[{name}] resuming: {len(done)} setups kept ({', '.join(sorted(have))})",
               flush=True)
@@ -459,25 +459,6 @@ def main_for(name: str, setups, argv=None) -> None:
     if not a.quick:
         path = save_results(name, done + rows, config=config, command=command)
         print(f"saved {path}")
-
-
-def resumed_rows(name: str, partial: dict | None, config: dict, error):
-    """(rows kept, config) to resume from `partial`, a run's saved rows
-    (`results.load_partial`): its finished setups (failed ones run again), and the
-    config with `resumed_from`, the interrupted run's provenance, so the saved file says
-    which rows came from which invocation (a kept row's `measured_at` is the commit it
-    was measured at; the rows without one are the resuming run's). `error`
-    (argparse's) refuses a missing partial run or one of another configuration."""
-    if partial is None:
-        error(f"--resume: no interrupted run of {name} is saved (results/<gpu>/partial/)")
-    old = {k: v for k, v in partial["config"].items() if k != "resumed_from"}
-    if old != config:
-        error(f"--resume: the saved run of {name} measured {old}, not {config}")
-    prov = partial["provenance"]
-    kept = [dict(r, measured_at=r.get("measured_at") or prov.get("git_sha"))
-            for r in partial["rows"] if "error" not in r]
-    earlier = partial["config"].get("resumed_from", [])
-    return kept, dict(config, resumed_from=[*earlier, prov])
 
 
 if __name__ == "__main__":
