@@ -21,7 +21,9 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                    reason="needs a CUDA GPU")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-SHAPES = [(123,), (5, 123), (7, 1024), (2, 3, 4097), (2, 1, 3, 64)]
+SHAPES = [(123,), (5, 123), (7, 1024), (2, 3, 4097), (2, 1, 3, 64), (3, 700), (2, 1282)]
+# row pieces (`_norm_common.row_pieces`): 123 -> one padded 128; 4097 -> 4096 + 1;
+# 700 -> 512 + 128 + 64 (three, the last padded); 1282 -> 1024 + 256 + 2
 # (activation dtype, weight dtype, atol, rtol). bf16 activations with fp32 weights is
 # what autocast trains with. atol only absorbs ties: the bound is 2·err(lowp) + atol.
 DTYPES = [
@@ -362,3 +364,21 @@ def test_partials_sum_is_one_deterministic_launch(programs, n_cols, monkeypatch)
     torch.testing.assert_close(dw.double(), expect[0], atol=1e-4, rtol=2 ** -8)
     again = nc.sum_partials(partials, w, b)
     assert torch.equal(again[0], dw) and torch.equal(again[1], db)
+
+
+@pytest.mark.parametrize("n_cols", [1, 2, 3, 17, 123, 700, 1000, 1282, 3000, 4096, 4097,
+                                    5120, 11008, 13824, 65535])
+def test_row_pieces_cover_the_row_with_little_padding(n_cols):
+    from colossal_lab.kernels._norm_common import MAX_PADDING, row_pieces
+
+    pieces = row_pieces(n_cols)
+    used = [p for p in pieces if p]
+    assert len(pieces) == 3 and pieces[len(used):] == (0,) * (3 - len(used))
+    assert all(p & (p - 1) == 0 for p in used)  # powers of two
+    assert used == sorted(used, reverse=True)
+    assert sum(used) >= n_cols and sum(used[:-1]) < n_cols  # every piece holds columns
+    # little padding, unless three pieces were needed (then at most the last piece's)
+    assert sum(used) - n_cols <= max(n_cols * MAX_PADDING, used[-1] // 2 if len(used) == 3
+                                     else 0)
+    if n_cols & (n_cols - 1) == 0:
+        assert used == [n_cols]

@@ -68,8 +68,9 @@ SWEEP_PROVIDERS = ("torch", "triton", "liger")
 """Providers of the sweep (those installed): ours against the library kernels."""
 HEADLINE = (16384, 4096)
 """(tokens, hidden) of the summary table and of the first compile (see `run`)."""
-MAX_CASE_BYTES = 8 << 30
-"""Skip cases whose inputs, outputs and gradients exceed this (eager needs more)."""
+MAX_CASE_BYTES = 24 << 30
+"""Skip cases whose inputs, outputs and gradients exceed this (eager needs more; an
+H200 holds 141 GB, so the whole RMSNorm sweep runs: 64k x 16384 fp32 is 16 GiB)."""
 EPS = 1e-6
 HOST_SHAPES = ((16, 2048), (16, 16384))
 """(tokens, hidden) of the host-time rows: few tokens, so the GPU drains the queue

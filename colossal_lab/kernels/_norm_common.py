@@ -5,9 +5,14 @@ Both norms reduce over the last dimension H of a (rows, H) matrix, and both are
 memory-bound: per element they do a handful of FLOPs against 2 to 10 bytes of traffic.
 So the launch settings aim at one thing, keeping enough bytes in flight:
 
-- a program covers whole rows: its tile is (ROWS, BLOCK) with BLOCK =
-  next_power_of_2(H) masked down to H, so one pass over memory suffices and the row
-  statistics never leave registers;
+- a program covers whole rows, so one pass over memory suffices and the row statistics
+  never leave registers. Triton tiles have power-of-two sides, so a row of H elements
+  is held as up to three power-of-two *pieces* (`row_pieces`: 5120 = 4096 + 1024,
+  13824 as 8192 + 4096 + 2048), each a (ROWS, P) tile masked down to the row. One
+  padded tile of next_power_of_2(H) would be simpler, but at H = 5120 it is 8192 wide:
+  37% of every thread's registers hold masked-off padding, fewer programs fit on an
+  SM, fewer bytes are in flight, and the kernel falls below the bandwidth it reaches
+  at H = 4096;
 - each thread holds 8 to 32 contiguous elements per tensor, so a bf16 row is read with
   16-byte vector loads (Triton vectorises when the row stride is divisible by 16, which
   it specialises on automatically);
@@ -29,6 +34,7 @@ remain the fallback.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +71,7 @@ class LaunchConfig:
     """How one norm launch is tiled."""
 
     block: int
-    """Columns per tile: next_power_of_2(H), masked to H."""
+    """next_power_of_2(H): the hidden bucket of `norm_table` and of the heuristic."""
     rows: int
     """Rows per tile (ROWS)."""
     num_warps: int
@@ -77,6 +83,8 @@ class LaunchConfig:
     """Backward: pipelining depth of the row loop (None: `DEFAULTS.bwd_stages`)."""
     source: str = "heuristic"
     """"heuristic", "override" or "table:<gpu>" (`norm_table.TABLES`)."""
+    pieces: tuple[int, int, int] = (0, 0, 0)
+    """The row's power-of-two pieces (`row_pieces`), 0 for an absent one."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -88,6 +96,38 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (n >= 1), in plain Python (see `cdiv`)."""
     return 1 << (n - 1).bit_length()
+
+
+def _floor_power_of_2(n: int) -> int:
+    """Largest power of two <= n (1 for n < 1)."""
+    return 1 << max(0, n.bit_length() - 1)
+
+
+MAX_PADDING = 1 / 16
+"""`row_pieces` rounds the rest of a row up to a power of two when that pads the row by
+at most this fraction, rather than adding a piece."""
+
+
+def row_pieces(n_cols: int) -> tuple[int, int, int]:
+    """Up to three powers of two, largest first, that cover a row of `n_cols` with
+    little padding; 0 marks an absent piece. Each piece but the last is the largest
+    power of two that fits in what is left; the last rounds the rest up. A piece is
+    added only while rounding up would pad the row by more than `MAX_PADDING`::
+
+        4096 -> (4096, 0, 0)     1000 -> (1024, 0, 0)      pads 2.4%
+        5120 -> (4096, 1024, 0)  3000 -> (2048, 1024, 0)   pads 2.4%
+        13824 -> (8192, 4096, 2048)                        pads 3.7%
+    """
+    if n_cols < 1:
+        raise ValueError("cannot normalise rows of 0 elements")
+    pieces, rest = [], n_cols
+    while True:
+        up = next_power_of_2(rest)
+        if len(pieces) == 2 or sum(pieces) + up - n_cols <= n_cols * MAX_PADDING:
+            pieces.append(up)
+            return (*pieces, *(0,) * (3 - len(pieces)))
+        pieces.append(up // 2)  # rest is not a power of two, so up // 2 < rest
+        rest -= up // 2
 
 
 @functools.cache
@@ -136,14 +176,15 @@ def launch_config(n_cols: int, dtype: torch.dtype | None = None, *,
         entry = table_entry(block, dtype, backward)
         source = f"table:{_gpu_name()}" if entry else "heuristic"
         entry = entry or {}
+    pieces = row_pieces(n_cols)
     rows = rows or entry.get("rows") or max(1, DEFAULTS.tile_elems // block)
     if num_warps is None:
-        tile = rows * block
+        tile = rows * sum(pieces)  # registers go to the pieces, not to the bucket
         cap = 32 if tile >= 32768 else 16
         num_warps = entry.get("num_warps") or min(
-            cap, max(4, tile // (32 * DEFAULTS.elems_per_thread)))
+            cap, max(4, _floor_power_of_2(tile // (32 * DEFAULTS.elems_per_thread))))
     return LaunchConfig(block, rows, num_warps, entry.get("programs_per_sm"),
-                        entry.get("num_stages"), source)
+                        entry.get("num_stages"), source, pieces)
 
 
 @functools.cache
@@ -163,6 +204,21 @@ def persistent_programs(n_tiles: int, num_warps: int, device: torch.device,
     else:
         programs = 4
     return max(1, min(n_tiles, programs))
+
+
+def alignment(*ints: int) -> int:
+    """The largest power of two, at most 16, dividing every one of `ints` (H and the
+    row strides of a launch).
+
+    The norm kernels take H and their row strides divided by this and multiply them
+    back by it as a constexpr (`ALIGN`), so Triton knows each row starts on an
+    ALIGN-element boundary and loads it with 16-byte vectors. On its own Triton learns
+    divisibility from integer arguments only when it is 16: at H = 3000 (8 x 375) a
+    bf16 row would be read element by element."""
+    g = 0
+    for i in ints:
+        g = math.gcd(g, i)
+    return 16 if g == 0 else min(16, g & -g)
 
 
 def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -194,6 +250,15 @@ def check_input(x: torch.Tensor) -> None:
         raise ValueError(f"fused norms take float32, float16 or bfloat16; got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("cannot normalise a 0-d tensor")
+
+
+@triton.jit
+def _piece(rows, row_ok, n_cols, OFF: tl.constexpr, P: tl.constexpr):
+    """Columns OFF .. OFF + P - 1 of a row tile (one of `row_pieces`): their indices
+    (P,), their in-bounds mask and the (ROWS, P) mask of the tile."""
+    cols = OFF + tl.arange(0, P)
+    col_ok = cols < n_cols
+    return cols, col_ok, row_ok[:, None] & col_ok[None, :]
 
 
 @triton.jit

@@ -54,8 +54,10 @@ import triton.language as tl
 from colossal_lab.kernels._norm_common import (
     DEFAULTS,
     LaunchConfig,
+    _piece,
     _row_tile,
     _to_dtype,
+    alignment,
     as_rows,
     cdiv,
     check_input,
@@ -67,6 +69,36 @@ from colossal_lab.kernels._norm_common import (
 
 
 @triton.jit
+def _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res, n_cols,
+                            OFF: tl.constexpr, P: tl.constexpr,
+                            HAS_RESIDUAL: tl.constexpr):
+    """Columns OFF .. OFF + P - 1 of the tile: x (or h = x + residual, stored), fp32."""
+    cols, _, mask = _piece(rows, row_ok, n_cols, OFF, P)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)  # (ROWS, P)
+    if HAS_RESIDUAL:
+        res = tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask,
+                      other=0.0)
+        # h is rounded to its dtype, stored, and normalised *as stored*, so that the
+        # backward, which re-reads h, differentiates what the forward computed.
+        h = _to_dtype(x + res.to(tl.float32), HOUT.dtype.element_ty)
+        tl.store(HOUT + rows[:, None] * n_cols + cols[None, :], h, mask=mask)
+        x = h.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rms_norm_store_piece(Y, W, x, rstd, rows, row_ok, n_cols,
+                          OFF: tl.constexpr, P: tl.constexpr):
+    """y = x · r · w for columns OFF .. OFF + P - 1 of the tile."""
+    cols, col_ok, mask = _piece(rows, row_ok, n_cols, OFF, P)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (P,)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(Y + rows[:, None] * n_cols + cols[None, :], _to_dtype(y, Y.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _rms_norm_forward_kernel(
     X,  # (n_rows, n_cols) input x, row stride stride_x
     RES,  # (n_rows, n_cols) residual, row stride stride_res (HAS_RESIDUAL only)
@@ -74,39 +106,68 @@ def _rms_norm_forward_kernel(
     Y,  # (n_rows, n_cols) output y in x's dtype (fused add: h's), contiguous
     HOUT,  # (n_rows, n_cols) output h = x + residual, contiguous (HAS_RESIDUAL only)
     RSTD,  # (n_rows,) fp32 output r, saved for the backward
-    stride_x,  # elements between rows of X
-    stride_res,  # elements between rows of RES
+    stride_x,  # elements between rows of X, / ALIGN
+    stride_res,  # elements between rows of RES, / ALIGN
     n_rows,  # rows
-    n_cols,  # H, the normalised length
+    n_cols,  # H, the normalised length, / ALIGN
     eps,  # added to mean(x²) before the square root
     HAS_RESIDUAL: tl.constexpr,  # fuse h = x + residual in front of the norm
+    ALIGN: tl.constexpr,  # power of two dividing H and the row strides (`alignment`)
     ROWS: tl.constexpr,  # rows per program
-    BLOCK: tl.constexpr,  # next_power_of_2(n_cols)
+    P0: tl.constexpr,  # the row's power-of-two pieces (`row_pieces`); P1, P2 may be 0
+    P1: tl.constexpr,
+    P2: tl.constexpr,
 ):
-    """y = x · r · w with r = (mean(x²) + eps)^-1/2, one tile of ROWS rows."""
+    """y = x · r · w with r = (mean(x²) + eps)^-1/2, one tile of ROWS rows held in
+    registers as up to three pieces of P0, P1 and P2 columns."""
+    stride_x, stride_res, n_cols = stride_x * ALIGN, stride_res * ALIGN, n_cols * ALIGN
     rows, row_ok = _row_tile(tl.program_id(0), n_rows, ROWS)
-    cols = tl.arange(0, BLOCK)
-    col_ok = cols < n_cols
-    mask = row_ok[:, None] & col_ok[None, :]
-    out_offs = rows[:, None] * n_cols + cols[None, :]
-
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)  # (ROWS, BLOCK)
-    if HAS_RESIDUAL:
-        res = tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask,
-                      other=0.0)
-        # h is rounded to its dtype, stored, and normalised *as stored*, so that the
-        # backward, which re-reads h, differentiates what the forward computed.
-        h = _to_dtype(x + res.to(tl.float32), HOUT.dtype.element_ty)
-        tl.store(HOUT + out_offs, h, mask=mask)
-        x = h.to(tl.float32)
-
-    mean_sq = tl.sum(x * x, axis=1) / n_cols  # (ROWS,)
-    rstd = tl.rsqrt(mean_sq + eps)  # (ROWS,) r
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (BLOCK,)
-    y = x * rstd[:, None] * w[None, :]
-    tl.store(Y + out_offs, _to_dtype(y, Y.dtype.element_ty), mask=mask)
+    x0 = _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res, n_cols,
+                                 0, P0, HAS_RESIDUAL)
+    sum_sq = tl.sum(x0 * x0, axis=1)  # (ROWS,)
+    if P1 > 0:
+        x1 = _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res,
+                                     n_cols, P0, P1, HAS_RESIDUAL)
+        sum_sq += tl.sum(x1 * x1, axis=1)
+    if P2 > 0:
+        x2 = _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res,
+                                     n_cols, P0 + P1, P2, HAS_RESIDUAL)
+        sum_sq += tl.sum(x2 * x2, axis=1)
+    rstd = tl.rsqrt(sum_sq / n_cols + eps)  # (ROWS,) r
+    _rms_norm_store_piece(Y, W, x0, rstd, rows, row_ok, n_cols, 0, P0)
+    if P1 > 0:
+        _rms_norm_store_piece(Y, W, x1, rstd, rows, row_ok, n_cols, P0, P1)
+    if P2 > 0:
+        _rms_norm_store_piece(Y, W, x2, rstd, rows, row_ok, n_cols, P0 + P1, P2)
     tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _rms_norm_backward_piece(DY, X, w, rstd, rows, row_ok, stride_dy, stride_x, n_cols,
+                             OFF: tl.constexpr, P: tl.constexpr):
+    """x̂, dy (fp32) and dy·w of columns OFF .. OFF + P - 1 of the tile, and their
+    share of Σ dy·w·x̂ per row."""
+    cols, _, mask = _piece(rows, row_ok, n_cols, OFF, P)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    x_hat = x.to(tl.float32) * rstd[:, None]
+    dy = dy.to(tl.float32)
+    wdy = dy * w[None, :]  # dy·w
+    return x_hat, dy, wdy, tl.sum(wdy * x_hat, axis=1)
+
+
+@triton.jit
+def _rms_norm_dx_piece(DX, DH_IN, x_hat, wdy, rstd, c, rows, row_ok, stride_dh, n_cols,
+                       OFF: tl.constexpr, P: tl.constexpr, HAS_DH_IN: tl.constexpr):
+    """dx = r · (dy·w − x̂·c) (+ dh_in) for columns OFF .. OFF + P - 1, stored."""
+    cols, _, mask = _piece(rows, row_ok, n_cols, OFF, P)
+    dx = rstd[:, None] * (wdy - x_hat * c[:, None])
+    if HAS_DH_IN:
+        dh_in = tl.load(DH_IN + rows[:, None] * stride_dh + cols[None, :], mask=mask,
+                        other=0.0)
+        dx += dh_in.to(tl.float32)
+    tl.store(DX + rows[:, None] * n_cols + cols[None, :], _to_dtype(dx, DX.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -118,44 +179,70 @@ def _rms_norm_backward_kernel(
     DH_IN,  # (n_rows, n_cols) gradient reaching h from elsewhere (HAS_DH_IN only)
     DX,  # (n_rows, n_cols) output dx (dh_total for the fused add), contiguous
     DW_PARTIAL,  # (n_programs, n_cols) fp32 output: this program's Σ dy·x̂
-    stride_dy,  # elements between rows of DY
-    stride_x,  # elements between rows of X
-    stride_dh,  # elements between rows of DH_IN
+    stride_dy,  # elements between rows of DY, / ALIGN
+    stride_x,  # elements between rows of X, / ALIGN
+    stride_dh,  # elements between rows of DH_IN, / ALIGN
     n_rows,  # rows
-    n_cols,  # H
+    n_cols,  # H, / ALIGN
     HAS_DH_IN: tl.constexpr,  # add dh_in to dx (fused add: dh_total)
+    ALIGN: tl.constexpr,  # power of two dividing H and the row strides (`alignment`)
     ROWS: tl.constexpr,  # rows per tile
-    BLOCK: tl.constexpr,  # next_power_of_2(n_cols)
+    P0: tl.constexpr,  # the row's power-of-two pieces (`row_pieces`); P1, P2 may be 0
+    P1: tl.constexpr,
+    P2: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # software-pipelining depth of the row loop
 ):
     """dx = r · (dy·w − x̂·c) with c = mean(dy·w·x̂); this program's share of
-    dw = Σ dy·x̂. Persistent: program p handles tiles p, p + P, p + 2P, ..."""
+    dw = Σ dy·x̂, accumulated per piece. Persistent: program p handles tiles p, p + P,
+    p + 2P, ..."""
+    stride_dy, stride_x, stride_dh = stride_dy * ALIGN, stride_x * ALIGN, stride_dh * ALIGN
+    n_cols = n_cols * ALIGN
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK)
-    col_ok = cols < n_cols
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (BLOCK,)
-    dw_acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)  # rows summed once, at the end
+    cols0 = tl.arange(0, P0)
+    w0 = tl.load(W + cols0, mask=cols0 < n_cols, other=0.0).to(tl.float32)  # (P0,)
+    dw0 = tl.zeros((ROWS, P0), dtype=tl.float32)  # rows summed once, at the end
+    if P1 > 0:
+        cols1 = P0 + tl.arange(0, P1)
+        w1 = tl.load(W + cols1, mask=cols1 < n_cols, other=0.0).to(tl.float32)
+        dw1 = tl.zeros((ROWS, P1), dtype=tl.float32)
+    if P2 > 0:
+        cols2 = P0 + P1 + tl.arange(0, P2)
+        w2 = tl.load(W + cols2, mask=cols2 < n_cols, other=0.0).to(tl.float32)
+        dw2 = tl.zeros((ROWS, P2), dtype=tl.float32)
     n_tiles = tl.cdiv(n_rows, ROWS)
     for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
         rows, row_ok = _row_tile(tile, n_rows, ROWS)
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)  # (ROWS,) r
-        x_hat = x.to(tl.float32) * rstd[:, None]
-        dy = dy.to(tl.float32)
-        wdy = dy * w[None, :]  # dy·w
-        c = tl.sum(wdy * x_hat, axis=1) / n_cols  # (ROWS,) mean(dy·w·x̂)
-        dx = rstd[:, None] * (wdy - x_hat * c[:, None])
-        if HAS_DH_IN:
-            dh_in = tl.load(DH_IN + rows[:, None] * stride_dh + cols[None, :], mask=mask,
-                            other=0.0)
-            dx += dh_in.to(tl.float32)
-        dx = _to_dtype(dx, DX.dtype.element_ty)
-        tl.store(DX + rows[:, None] * n_cols + cols[None, :], dx, mask=mask)
-        dw_acc += dy * x_hat
-    tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+        xh0, dy0, wdy0, c = _rms_norm_backward_piece(DY, X, w0, rstd, rows, row_ok,
+                                                     stride_dy, stride_x, n_cols, 0, P0)
+        if P1 > 0:
+            xh1, dy1, wdy1, c1 = _rms_norm_backward_piece(DY, X, w1, rstd, rows, row_ok,
+                                                          stride_dy, stride_x, n_cols,
+                                                          P0, P1)
+            c += c1
+        if P2 > 0:
+            xh2, dy2, wdy2, c2 = _rms_norm_backward_piece(DY, X, w2, rstd, rows, row_ok,
+                                                          stride_dy, stride_x, n_cols,
+                                                          P0 + P1, P2)
+            c += c2
+        c = c / n_cols  # (ROWS,) mean(dy·w·x̂)
+        _rms_norm_dx_piece(DX, DH_IN, xh0, wdy0, rstd, c, rows, row_ok, stride_dh, n_cols,
+                           0, P0, HAS_DH_IN)
+        dw0 += dy0 * xh0
+        if P1 > 0:
+            _rms_norm_dx_piece(DX, DH_IN, xh1, wdy1, rstd, c, rows, row_ok, stride_dh,
+                               n_cols, P0, P1, HAS_DH_IN)
+            dw1 += dy1 * xh1
+        if P2 > 0:
+            _rms_norm_dx_piece(DX, DH_IN, xh2, wdy2, rstd, c, rows, row_ok, stride_dh,
+                               n_cols, P0 + P1, P2, HAS_DH_IN)
+            dw2 += dy2 * xh2
+    tl.store(DW_PARTIAL + pid * n_cols + cols0, tl.sum(dw0, axis=0), mask=cols0 < n_cols)
+    if P1 > 0:
+        tl.store(DW_PARTIAL + pid * n_cols + cols1, tl.sum(dw1, axis=0), mask=cols1 < n_cols)
+    if P2 > 0:
+        tl.store(DW_PARTIAL + pid * n_cols + cols2, tl.sum(dw2, axis=0), mask=cols2 < n_cols)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -172,11 +259,12 @@ def _forward(x2d, residual2d, w, eps, config):
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     if n_rows:
         res = residual2d if residual2d is not None else x2d
+        a = alignment(n_cols, x2d.stride(0), res.stride(0))
         _rms_norm_forward_kernel[(cdiv(n_rows, cfg.rows),)](
             x2d, res, w, y, h if h is not None else y, rstd,
-            x2d.stride(0), res.stride(0), n_rows, n_cols, eps,
-            HAS_RESIDUAL=residual2d is not None, ROWS=cfg.rows, BLOCK=cfg.block,
-            num_warps=cfg.num_warps)
+            x2d.stride(0) // a, res.stride(0) // a, n_rows, n_cols // a, eps,
+            HAS_RESIDUAL=residual2d is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
+            P1=cfg.pieces[1], P2=cfg.pieces[2], num_warps=cfg.num_warps)
     return y, h, rstd
 
 
@@ -218,11 +306,12 @@ def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages):
     dw_partial = torch.empty((1, programs, n_cols), dtype=torch.float32,
                              device=x2d.device)  # (1, P, H): sum_partials' layout
     dh = dh_in2d if dh_in2d is not None else dy2d
+    a = alignment(n_cols, dy2d.stride(0), x2d.stride(0), dh.stride(0))
     _rms_norm_backward_kernel[(programs,)](
         dy2d, x2d, w, rstd, dh, dx, dw_partial,
-        dy2d.stride(0), x2d.stride(0), dh.stride(0), n_rows, n_cols,
-        HAS_DH_IN=dh_in2d is not None, ROWS=cfg.rows, BLOCK=cfg.block,
-        NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages,
+        dy2d.stride(0) // a, x2d.stride(0) // a, dh.stride(0) // a, n_rows, n_cols // a,
+        HAS_DH_IN=dh_in2d is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
+        P1=cfg.pieces[1], P2=cfg.pieces[2], NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages,
         num_warps=cfg.num_warps)
     (dw,) = sum_partials(dw_partial, w)  # (H,) in w's dtype, one launch
     return dx, dw
