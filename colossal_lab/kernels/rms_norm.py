@@ -311,8 +311,8 @@ def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages):
         dy2d, x2d, w, rstd, dh, dx, dw_partial,
         dy2d.stride(0) // a, x2d.stride(0) // a, dh.stride(0) // a, n_rows, n_cols // a,
         HAS_DH_IN=dh_in2d is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
-        P1=cfg.pieces[1], P2=cfg.pieces[2], NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages,
-        num_warps=cfg.num_warps)
+        P1=cfg.pieces[1], P2=cfg.pieces[2],
+        NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages, num_warps=cfg.num_warps)
     (dw,) = sum_partials(dw_partial, w)  # (H,) in w's dtype, one launch
     return dx, dw
 
