@@ -30,8 +30,10 @@ import triton.language as tl
 from colossal_lab.kernels._norm_common import (
     DEFAULTS,
     LaunchConfig,
+    _piece,
     _row_tile,
     _to_dtype,
+    alignment,
     as_rows,
     cdiv,
     check_input,
@@ -43,6 +45,39 @@ from colossal_lab.kernels._norm_common import (
 
 
 @triton.jit
+def _layer_norm_load_piece(X, rows, row_ok, stride_x, n_cols, OFF: tl.constexpr,
+                           P: tl.constexpr):
+    """x (fp32) of columns OFF .. OFF + P - 1 of the tile, and their row sums."""
+    cols, _, mask = _piece(rows, row_ok, n_cols, OFF, P)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    return x, tl.sum(x, axis=1)
+
+
+@triton.jit
+def _layer_norm_center_piece(x, mean, rows, row_ok, n_cols, OFF: tl.constexpr,
+                             P: tl.constexpr):
+    """x − μ, zero in the padding (which must not enter the variance), and Σ (x − μ)²."""
+    _, _, mask = _piece(rows, row_ok, n_cols, OFF, P)
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    return xc, tl.sum(xc * xc, axis=1)
+
+
+@triton.jit
+def _layer_norm_store_piece(Y, W, B, xc, rstd, rows, row_ok, n_cols, OFF: tl.constexpr,
+                            P: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y = (x − μ) · r · w + b for columns OFF .. OFF + P - 1."""
+    cols, col_ok, mask = _piece(rows, row_ok, n_cols, OFF, P)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y += b[None, :]
+    tl.store(Y + rows[:, None] * n_cols + cols[None, :], _to_dtype(y, Y.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _layer_norm_forward_kernel(
     X,  # (n_rows, n_cols) input x, row stride stride_x
     W,  # (n_cols,) weight, any float dtype (upcast)
@@ -50,35 +85,68 @@ def _layer_norm_forward_kernel(
     Y,  # (n_rows, n_cols) output y, x's dtype, contiguous
     MEAN,  # (n_rows,) fp32 output μ
     RSTD,  # (n_rows,) fp32 output r
-    stride_x,  # elements between rows of X
+    stride_x,  # elements between rows of X, / ALIGN
     n_rows,  # rows
-    n_cols,  # H
+    n_cols,  # H, / ALIGN
     eps,  # added to the variance
     HAS_BIAS: tl.constexpr,  # add b
+    ALIGN: tl.constexpr,  # power of two dividing H and the row stride (`alignment`)
     ROWS: tl.constexpr,  # rows per program
-    BLOCK: tl.constexpr,  # next_power_of_2(n_cols)
+    P0: tl.constexpr,  # the row's power-of-two pieces (`row_pieces`); P1, P2 may be 0
+    P1: tl.constexpr,
+    P2: tl.constexpr,
 ):
-    """y = (x − μ) · r · w + b for one tile of ROWS rows."""
+    """y = (x − μ) · r · w + b for one tile of ROWS rows, held as up to three pieces."""
+    stride_x, n_cols = stride_x * ALIGN, n_cols * ALIGN
     rows, row_ok = _row_tile(tl.program_id(0), n_rows, ROWS)
-    cols = tl.arange(0, BLOCK)
-    col_ok = cols < n_cols
-    mask = row_ok[:, None] & col_ok[None, :]
-
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)  # (ROWS, BLOCK)
-    mean = tl.sum(x, axis=1) / n_cols  # (ROWS,) μ
-    xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not enter the variance
-    var = tl.sum(xc * xc, axis=1) / n_cols
-    rstd = tl.rsqrt(var + eps)  # (ROWS,) r
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    y = xc * rstd[:, None] * w[None, :]
-    if HAS_BIAS:
-        b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-        y += b[None, :]
-    y = _to_dtype(y, Y.dtype.element_ty)
-    tl.store(Y + rows[:, None] * n_cols + cols[None, :], y, mask=mask)
+    x0, total = _layer_norm_load_piece(X, rows, row_ok, stride_x, n_cols, 0, P0)
+    if P1 > 0:
+        x1, s1 = _layer_norm_load_piece(X, rows, row_ok, stride_x, n_cols, P0, P1)
+        total += s1
+    if P2 > 0:
+        x2, s2 = _layer_norm_load_piece(X, rows, row_ok, stride_x, n_cols, P0 + P1, P2)
+        total += s2
+    mean = total / n_cols  # (ROWS,) μ
+    xc0, var = _layer_norm_center_piece(x0, mean, rows, row_ok, n_cols, 0, P0)
+    if P1 > 0:
+        xc1, v1 = _layer_norm_center_piece(x1, mean, rows, row_ok, n_cols, P0, P1)
+        var += v1
+    if P2 > 0:
+        xc2, v2 = _layer_norm_center_piece(x2, mean, rows, row_ok, n_cols, P0 + P1, P2)
+        var += v2
+    rstd = tl.rsqrt(var / n_cols + eps)  # (ROWS,) r
+    _layer_norm_store_piece(Y, W, B, xc0, rstd, rows, row_ok, n_cols, 0, P0, HAS_BIAS)
+    if P1 > 0:
+        _layer_norm_store_piece(Y, W, B, xc1, rstd, rows, row_ok, n_cols, P0, P1, HAS_BIAS)
+    if P2 > 0:
+        _layer_norm_store_piece(Y, W, B, xc2, rstd, rows, row_ok, n_cols, P0 + P1, P2,
+                                HAS_BIAS)
     tl.store(MEAN + rows, mean, mask=row_ok)
     tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _layer_norm_backward_piece(DY, X, w, mean, rstd, rows, row_ok, stride_dy, stride_x,
+                               n_cols, OFF: tl.constexpr, P: tl.constexpr):
+    """x̂, dy (fp32) and dy·w of columns OFF .. OFF + P - 1 (x̂ zero in the padding),
+    and their shares of Σ x̂·wdy and Σ wdy per row."""
+    cols, _, mask = _piece(rows, row_ok, n_cols, OFF, P)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    x_hat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+    dy = dy.to(tl.float32)
+    wdy = dy * w[None, :]
+    return x_hat, dy, wdy, tl.sum(x_hat * wdy, axis=1), tl.sum(wdy, axis=1)
+
+
+@triton.jit
+def _layer_norm_dx_piece(DX, x_hat, wdy, rstd, c1, c2, rows, row_ok, n_cols,
+                         OFF: tl.constexpr, P: tl.constexpr):
+    """dx = r · (wdy − (x̂·c1 + c2)) for columns OFF .. OFF + P - 1, stored."""
+    cols, _, mask = _piece(rows, row_ok, n_cols, OFF, P)
+    dx = rstd[:, None] * (wdy - (x_hat * c1[:, None] + c2[:, None]))
+    tl.store(DX + rows[:, None] * n_cols + cols[None, :], _to_dtype(dx, DX.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -91,46 +159,88 @@ def _layer_norm_backward_kernel(
     DX,  # (n_rows, n_cols) output dx, contiguous
     DW_PARTIAL,  # (n_programs, n_cols) fp32 output: this program's Σ dy·x̂
     DB_PARTIAL,  # (n_programs, n_cols) fp32 output: this program's Σ dy (HAS_BIAS)
-    stride_dy,  # elements between rows of DY
-    stride_x,  # elements between rows of X
+    stride_dy,  # elements between rows of DY, / ALIGN
+    stride_x,  # elements between rows of X, / ALIGN
     n_rows,  # rows
-    n_cols,  # H
+    n_cols,  # H, / ALIGN
     HAS_BIAS: tl.constexpr,  # also reduce db
+    ALIGN: tl.constexpr,  # power of two dividing H and the row strides (`alignment`)
     ROWS: tl.constexpr,  # rows per tile
-    BLOCK: tl.constexpr,  # next_power_of_2(n_cols)
+    P0: tl.constexpr,  # the row's power-of-two pieces (`row_pieces`); P1, P2 may be 0
+    P1: tl.constexpr,
+    P2: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # software-pipelining depth of the row loop
 ):
     """dx = r · (wdy − (x̂·c1 + c2)); this program's share of dw = Σ dy·x̂ and
-    db = Σ dy. Persistent: program p handles tiles p, p + P, p + 2P, ..."""
+    db = Σ dy, per piece. Persistent: program p handles tiles p, p + P, p + 2P, ..."""
+    stride_dy, stride_x, n_cols = stride_dy * ALIGN, stride_x * ALIGN, n_cols * ALIGN
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK)
-    col_ok = cols < n_cols
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (BLOCK,)
-    dw_acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-    db_acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    cols0 = tl.arange(0, P0)
+    w0 = tl.load(W + cols0, mask=cols0 < n_cols, other=0.0).to(tl.float32)
+    dw0 = tl.zeros((ROWS, P0), dtype=tl.float32)
+    db0 = tl.zeros((ROWS, P0), dtype=tl.float32)
+    if P1 > 0:
+        cols1 = P0 + tl.arange(0, P1)
+        w1 = tl.load(W + cols1, mask=cols1 < n_cols, other=0.0).to(tl.float32)
+        dw1 = tl.zeros((ROWS, P1), dtype=tl.float32)
+        db1 = tl.zeros((ROWS, P1), dtype=tl.float32)
+    if P2 > 0:
+        cols2 = P0 + P1 + tl.arange(0, P2)
+        w2 = tl.load(W + cols2, mask=cols2 < n_cols, other=0.0).to(tl.float32)
+        dw2 = tl.zeros((ROWS, P2), dtype=tl.float32)
+        db2 = tl.zeros((ROWS, P2), dtype=tl.float32)
     n_tiles = tl.cdiv(n_rows, ROWS)
     for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
         rows, row_ok = _row_tile(tile, n_rows, ROWS)
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
         mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)  # (ROWS,) μ
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)  # (ROWS,) r
-        x_hat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
-        dy = dy.to(tl.float32)
-        wdy = dy * w[None, :]
-        c1 = tl.sum(x_hat * wdy, axis=1) / n_cols  # (ROWS,) mean(x̂·wdy)
-        c2 = tl.sum(wdy, axis=1) / n_cols  # (ROWS,) mean(wdy)
-        dx = rstd[:, None] * (wdy - (x_hat * c1[:, None] + c2[:, None]))
-        dx = _to_dtype(dx, DX.dtype.element_ty)
-        tl.store(DX + rows[:, None] * n_cols + cols[None, :], dx, mask=mask)
-        dw_acc += dy * x_hat
+        xh0, dy0, wdy0, c1, c2 = _layer_norm_backward_piece(
+            DY, X, w0, mean, rstd, rows, row_ok, stride_dy, stride_x, n_cols, 0, P0)
+        if P1 > 0:
+            xh1, dy1, wdy1, s1, t1 = _layer_norm_backward_piece(
+                DY, X, w1, mean, rstd, rows, row_ok, stride_dy, stride_x, n_cols, P0, P1)
+            c1 += s1
+            c2 += t1
+        if P2 > 0:
+            xh2, dy2, wdy2, s2, t2 = _layer_norm_backward_piece(
+                DY, X, w2, mean, rstd, rows, row_ok, stride_dy, stride_x, n_cols,
+                P0 + P1, P2)
+            c1 += s2
+            c2 += t2
+        c1 = c1 / n_cols  # (ROWS,) mean(x̂·wdy)
+        c2 = c2 / n_cols  # (ROWS,) mean(wdy)
+        _layer_norm_dx_piece(DX, xh0, wdy0, rstd, c1, c2, rows, row_ok, n_cols, 0, P0)
+        dw0 += dy0 * xh0
         if HAS_BIAS:
-            db_acc += dy
-    tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+            db0 += dy0
+        if P1 > 0:
+            _layer_norm_dx_piece(DX, xh1, wdy1, rstd, c1, c2, rows, row_ok, n_cols, P0, P1)
+            dw1 += dy1 * xh1
+            if HAS_BIAS:
+                db1 += dy1
+        if P2 > 0:
+            _layer_norm_dx_piece(DX, xh2, wdy2, rstd, c1, c2, rows, row_ok, n_cols,
+                                 P0 + P1, P2)
+            dw2 += dy2 * xh2
+            if HAS_BIAS:
+                db2 += dy2
+    tl.store(DW_PARTIAL + pid * n_cols + cols0, tl.sum(dw0, axis=0), mask=cols0 < n_cols)
     if HAS_BIAS:
-        tl.store(DB_PARTIAL + pid * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+        tl.store(DB_PARTIAL + pid * n_cols + cols0, tl.sum(db0, axis=0),
+                 mask=cols0 < n_cols)
+    if P1 > 0:
+        tl.store(DW_PARTIAL + pid * n_cols + cols1, tl.sum(dw1, axis=0),
+                 mask=cols1 < n_cols)
+        if HAS_BIAS:
+            tl.store(DB_PARTIAL + pid * n_cols + cols1, tl.sum(db1, axis=0),
+                     mask=cols1 < n_cols)
+    if P2 > 0:
+        tl.store(DW_PARTIAL + pid * n_cols + cols2, tl.sum(dw2, axis=0),
+                 mask=cols2 < n_cols)
+        if HAS_BIAS:
+            tl.store(DB_PARTIAL + pid * n_cols + cols2, tl.sum(db2, axis=0),
+                     mask=cols2 < n_cols)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -155,11 +265,12 @@ def layer_norm_forward(x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     mean = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     if n_rows:
+        a = alignment(n_cols, x2d.stride(0))
         _layer_norm_forward_kernel[(cdiv(n_rows, cfg.rows),)](
             x2d, w, b if b is not None else w, y, mean, rstd,
-            x2d.stride(0), n_rows, n_cols, eps,
-            HAS_BIAS=b is not None, ROWS=cfg.rows, BLOCK=cfg.block,
-            num_warps=cfg.num_warps)
+            x2d.stride(0) // a, n_rows, n_cols // a, eps,
+            HAS_BIAS=b is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
+            P1=cfg.pieces[1], P2=cfg.pieces[2], num_warps=cfg.num_warps)
     return y, mean, rstd
 
 
@@ -187,12 +298,13 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                                    programs_per_sm or cfg.programs_per_sm)
     partials = torch.empty((2 if b is not None else 1, programs, n_cols),
                            dtype=torch.float32, device=x.device)
+    a = alignment(n_cols, dy.stride(0), x.stride(0))
     _layer_norm_backward_kernel[(programs,)](
         dy, x, w, mean, rstd, dx, partials[0], partials[-1],
-        dy.stride(0), x.stride(0), n_rows, n_cols,
-        HAS_BIAS=b is not None, ROWS=cfg.rows, BLOCK=cfg.block,
-        NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages,
-        num_warps=cfg.num_warps)
+        dy.stride(0) // a, x.stride(0) // a, n_rows, n_cols // a,
+        HAS_BIAS=b is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
+        P1=cfg.pieces[1], P2=cfg.pieces[2],
+        NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages, num_warps=cfg.num_warps)
     # dw and db, each in its parameter's dtype, in one launch
     sums = sum_partials(partials, w, *([b] if b is not None else []))
     return dx, sums[0], sums[1] if b is not None else None
