@@ -145,23 +145,24 @@ def _rms_norm_forward_kernel(
 @triton.jit
 def _rms_norm_backward_piece(DY, X, w, rstd, rows, row_ok, stride_dy, stride_x, n_cols,
                              OFF: tl.constexpr, P: tl.constexpr):
-    """x̂, dy (fp32) and dy·w of columns OFF .. OFF + P - 1 of the tile, and their
-    share of Σ dy·w·x̂ per row."""
+    """x̂ and dy (fp32) of columns OFF .. OFF + P - 1 of the tile, and their share of
+    Σ dy·w·x̂ per row. dy·w is not kept: `_rms_norm_dx_piece` multiplies again, one
+    FMA per element, so a wide row holds three fp32 tiles across the row sum, not four
+    (at H = 13824 four spill)."""
     cols, _, mask = _piece(rows, row_ok, n_cols, OFF, P)
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
     x_hat = x.to(tl.float32) * rstd[:, None]
     dy = dy.to(tl.float32)
-    wdy = dy * w[None, :]  # dy·w
-    return x_hat, dy, wdy, tl.sum(wdy * x_hat, axis=1)
+    return x_hat, dy, tl.sum(dy * w[None, :] * x_hat, axis=1)
 
 
 @triton.jit
-def _rms_norm_dx_piece(DX, DH_IN, x_hat, wdy, rstd, c, rows, row_ok, stride_dh, n_cols,
+def _rms_norm_dx_piece(DX, DH_IN, x_hat, dy, w, rstd, c, rows, row_ok, stride_dh, n_cols,
                        OFF: tl.constexpr, P: tl.constexpr, HAS_DH_IN: tl.constexpr):
     """dx = r · (dy·w − x̂·c) (+ dh_in) for columns OFF .. OFF + P - 1, stored."""
     cols, _, mask = _piece(rows, row_ok, n_cols, OFF, P)
-    dx = rstd[:, None] * (wdy - x_hat * c[:, None])
+    dx = rstd[:, None] * (dy * w[None, :] - x_hat * c[:, None])
     if HAS_DH_IN:
         dh_in = tl.load(DH_IN + rows[:, None] * stride_dh + cols[None, :], mask=mask,
                         other=0.0)
@@ -214,28 +215,26 @@ def _rms_norm_backward_kernel(
     for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
         rows, row_ok = _row_tile(tile, n_rows, ROWS)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)  # (ROWS,) r
-        xh0, dy0, wdy0, c = _rms_norm_backward_piece(DY, X, w0, rstd, rows, row_ok,
-                                                     stride_dy, stride_x, n_cols, 0, P0)
+        xh0, dy0, c = _rms_norm_backward_piece(DY, X, w0, rstd, rows, row_ok, stride_dy,
+                                               stride_x, n_cols, 0, P0)
         if P1 > 0:
-            xh1, dy1, wdy1, c1 = _rms_norm_backward_piece(DY, X, w1, rstd, rows, row_ok,
-                                                          stride_dy, stride_x, n_cols,
-                                                          P0, P1)
+            xh1, dy1, c1 = _rms_norm_backward_piece(DY, X, w1, rstd, rows, row_ok, stride_dy,
+                                                    stride_x, n_cols, P0, P1)
             c += c1
         if P2 > 0:
-            xh2, dy2, wdy2, c2 = _rms_norm_backward_piece(DY, X, w2, rstd, rows, row_ok,
-                                                          stride_dy, stride_x, n_cols,
-                                                          P0 + P1, P2)
+            xh2, dy2, c2 = _rms_norm_backward_piece(DY, X, w2, rstd, rows, row_ok, stride_dy,
+                                                    stride_x, n_cols, P0 + P1, P2)
             c += c2
         c = c / n_cols  # (ROWS,) mean(dy·w·x̂)
-        _rms_norm_dx_piece(DX, DH_IN, xh0, wdy0, rstd, c, rows, row_ok, stride_dh, n_cols,
-                           0, P0, HAS_DH_IN)
+        _rms_norm_dx_piece(DX, DH_IN, xh0, dy0, w0, rstd, c, rows, row_ok, stride_dh,
+                           n_cols, 0, P0, HAS_DH_IN)
         dw0 += dy0 * xh0
         if P1 > 0:
-            _rms_norm_dx_piece(DX, DH_IN, xh1, wdy1, rstd, c, rows, row_ok, stride_dh,
+            _rms_norm_dx_piece(DX, DH_IN, xh1, dy1, w1, rstd, c, rows, row_ok, stride_dh,
                                n_cols, P0, P1, HAS_DH_IN)
             dw1 += dy1 * xh1
         if P2 > 0:
-            _rms_norm_dx_piece(DX, DH_IN, xh2, wdy2, rstd, c, rows, row_ok, stride_dh,
+            _rms_norm_dx_piece(DX, DH_IN, xh2, dy2, w2, rstd, c, rows, row_ok, stride_dh,
                                n_cols, P0 + P1, P2, HAS_DH_IN)
             dw2 += dy2 * xh2
     tl.store(DW_PARTIAL + pid * n_cols + cols0, tl.sum(dw0, axis=0), mask=cols0 < n_cols)
