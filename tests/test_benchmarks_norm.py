@@ -97,6 +97,17 @@ def test_sweep_rows_carry_both_timings_and_host_time(small_host):
     json.dumps(rows)
 
 
+def test_default_sweep_times_eager_only_at_its_one_token_count(small_host, monkeypatch):
+    monkeypatch.setattr(fused_norm, "SWEEP_EAGER_AT", (8, "float32"))
+    monkeypatch.setattr(fused_norm, "SWEEP_PROVIDERS", ("torch",))
+    cases = [("rms_norm", 8, 40, "float32"), ("rms_norm", 4, 40, "float32"),
+             ("rms_norm", 8, 40, "bfloat16")]
+    rows = fused_norm.sweep(cases, host=False)
+    got = {(r["tokens"], r["dtype"], r["provider"]) for r in rows if r["kind"] == "op"}
+    assert got == {(8, "float32", "eager"), (8, "float32", "torch"),
+                   (4, "float32", "torch"), (8, "bfloat16", "torch")}
+
+
 def test_sweep_cases_cover_the_issue_and_skip_by_memory():
     cases = fused_norm.sweep_cases("rms_norm")
     assert cases[0] == ("rms_norm", *fused_norm.HEADLINE, "bfloat16")

@@ -66,6 +66,10 @@ CHUNK_BUDGET_S = 300.0
 (the estimate leaves out Triton's JIT and process start-up)."""
 SWEEP_PROVIDERS = ("torch", "triton", "liger")
 """Providers of the sweep (those installed): ours against the library kernels."""
+SWEEP_EAGER_AT = (16384, "bfloat16")
+"""(tokens, dtype) at which the default sweep also times "eager", the unfused reference
+Hugging Face runs: one row per hidden size, for chapter 02's fused-against-eager
+comparison. Everywhere would cost more GPU time than the rest of the sweep."""
 HEADLINE = (16384, 4096)
 """(tokens, hidden) of the summary table and of the first compile (see `run`)."""
 MAX_CASE_BYTES = 24 << 30
@@ -573,10 +577,12 @@ def sweep(cases, providers=None, *, host: bool = True, on_row=None,
     copy = measure_copy_gbps(device=device)
     rows = [{"kind": "ceiling", "copy_gbps": copy}]  # also in every row: its run's
 
-    def names(op):
+    def names(op, tokens=None, dtype=None):
         want = providers or SWEEP_PROVIDERS
         if op == "swiglu":
             return [p for p in ("torch", "compile", "triton") if p in want]
+        if providers is None and (tokens, dtype) == SWEEP_EAGER_AT:
+            want = ("eager", *want)
         return [p for p in providers_here(op, device) if p in want]
 
     with warnings.catch_warnings():
@@ -584,7 +590,7 @@ def sweep(cases, providers=None, *, host: bool = True, on_row=None,
         for op, t, h, d in cases:
             dtype = getattr(torch, d)
             new = []
-            for p in names(op):
+            for p in names(op, t, d):
                 if ("op", op, p, t, h, d) in done:
                     continue
                 why = skip_reason(op, t, h, d)
