@@ -76,10 +76,7 @@ def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # "thread_local": the autograd engine's worker thread may touch CUDA during capture
-    with torch.cuda.graph(graph, capture_error_mode=os.environ.get(
-            "COLOSSAL_LAB_CAPTURE_MODE", "thread_local")):
-        fn()
+    _capture(fn, graph)
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -92,14 +89,46 @@ def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 
     return _summary([a.elapsed_time(b) for a, b in zip(starts, ends)])
 
 
+def _capture(fn: Callable[[], object], graph: torch.cuda.CUDAGraph) -> None:
+    """Capture `fn()` into `graph`, on a memory pool and a capture stream of its own.
+
+    Why not plain `torch.cuda.graph(graph)`: when a capture fails, the error is raised
+    out of `capture_end` before the caching allocator stops sending the capture
+    stream's allocations to the graph's private pool, and `torch.cuda.graph` reuses
+    one default capture stream for every capture. Every later capture then allocates
+    from that orphaned pool, which `empty_cache()` never returns. Seen on the H200:
+    after the first capture of a process failed, a sweep's memory grew case by case
+    until everything ran out of memory. So each capture gets its own pool and stream,
+    and a failed one has its pool routing ended here."""
+    pool = torch.cuda.graph_pool_handle()
+    try:
+        # "thread_local": the autograd engine's worker thread may touch CUDA in capture
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(),
+                              capture_error_mode=os.environ.get(
+                                  "COLOSSAL_LAB_CAPTURE_MODE", "thread_local")):
+            fn()
+    except Exception:
+        try:
+            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+        except Exception:  # capture_end got that far itself: nothing left to end
+            pass
+        raise
+
+
 def time_kernels(fn: Callable[[], object], *, device=None, reps: int = 100
                  ) -> tuple[Timing, str]:
     """The GPU time of `fn`'s kernels and how it was taken: CUDA-graph replay
-    ("cuda_graph", `time_cuda_graph`); where capture fails, eagerly with `do_bench`
-    ("events (capture failed: why)": Python launch gaps included, and said so); on a
-    CPU a loop ("perf_counter")."""
+    ("cuda_graph", `time_cuda_graph`); where capture fails twice, eagerly with
+    `do_bench` ("events (capture failed: why)": Python launch gaps included, and said
+    so); on a CPU a loop ("perf_counter"). The second attempt is there because the
+    first capture of a backward in a process can fail where the next one works (seen
+    on the H200 with `F.rms_norm`'s)."""
     if not _on_cuda(device):
         return time_fn(fn, device=device), "perf_counter"
+    try:
+        return time_cuda_graph(fn, reps=reps), "cuda_graph"
+    except Exception:
+        pass
     try:
         return time_cuda_graph(fn, reps=reps), "cuda_graph"
     except Exception as e:  # e.g. an op that cannot be captured: say which

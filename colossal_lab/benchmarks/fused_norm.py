@@ -33,6 +33,7 @@ time per call (`host_us`), run in chunks under a per-command time limit:
 from __future__ import annotations
 
 import argparse
+import gc
 import warnings
 from pathlib import Path
 
@@ -590,6 +591,8 @@ def sweep(cases, providers=None, *, host: bool = True, on_row=None,
         for op, t, h, d in cases:
             dtype = getattr(torch, d)
             new = []
+            free_gib = (torch.cuda.mem_get_info()[0] / 2**30 if device.type == "cuda"
+                        else None)  # before the case: a leak shows as a falling column
             for p in names(op, t, d):
                 if ("op", op, p, t, h, d) in done:
                     continue
@@ -599,13 +602,14 @@ def sweep(cases, providers=None, *, host: bool = True, on_row=None,
                                 "hidden": h, "dtype": d, "skipped": why})
                     continue
                 row = measure(op, p, t, h, dtype, device, eager=True)
-                row["copy_gbps"] = copy
+                row.update(copy_gbps=copy, gpu_free_gib=free_gib)
                 new.append(row)
                 print(format_row(row), flush=True)
             rows += new
             if new and on_row is not None:
                 on_row(rows)
             if device.type == "cuda":
+                gc.collect()
                 torch.cuda.empty_cache()
         if host:
             for op, d in dict.fromkeys((c[0], c[3]) for c in cases):
@@ -1016,9 +1020,9 @@ def run_group(a, p, command: str) -> None:
     else:
         cases = sweep_cases(a.group, hidden=a.hidden, tokens=a.tokens, dtypes=a.dtypes,
                             ops=a.ops)
-    providers = a.providers or list(SWEEP_PROVIDERS)
+    providers = a.providers  # None: the sweep's own (with "eager" at SWEEP_EAGER_AT)
     if a.dry_run:
-        print(dry_run(cases, providers, a.group, a.name))
+        print(dry_run(cases, providers or list(SWEEP_PROVIDERS), a.group, a.name))
         return
     if a.quick:
         rows = sweep(cases, providers, host_shapes=((4, 64),), host_calls=3)
