@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from colossal_lab.kernels import INTERPRET
+from colossal_lab.kernels.launch import launch
 
 MAX_HIDDEN = 65536
 """Largest H a program can hold in registers as one row (64K elements)."""
@@ -327,7 +328,7 @@ def sum_partials(partials: torch.Tensor, *params: torch.Tensor) -> list[torch.Te
     parameter's dtype, in one launch."""
     n_parts, n_programs, n_cols = partials.shape
     outs = [torch.empty(n_cols, dtype=p.dtype, device=partials.device) for p in params]
-    _rms_norm_partials_sum_kernel[(cdiv(n_cols, _SUM_BLOCK), n_parts)](
-        partials, outs[0], outs[-1], n_programs, n_cols,
-        BLOCK_P=_SUM_BLOCK_P, BLOCK=_SUM_BLOCK, num_warps=4)
+    launch(_rms_norm_partials_sum_kernel, (cdiv(n_cols, _SUM_BLOCK), n_parts),
+           (partials, outs[0], outs[-1], n_programs, n_cols),
+           dict(BLOCK_P=_SUM_BLOCK_P, BLOCK=_SUM_BLOCK), num_warps=4)
     return outs

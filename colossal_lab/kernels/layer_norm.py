@@ -42,6 +42,7 @@ from colossal_lab.kernels._norm_common import (
     persistent_programs,
     sum_partials,
 )
+from colossal_lab.kernels.launch import launch
 
 
 @triton.jit
@@ -266,11 +267,12 @@ def layer_norm_forward(x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     if n_rows:
         a = alignment(n_cols, x2d.stride(0))
-        _layer_norm_forward_kernel[(cdiv(n_rows, cfg.rows),)](
-            x2d, w, b if b is not None else w, y, mean, rstd,
-            x2d.stride(0) // a, n_rows, n_cols // a, eps,
-            HAS_BIAS=b is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
-            P1=cfg.pieces[1], P2=cfg.pieces[2], num_warps=cfg.num_warps)
+        launch(_layer_norm_forward_kernel, (cdiv(n_rows, cfg.rows),),
+               (x2d, w, b if b is not None else w, y, mean, rstd,
+                x2d.stride(0) // a, n_rows, n_cols // a, eps),
+               dict(HAS_BIAS=b is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
+                    P1=cfg.pieces[1], P2=cfg.pieces[2]),
+               num_warps=cfg.num_warps)
     return y, mean, rstd
 
 
@@ -299,12 +301,13 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     partials = torch.empty((2 if b is not None else 1, programs, n_cols),
                            dtype=torch.float32, device=x.device)
     a = alignment(n_cols, dy.stride(0), x.stride(0))
-    _layer_norm_backward_kernel[(programs,)](
-        dy, x, w, mean, rstd, dx, partials[0], partials[-1],
-        dy.stride(0) // a, x.stride(0) // a, n_rows, n_cols // a,
-        HAS_BIAS=b is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
-        P1=cfg.pieces[1], P2=cfg.pieces[2],
-        NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages, num_warps=cfg.num_warps)
+    launch(_layer_norm_backward_kernel, (programs,),
+           (dy, x, w, mean, rstd, dx, partials[0], partials[-1],
+            dy.stride(0) // a, x.stride(0) // a, n_rows, n_cols // a),
+           dict(HAS_BIAS=b is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
+                P1=cfg.pieces[1], P2=cfg.pieces[2],
+                NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages),
+           num_warps=cfg.num_warps)
     # dw and db, each in its parameter's dtype, in one launch
     sums = sum_partials(partials, w, *([b] if b is not None else []))
     return dx, sums[0], sums[1] if b is not None else None

@@ -66,6 +66,7 @@ from colossal_lab.kernels._norm_common import (
     persistent_programs,
     sum_partials,
 )
+from colossal_lab.kernels.launch import launch
 
 
 @triton.jit
@@ -259,11 +260,12 @@ def _forward(x2d, residual2d, w, eps, config):
     if n_rows:
         res = residual2d if residual2d is not None else x2d
         a = alignment(n_cols, x2d.stride(0), res.stride(0))
-        _rms_norm_forward_kernel[(cdiv(n_rows, cfg.rows),)](
-            x2d, res, w, y, h if h is not None else y, rstd,
-            x2d.stride(0) // a, res.stride(0) // a, n_rows, n_cols // a, eps,
-            HAS_RESIDUAL=residual2d is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
-            P1=cfg.pieces[1], P2=cfg.pieces[2], num_warps=cfg.num_warps)
+        launch(_rms_norm_forward_kernel, (cdiv(n_rows, cfg.rows),),
+               (x2d, res, w, y, h if h is not None else y, rstd,
+                x2d.stride(0) // a, res.stride(0) // a, n_rows, n_cols // a, eps),
+               dict(HAS_RESIDUAL=residual2d is not None, ALIGN=a, ROWS=cfg.rows,
+                    P0=cfg.pieces[0], P1=cfg.pieces[1], P2=cfg.pieces[2]),
+               num_warps=cfg.num_warps)
     return y, h, rstd
 
 
@@ -306,12 +308,13 @@ def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages):
                              device=x2d.device)  # (1, P, H): sum_partials' layout
     dh = dh_in2d if dh_in2d is not None else dy2d
     a = alignment(n_cols, dy2d.stride(0), x2d.stride(0), dh.stride(0))
-    _rms_norm_backward_kernel[(programs,)](
-        dy2d, x2d, w, rstd, dh, dx, dw_partial,
-        dy2d.stride(0) // a, x2d.stride(0) // a, dh.stride(0) // a, n_rows, n_cols // a,
-        HAS_DH_IN=dh_in2d is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
-        P1=cfg.pieces[1], P2=cfg.pieces[2],
-        NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages, num_warps=cfg.num_warps)
+    launch(_rms_norm_backward_kernel, (programs,),
+           (dy2d, x2d, w, rstd, dh, dx, dw_partial,
+            dy2d.stride(0) // a, x2d.stride(0) // a, dh.stride(0) // a, n_rows, n_cols // a),
+           dict(HAS_DH_IN=dh_in2d is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
+                P1=cfg.pieces[1], P2=cfg.pieces[2],
+                NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages),
+           num_warps=cfg.num_warps)
     (dw,) = sum_partials(dw_partial, w)  # (H,) in w's dtype, one launch
     return dx, dw
 

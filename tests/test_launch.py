@@ -1,0 +1,48 @@
+"""`kernels.launch`: the direct launch path keyed at least as finely as Triton's own
+specialisation, the interpreter untouched, and (on a GPU) bit-equal results."""
+
+import pytest
+import torch
+
+from colossal_lab.kernels import INTERPRET, launch
+from colossal_lab.kernels.rms_norm import rms_norm_triton
+
+
+def test_spec_tells_apart_what_triton_specialises_on():
+    t = torch.zeros(64, dtype=torch.bfloat16)
+    s = launch._spec((t, t[1:], t.float(), 16, 17, 1, 1 << 40, 0.5, True))
+    assert s[0] == (torch.bfloat16, True) and s[1] == (torch.bfloat16, False)  # 2-byte offset
+    assert s[2][0] == torch.float32
+    assert s[3] == (True, False, True) and s[4] == (False, False, True)  # divisible by 16
+    assert s[5] == (False, True, True) and s[6] == (True, False, False)  # 1; past 32 bits
+    assert s[7] == "f" and s[8] == ("b", True)
+    assert launch._spec((16,)) != launch._spec((32 + 1,))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's path")
+def test_interpreter_launches_through_the_jit(monkeypatch):
+    monkeypatch.setattr(launch, "CACHE", {})
+    x = torch.randn(3, 40, requires_grad=True)
+    w = torch.randn(40, requires_grad=True)
+    rms_norm_triton(x, w).sum().backward()
+    assert launch.CACHE == {} and x.grad is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_direct_launches_match_the_jit_bit_for_bit(monkeypatch):
+    x = torch.randn(1000, 3000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(3000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def run():
+        return (rms_norm_triton(x, w), *torch.autograd.grad(rms_norm_triton(x, w), (x, w), dy))
+
+    monkeypatch.setattr(launch, "_fast", False)
+    ref = run()
+    monkeypatch.setattr(launch, "_fast", True)
+    monkeypatch.setattr(launch, "CACHE", {})
+    run()  # compiles (or finds) and fills the cache
+    assert len(launch.CACHE) == 3  # forward, backward, dweight sum
+    for got, want in zip(run(), ref):  # every launch from the cache now
+        assert torch.equal(got, want)
+    assert launch._fast  # the direct path took every call
