@@ -151,6 +151,15 @@ def _layer_norm_dx_piece(DX, x_hat, wdy, rstd, c1, c2, rows, row_ok, n_cols,
 
 
 @triton.jit
+def _layer_norm_store_partials(DW_PARTIAL, DB_PARTIAL, pid, n_cols, cols, dw, db,
+                               HAS_BIAS: tl.constexpr):
+    """This program's Σ dy·x̂ (and Σ dy) over its rows, for the columns `cols`."""
+    tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0), mask=cols < n_cols)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + pid * n_cols + cols, tl.sum(db, axis=0), mask=cols < n_cols)
+
+
+@triton.jit
 def _layer_norm_backward_kernel(
     DY,  # (n_rows, n_cols) gradient of y, row stride stride_dy
     X,  # (n_rows, n_cols) input x, row stride stride_x
@@ -226,22 +235,13 @@ def _layer_norm_backward_kernel(
             dw2 += dy2 * xh2
             if HAS_BIAS:
                 db2 += dy2
-    tl.store(DW_PARTIAL + pid * n_cols + cols0, tl.sum(dw0, axis=0), mask=cols0 < n_cols)
-    if HAS_BIAS:
-        tl.store(DB_PARTIAL + pid * n_cols + cols0, tl.sum(db0, axis=0),
-                 mask=cols0 < n_cols)
+    _layer_norm_store_partials(DW_PARTIAL, DB_PARTIAL, pid, n_cols, cols0, dw0, db0, HAS_BIAS)
     if P1 > 0:
-        tl.store(DW_PARTIAL + pid * n_cols + cols1, tl.sum(dw1, axis=0),
-                 mask=cols1 < n_cols)
-        if HAS_BIAS:
-            tl.store(DB_PARTIAL + pid * n_cols + cols1, tl.sum(db1, axis=0),
-                     mask=cols1 < n_cols)
+        _layer_norm_store_partials(DW_PARTIAL, DB_PARTIAL, pid, n_cols, cols1, dw1, db1,
+                                   HAS_BIAS)
     if P2 > 0:
-        tl.store(DW_PARTIAL + pid * n_cols + cols2, tl.sum(dw2, axis=0),
-                 mask=cols2 < n_cols)
-        if HAS_BIAS:
-            tl.store(DB_PARTIAL + pid * n_cols + cols2, tl.sum(db2, axis=0),
-                     mask=cols2 < n_cols)
+        _layer_norm_store_partials(DW_PARTIAL, DB_PARTIAL, pid, n_cols, cols2, dw2, db2,
+                                   HAS_BIAS)
 
 
 # ----------------------------------------------------------------------------- launchers
