@@ -68,8 +68,8 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, *, num_warps: int
             CACHE[key] = (compiled, tuple(constexprs[n] for n in kernel.arg_names[len(args):]))
         return
     compiled, tail = hit
-    try:
-        compiled[grid](*args, *tail)
+    try:  # the compiled kernel's launcher indexes all three grid dimensions
+        compiled[(*grid, 1, 1)[:3]](*args, *tail)
     except Exception:  # a launcher with another calling convention: the JIT from now on
         _fast = False
         CACHE.clear()
