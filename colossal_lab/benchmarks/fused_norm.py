@@ -639,8 +639,8 @@ def sweep(cases, providers=None, *, host: bool = True, on_row=None,
                         rows.append(row)
                         print(f"  host {op:<13}{p:<9}{t:>6} x {h:<6}{d:<9}"
                               f"{row.get('host_us', float('nan')):8.1f} us", flush=True)
-            if on_row is not None:
-                on_row(rows)
+                        if on_row is not None:  # saved row by row: a cut run keeps them
+                            on_row(rows)
     return rows
 
 
