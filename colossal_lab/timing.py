@@ -118,17 +118,13 @@ def _capture(fn: Callable[[], object], graph: torch.cuda.CUDAGraph) -> None:
 def time_kernels(fn: Callable[[], object], *, device=None, reps: int = 100
                  ) -> tuple[Timing, str]:
     """The GPU time of `fn`'s kernels and how it was taken: CUDA-graph replay
-    ("cuda_graph", `time_cuda_graph`); where capture fails twice, eagerly with
-    `do_bench` ("events (capture failed: why)": Python launch gaps included, and said
-    so); on a CPU a loop ("perf_counter"). The second attempt is there because the
-    first capture of a backward in a process can fail where the next one works (seen
-    on the H200 with `F.rms_norm`'s)."""
+    ("cuda_graph", `time_cuda_graph`); where capture fails, eagerly with `do_bench`
+    ("events (capture failed: why)": Python launch gaps included, and said so); on a
+    CPU a loop ("perf_counter"). On the H200 with torch 2.11 the first capture of a
+    backward in a process fails, and a second try of the same one fails too (tried):
+    that one row says so."""
     if not _on_cuda(device):
         return time_fn(fn, device=device), "perf_counter"
-    try:
-        return time_cuda_graph(fn, reps=reps), "cuda_graph"
-    except Exception:
-        pass
     try:
         return time_cuda_graph(fn, reps=reps), "cuda_graph"
     except Exception as e:  # e.g. an op that cannot be captured: say which

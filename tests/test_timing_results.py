@@ -46,23 +46,6 @@ def test_time_kernels_says_how_it_timed(monkeypatch):
                    "stream is capturing)") and t.median_ms == 1.5
 
 
-def test_time_kernels_tries_a_second_capture(monkeypatch):
-    """The first capture of a backward in a process can fail where the next works:
-    one failure falls back to nothing, the second capture's timing is a graph's."""
-    calls = []
-
-    def flaky(fn, reps):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("operation failed due to a previous error during capture")
-        return timing._summary([0.25])
-
-    monkeypatch.setattr(timing, "_on_cuda", lambda device: True)
-    monkeypatch.setattr(timing, "time_cuda_graph", flaky)
-    t, how = timing.time_kernels(lambda: None, device="cuda")
-    assert how == "cuda_graph" and t.median_ms == 0.25 and len(calls) == 2
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_failed_capture_does_not_keep_later_memory():
     """After a capture fails, later captures' memory must still be returned: on the

@@ -563,20 +563,6 @@ def case_key(r: dict) -> tuple:
             r.get("hidden"), r.get("dtype"))
 
 
-def _first_capture(device) -> None:
-    """Capture one small forward + backward and throw it away. On the H200 the first
-    capture of a backward in a process fails, twice in a row, whatever the op (seen
-    with F.rms_norm's and with the eager reference's), and the later ones work: so the
-    first real case would be timed eagerly (its row would say so). After this, it is
-    a graph replay like the rest."""
-    x = torch.randn(8, 64, device=device, requires_grad=True)
-    try:
-        time_kernels(lambda: torch.autograd.grad(torch.nn.functional.rms_norm(
-            x, (64,), eps=EPS).sum(), x), device=device, reps=1)
-    except Exception:  # only a warm-up
-        pass
-
-
 def sweep(cases, providers=None, *, host: bool = True, on_row=None,
           done: set | None = None, host_shapes=None, host_calls: int | None = None
           ) -> list[dict]:
@@ -591,8 +577,6 @@ def sweep(cases, providers=None, *, host: bool = True, on_row=None,
     done = done or set()
     copy = measure_copy_gbps(device=device)
     rows = [{"kind": "ceiling", "copy_gbps": copy}]  # also in every row: its run's
-    if device.type == "cuda":
-        _first_capture(device)
 
     def names(op, tokens=None, dtype=None):
         want = providers or SWEEP_PROVIDERS
