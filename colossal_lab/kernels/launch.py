@@ -9,12 +9,12 @@ that work once per specialisation: the first call goes through Triton's JIT, whi
 compiles and returns the compiled kernel; later calls with the same key call that
 compiled kernel directly (`CompiledKernel[grid](*all_args)`, Triton's own launcher).
 
-The key is at least as fine as Triton's specialisation (each tensor's dtype and
-16-byte alignment; each integer's divisibility by 16, whether it is 1 and whether it
-fits in 32 bits; the constexprs, warps and stages), so a cached kernel is reused only
-where Triton would have picked the same one. Under the interpreter, or if the compiled
-kernel's launcher does not take the call (another Triton version), every launch goes
-through `kernel[grid]` as usual.
+The key is at least as fine as Triton's specialisation (the current device; each
+tensor's dtype and 16-byte alignment; each integer's divisibility by 16, whether it is
+1 and whether it fits in 32 bits; the constexprs, warps and stages), so a cached kernel
+is reused only where Triton would have picked the same one. Under the interpreter, or
+if the compiled kernel's launcher does not take the call (another Triton version),
+every launch goes through `kernel[grid]` as usual.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, *, num_warps: int
     if not _fast:
         kernel[grid](*args, **constexprs, **options)
         return
-    key = (kernel, _spec(args), tuple(constexprs.items()), num_warps, num_stages)
+    # the device too: a compiled kernel's handles belong to the device it was loaded on
+    key = (kernel, torch.cuda.current_device(), _spec(args), tuple(constexprs.items()),
+           num_warps, num_stages)
     hit = CACHE.get(key)
     if hit is None:
         compiled = kernel[grid](*args, **constexprs, **options)
