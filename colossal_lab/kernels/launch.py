@@ -14,7 +14,8 @@ tensor's dtype and 16-byte alignment; each integer's divisibility by 16, whether
 1 and whether it fits in 32 bits; the constexprs, warps and stages), so a cached kernel
 is reused only where Triton would have picked the same one. Under the interpreter, or
 if the compiled kernel's launcher does not take the call (another Triton version),
-every launch goes through `kernel[grid]` as usual.
+every launch goes through `kernel[grid]` as usual; so does one that torch.compile is
+tracing (dynamo understands `kernel[grid]` calls, not our cache).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, *, num_warps: int
     options = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
-    if not _fast:
+    if not _fast or torch.compiler.is_compiling():  # dynamo traces `kernel[grid]` calls
         kernel[grid](*args, **constexprs, **options)
         return
     # the device too: a compiled kernel's handles belong to the device it was loaded on
