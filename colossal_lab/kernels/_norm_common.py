@@ -53,7 +53,8 @@ class Defaults:
     """Launch heuristics, in one place so a sweep on a new GPU changes one line."""
 
     tile_elems: int = 4096
-    """Target elements per (ROWS, BLOCK) tile: small H gets ROWS = tile_elems // BLOCK."""
+    """Target elements per tile of ROWS rows: small H gets ROWS = tile_elems //
+    next_power_of_2(H)."""
     elems_per_thread: int = 16
     """Elements of one tensor per thread: 16 bf16 = two 16-byte loads."""
     programs_per_sm_warps: int = 16
