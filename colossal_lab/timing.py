@@ -92,14 +92,15 @@ def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 
 def _capture(fn: Callable[[], object], graph: torch.cuda.CUDAGraph) -> None:
     """Capture `fn()` into `graph`, on a memory pool and a capture stream of its own.
 
-    Why not plain `torch.cuda.graph(graph)`: when a capture fails, the error is raised
-    out of `capture_end` before the caching allocator stops sending the capture
-    stream's allocations to the graph's private pool, and `torch.cuda.graph` reuses
-    one default capture stream for every capture. Every later capture then allocates
-    from that orphaned pool, which `empty_cache()` never returns. Seen on the H200:
-    after the first capture of a process failed, a sweep's memory grew case by case
-    until everything ran out of memory. So each capture gets its own pool and stream,
-    and a failed one has its pool routing ended here."""
+    Why not plain `torch.cuda.graph(graph)`: seen on the H200, after the first capture
+    of a process failed, a sweep's memory grew case by case until everything ran out
+    of memory, with all of PyTorch's live allocations in private pools. Our reading:
+    the failed capture's error leaves the caching allocator sending the capture
+    stream's allocations to that graph's pool, and `torch.cuda.graph` reuses one
+    default capture stream for every capture, so every later capture allocated from
+    an orphaned pool that `empty_cache()` never returns. With each capture on its own
+    pool and stream, and a failed one's pool routing ended here, free memory stayed
+    flat through the whole recorded sweep (`gpu_free_gib` in fused_norm.json)."""
     pool = torch.cuda.graph_pool_handle()
     try:
         # "thread_local": the autograd engine's worker thread may touch CUDA in capture

@@ -21,9 +21,12 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                    reason="needs a CUDA GPU")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-SHAPES = [(123,), (5, 123), (7, 1024), (2, 3, 4097), (2, 1, 3, 64), (3, 700), (2, 1282)]
+SHAPES = [(123,), (5, 123), (7, 1024), (2, 3, 4097), (2, 1, 3, 64), (3, 700), (2, 1282),
+          (2, 1000)]
 # row pieces (`_norm_common.row_pieces`): 123 -> one padded 128; 4097 -> 4096 + 1;
-# 700 -> 512 + 128 + 64 (three, the last padded); 1282 -> 1024 + 256 + 2
+# 700 -> 512 + 128 + 64 (three, the last padded); 1282 -> 1024 + 256 + 2.
+# ALIGN (`_norm_common.alignment`): 1 at 123 and 4097, 2 at 1282, 4 at 700, 8 at 1000,
+# 16 at 64 and 1024
 # (activation dtype, weight dtype, atol, rtol). bf16 activations with fp32 weights is
 # what autocast trains with. atol only absorbs ties: the bound is 2·err(lowp) + atol.
 DTYPES = [

@@ -14,8 +14,9 @@ So the launch settings aim at one thing, keeping enough bytes in flight:
   SM, fewer bytes are in flight, and the kernel falls below the bandwidth it reaches
   at H = 4096;
 - each thread holds 8 to 32 contiguous elements per tensor, so a bf16 row is read with
-  16-byte vector loads (Triton vectorises when the row stride is divisible by 16, which
-  it specialises on automatically);
+  16-byte vector loads; Triton vectorises only what it knows to be aligned, so H and
+  the row strides reach the kernels divided by `alignment` and are multiplied back by
+  that constexpr;
 - small H gets several rows per program (ROWS > 1) so a program still moves ~8 KB;
 - the backward runs a *persistent* grid of a few programs per SM that loop over row
   tiles, each accumulating its dweight partial sum in registers and writing it once:

@@ -25,7 +25,8 @@ import torch
 from colossal_lab.kernels import INTERPRET
 
 CACHE: dict[tuple, tuple] = {}
-"""(kernel, specialisation key) -> (compiled kernel, constexpr values in order)."""
+"""(kernel, device, specialisation, constexprs, warps, stages) -> (compiled kernel,
+constexpr values in signature order)."""
 _fast = not INTERPRET
 """False once the direct path failed: then every launch goes through the JIT."""
 
