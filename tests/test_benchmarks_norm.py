@@ -195,7 +195,7 @@ def table(monkeypatch):
 
     entries = {"128/float32/fwd": {"rows": 2, "num_warps": 8},
                "128/float32/bwd": {"rows": 4, "num_warps": 4, "programs_per_sm": 3,
-                                   "num_stages": 1}}
+                                   "num_stages": 1, "min_rows_per_program": 5}}
     monkeypatch.setattr(norm_table, "TABLES", {"NVIDIA H200": entries})
     monkeypatch.setattr(_norm_common, "_gpu_name", lambda: "NVIDIA H200")
     _norm_common.launch_config.cache_clear()
@@ -209,7 +209,8 @@ def test_table_entry_overrides_the_heuristic(table):
     cfg = table.launch_config(100, torch.float32)
     assert (cfg.rows, cfg.num_warps, cfg.source) == (2, 8, "table:NVIDIA H200")
     bwd = table.launch_config(100, torch.float32, backward=True)
-    assert (bwd.rows, bwd.programs_per_sm, bwd.num_stages) == (4, 3, 1)
+    assert (bwd.rows, bwd.programs_per_sm, bwd.num_stages,
+            bwd.min_rows_per_program) == (4, 3, 1, 5)
     assert table.launch_config(100, torch.bfloat16).source == "heuristic"  # missing
     assert table.launch_config(1000, torch.float32).source == "heuristic"  # bucket 1024
     assert table.launch_config(100, torch.float32, rows=1).source == "override"
@@ -241,7 +242,16 @@ def test_write_table_from_tune_rows(tmp_path, monkeypatch):
             for r, nw, g in ((1, 8, 3000.0), (2, 8, 3500.0), (1, 16, None))]
     tune += [{"kind": "tune", "hidden": 4096, "dtype": "bfloat16", "pass": "bwd",
               "rows": 1, "num_warps": 8, "programs_per_sm": 2, "num_stages": s,
-              "gbps": g} for s, g in ((1, 2000.0), (2, 2500.0))]
+              "gbps": g, "tokens": 16384} for s, g in ((1, 2000.0), (2, 2500.0))]
+    # a smaller token count's (faster-looking) tile does not replace the 16k winner
+    tune += [{"kind": "tune", "hidden": 4096, "dtype": "bfloat16", "pass": "bwd",
+              "rows": 4, "num_warps": 4, "programs_per_sm": 1, "num_stages": 1,
+              "gbps": 9000.0, "tokens": 4096}]
+    # the grid cap comes from the smallest token count that tuned it
+    tune += [{"kind": "tune", "hidden": 4096, "dtype": "bfloat16", "pass": "bwd",
+              "rows": 1, "num_warps": 8, "programs_per_sm": 2, "num_stages": 2,
+              "min_rows_per_program": m, "gbps": g, "tokens": t}
+             for m, g, t in ((4, 1000.0, 1024), (16, 1200.0, 1024), (32, 5000.0, 4096))]
     saved = save_results("fused_norm_tune", tune, gpu="h200")
     path = fused_norm.write_table(path=tmp_path / "norm_table.py")
     ns: dict = {}
@@ -249,7 +259,7 @@ def test_write_table_from_tune_rows(tmp_path, monkeypatch):
     gpu = json.loads(saved.read_text())["provenance"]["gpu"]  # keyed by torch's name
     assert ns["TABLES"][gpu] == {
         "4096/bfloat16/bwd": {"rows": 1, "num_warps": 8, "programs_per_sm": 2,
-                              "num_stages": 2},
+                              "num_stages": 2, "min_rows_per_program": 16},
         "4096/bfloat16/fwd": {"rows": 2, "num_warps": 8}}
 
 

@@ -349,7 +349,37 @@ def test_other_backends_on_gpu(backend):
               [dy], 1e-3, 0.0)
 
 
-@pytest.mark.parametrize("programs,n_cols", [(1, 1), (5, 70), (67, 130)], ids=str)
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1024, 3072), (1000, 3000), (37, 5120), (2048, 1024)],
+                         ids=str)
+def test_small_token_counts_on_gpu(shape):
+    """Few rows: the persistent grid is capped by rows per program, not by SMs."""
+    x, w = _inputs(shape, torch.bfloat16, torch.bfloat16)
+    dy = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
+    _check_op(lambda x, w: norm.rms_norm(x, w, backend="triton"), rms_norm_ref,
+              [x, w], [dy], 1e-3, 0.0)
+
+
+def test_persistent_grid_size(monkeypatch):
+    """SMs x programs per SM, capped so each program loops over >= min_rows rows and
+    never more programs than tiles."""
+    from colossal_lab.kernels import _norm_common as nc
+
+    monkeypatch.setattr(nc, "INTERPRET", False)
+    monkeypatch.setattr(nc, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert nc.persistent_programs(16384, 1, 8, cuda, min_rows=8) == 264  # 16 // 8 per SM
+    assert nc.persistent_programs(16384, 1, 4, cuda, programs_per_sm=1) == 132
+    assert nc.persistent_programs(1024, 1, 4, cuda, min_rows=8) == 128
+    assert nc.persistent_programs(1024, 1, 4, cuda, min_rows=1) == 528
+    assert nc.persistent_programs(1000, 16, 4, cuda, min_rows=8) == 63  # tiles of 16 rows
+    assert nc.persistent_programs(3, 1, 4, cuda, min_rows=8) == 1
+    assert nc.persistent_programs(5, 2, 4, torch.device("cpu")) == 3  # tiles
+
+
+@pytest.mark.parametrize("programs,n_cols", [(1, 1), (5, 70), (67, 130), (300, 33)],
+                         ids=str)
 def test_partials_sum_is_one_deterministic_launch(programs, n_cols, monkeypatch):
     """The backward's dweight (and dbias) partials are summed in fp32 and rounded once to
     each parameter's dtype, by one launch, the same bits on every call."""

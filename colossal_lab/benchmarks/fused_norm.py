@@ -425,7 +425,7 @@ def host_parts(tokens: int = 4, hidden: int = 64, dtype=torch.bfloat16, device=N
                                                   nc.check_param(wd, hidden, x2d, "w")),
             "as_rows": lambda: nc.as_rows(x2d, hidden),
             "launch_config": lambda: nc.launch_config(hidden, dtype),
-            "persistent_programs": lambda: nc.persistent_programs(64, 4, device),
+            "persistent_programs": lambda: nc.persistent_programs(64, 1, 4, device),
             "torch.empty (tokens, hidden)": lambda: torch.empty(
                 (tokens, hidden), dtype=dtype, device=device),
             "sum_partials, launch stubbed": lambda: nc.sum_partials(partials, wd),
@@ -816,19 +816,30 @@ TUNE_HIDDEN = (1024, 2048, 4096, 8192, 16384)
 power of two itself; sizes between two (5120, 13824) get their bucket's entry."""
 
 
-def tune(tokens: int = 16384, hidden=TUNE_HIDDEN, dtypes=(torch.bfloat16,)) -> list[dict]:
+TUNE_SMALL_TOKENS = 4096
+"""At this many tokens or fewer `--tune` times only the backward's grid cap
+(`min_rows_per_program`, with programs per SM and stages): the tile shape and warps
+come from the large-token tuning, where the bandwidth is decided."""
+MIN_ROWS_CANDIDATES = (1, 2, 4, 8, 16, 32)
+
+
+def tune(tokens=(16384,), hidden=TUNE_HIDDEN, dtypes=(torch.bfloat16,)) -> list[dict]:
     """Time our RMSNorm launchers over their launch parameters (forward: rows per tile
-    and warps; backward: also programs per SM and pipelining stages) and print the best
+    and warps; backward: also programs per SM and pipelining stages; at
+    <= `TUNE_SMALL_TOKENS` tokens the backward's rows per program) and print the best
     of each next to the default. `--write-table` turns the winners into
-    `kernels/norm_table.py`. About a minute per hidden size and dtype on an H200."""
+    `kernels/norm_table.py`. About 30 s per hidden size, dtype and token count on an
+    H200."""
     if not torch.cuda.is_available():
         raise SystemExit("--tune times GPU kernels: it needs a CUDA device")
     device = torch.device("cuda")
+    tokens = (tokens,) if isinstance(tokens, int) else tuple(tokens)
     rows = []
-    for dtype in dtypes:
-        for h in hidden:
-            rows += _tune_hidden(tokens, h, dtype, device)
-            torch.cuda.empty_cache()
+    for t in tokens:
+        for dtype in dtypes:
+            for h in hidden:
+                rows += _tune_hidden(t, h, dtype, device)
+                torch.cuda.empty_cache()
     rows.append({"kind": "ceiling", "hidden": None, "dtype": None,
                  "copy_gbps": measure_copy_gbps(device=device)})
     return rows
@@ -843,7 +854,7 @@ def _tune_hidden(tokens: int, h: int, dtype, device) -> list[dict]:
     dy = torch.randn_like(x)
     _, rstd = rms_norm_forward(x, w, EPS)
     fwd_bytes, bwd_bytes = moved_bytes("rms_norm", tokens, h, dtype.itemsize)
-    default = launch_config(h)
+    default = launch_config(h, dtype)
     base = {"kind": "tune", "tokens": tokens, "hidden": h,
             "dtype": str(dtype).replace("torch.", "")}
 
@@ -856,6 +867,21 @@ def _tune_hidden(tokens: int, h: int, dtype, device) -> list[dict]:
         return row
 
     rows = []
+    if tokens <= TUNE_SMALL_TOKENS:
+        bwd = launch_config(h, dtype, backward=True)
+        cfg = launch_config(h, rows=bwd.rows, num_warps=bwd.num_warps)
+        for min_rows in MIN_ROWS_CANDIDATES:
+            for pps in (1, 2, 4):
+                for stages in (1, 2):
+                    row = {**base, "pass": "bwd", "rows": bwd.rows,
+                           "num_warps": bwd.num_warps, "programs_per_sm": pps,
+                           "num_stages": stages, "min_rows_per_program": min_rows}
+                    rows.append(timed(row, bwd_bytes, lambda p=pps, s=stages, m=min_rows:
+                                      rms_norm_backward(dy, x, w, rstd, config=cfg,
+                                                        programs_per_sm=p, num_stages=s,
+                                                        min_rows=m)))
+        _print_best(rows, base, default, ("bwd",))
+        return rows
     candidates = sorted({1, max(1, default.rows // 2), default.rows, 2 * default.rows})
     for r in candidates:
         for nw in (4, 8, 16, 32):
@@ -874,12 +900,16 @@ def _tune_hidden(tokens: int, h: int, dtype, device) -> list[dict]:
                     rows.append(timed(row, bwd_bytes, lambda c=cfg, p=pps, s=stages:
                                       rms_norm_backward(dy, x, w, rstd, config=c,
                                                         programs_per_sm=p, num_stages=s)))
-    for pas in ("fwd", "bwd"):
+    _print_best(rows, base, default, ("fwd", "bwd"))
+    return rows
+
+
+def _print_best(rows, base, default, passes) -> None:
+    for pas in passes:
         ok = [r for r in rows if r["pass"] == pas and "gbps" in r]
         best = max(ok, key=lambda r: r["gbps"], default=None)
-        print(f"  H={h:<6} {base['dtype']} {pas}: default {default}; best {best}",
-              flush=True)
-    return rows
+        print(f"  {base['tokens']} x {base['hidden']:<6} {base['dtype']} {pas}: default "
+              f"{default}; best {best}", flush=True)
 
 
 def save_tune(name: str, rows: list[dict], command: str) -> Path:
@@ -887,25 +917,41 @@ def save_tune(name: str, rows: list[dict], command: str) -> Path:
     an earlier invocation measured and keeping the others: --tune runs in chunks."""
     from colossal_lab.results import merge_rows
 
-    merged = merge_rows(name, rows, ("kind", "hidden", "dtype"))
+    merged = merge_rows(name, rows, ("kind", "tokens", "hidden", "dtype"))
     return save_results(name, merged, config=config_of(dtype="per row"), command=command)
 
 
 def table_from_tune(rows: list[dict]) -> dict[str, dict[str, int]]:
     """The fastest launch per (bucket, dtype, pass) of tuning rows, keyed as
-    `_norm_common.table_entry` looks it up: "<next_power_of_2(H)>/<dtype>/<pass>"."""
+    `_norm_common.table_entry` looks it up: "<next_power_of_2(H)>/<dtype>/<pass>".
+    Tile, warps, programs per SM and stages come from the largest token count tuned;
+    a backward's `min_rows_per_program` from the smallest one tuned for it (rows that
+    vary it, `TUNE_SMALL_TOKENS` or fewer tokens)."""
     from colossal_lab.kernels._norm_common import next_power_of_2
 
+    def key(r):
+        return f"{next_power_of_2(r['hidden'])}/{r.get('dtype', 'bfloat16')}/{r['pass']}"
+
+    tuned = [r for r in rows if r.get("kind") == "tune" and r.get("gbps")]
     best: dict[str, dict] = {}
-    for r in rows:
-        if r.get("kind") != "tune" or not r.get("gbps"):
+    small: dict[str, dict] = {}
+    for r in tuned:
+        k = key(r)
+        if "min_rows_per_program" in r:
+            cur = small.get(k)
+            if cur is None or (r["tokens"], -r["gbps"]) < (cur["tokens"], -cur["gbps"]):
+                small[k] = r
             continue
-        key = f"{next_power_of_2(r['hidden'])}/{r.get('dtype', 'bfloat16')}/{r['pass']}"
-        if key not in best or r["gbps"] > best[key]["gbps"]:
-            best[key] = r
+        cur = best.get(k)
+        if cur is None or (r.get("tokens", 0), r["gbps"]) > (cur.get("tokens", 0),
+                                                             cur["gbps"]):
+            best[k] = r
     fields = {"fwd": ("rows", "num_warps"),
               "bwd": ("rows", "num_warps", "programs_per_sm", "num_stages")}
-    return {k: {f: r[f] for f in fields[r["pass"]]} for k, r in sorted(best.items())}
+    table = {k: {f: r[f] for f in fields[r["pass"]]} for k, r in best.items()}
+    for k, r in small.items():
+        table.setdefault(k, {})["min_rows_per_program"] = r["min_rows_per_program"]
+    return dict(sorted(table.items()))
 
 
 def write_table(tune_name: str = "fused_norm_tune", path: Path | None = None) -> Path:
@@ -991,7 +1037,7 @@ def main(argv=None) -> None:
         print(f"wrote {write_table(f'{a.name}_tune')}")
         return
     if a.tune:
-        rows = tune(a.tokens[0] if a.tokens else 16384,
+        rows = tune(tuple(a.tokens) if a.tokens else (16384,),
                     tuple(a.hidden) if a.hidden else TUNE_HIDDEN,
                     dtypes=tuple(getattr(torch, d) for d in a.dtypes))
         path = save_tune(f"{a.name}_tune", rows, command)

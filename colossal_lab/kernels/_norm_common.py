@@ -64,6 +64,11 @@ class Defaults:
     bwd_stages: int = 2
     """Backward: `num_stages` of the row loop (1: no software pipelining; 2: Triton may
     prefetch the next tile's loads while the current one computes)."""
+    bwd_min_rows_per_program: int = 8
+    """Backward: fewest rows a persistent program loops over. Caps the grid at small
+    token counts, where (programs x H) fp32 partials written and summed would
+    otherwise rival the rows' own traffic (1024 x 3072 bf16: 528 programs' partials
+    are 13 MB beside 19 MB of x, dy and dx)."""
 
 
 DEFAULTS = Defaults()
@@ -84,6 +89,9 @@ class LaunchConfig:
     num_warps`)."""
     num_stages: int | None = None
     """Backward: pipelining depth of the row loop (None: `DEFAULTS.bwd_stages`)."""
+    min_rows_per_program: int | None = None
+    """Backward: fewest rows per persistent program (None:
+    `DEFAULTS.bwd_min_rows_per_program`)."""
     source: str = "heuristic"
     """"heuristic", "override" or "table:<gpu>" (`norm_table.TABLES`)."""
     pieces: tuple[int, int, int] = (0, 0, 0)
@@ -187,7 +195,8 @@ def launch_config(n_cols: int, dtype: torch.dtype | None = None, *,
         num_warps = entry.get("num_warps") or min(
             cap, max(4, _floor_power_of_2(tile // (32 * DEFAULTS.elems_per_thread))))
     return LaunchConfig(block, rows, num_warps, entry.get("programs_per_sm"),
-                        entry.get("num_stages"), source, pieces)
+                        entry.get("num_stages"), entry.get("min_rows_per_program"),
+                        source, pieces)
 
 
 @functools.cache
@@ -195,15 +204,21 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def persistent_programs(n_tiles: int, num_warps: int, device: torch.device,
-                        programs_per_sm: int | None = None) -> int:
-    """Size of the backward's persistent grid: a few programs per SM (4 programs in
-    total under the interpreter, enough to exercise the loop), never more than tiles."""
+def persistent_programs(n_rows: int, rows_per_tile: int, num_warps: int,
+                        device: torch.device, programs_per_sm: int | None = None,
+                        min_rows: int | None = None) -> int:
+    """Size of the backward's persistent grid: a few programs per SM, each looping over
+    at least `min_rows` rows (default `DEFAULTS.bwd_min_rows_per_program`), never more
+    programs than row tiles. 4 programs in all under the interpreter, enough to
+    exercise the loop."""
+    n_tiles = cdiv(n_rows, rows_per_tile)
     if device.type == "cuda" and not INTERPRET:
         if programs_per_sm is None:
             programs_per_sm = max(1, DEFAULTS.programs_per_sm_warps // num_warps)
         index = device.index if device.index is not None else torch.cuda.current_device()
         programs = _sm_count(index) * programs_per_sm
+        min_rows = min_rows or DEFAULTS.bwd_min_rows_per_program
+        programs = min(programs, cdiv(n_rows, max(min_rows, rows_per_tile)))
     else:
         programs = 4
     return max(1, min(n_tiles, programs))
@@ -320,9 +335,17 @@ def _rms_norm_partials_sum_kernel(
         tl.store(OUT1 + cols, _to_dtype(total, OUT1.dtype.element_ty), mask=col_ok)
 
 
-_SUM_BLOCK, _SUM_BLOCK_P = 64, 64
-"""Columns per program and partial rows per step of the partials sum: H / 64
-programs (64 at H = 4096), each reading 64 x 64 fp32 per step."""
+_SUM_BLOCK = 32
+"""Columns per program of the partials sum: H / 32 programs (128 at H = 4096), enough
+to spread the (programs, H) partials over the SMs; each reads its columns of every
+partial row in a few (BLOCK_P, 32) steps. Few programs with a long loop (64 columns,
+64 rows a step: 64 programs of 5 dependent steps at H = 4096) leave the sum waiting on
+memory latency."""
+
+
+def _sum_tile_rows(n_programs: int) -> int:
+    """Partial rows summed per step: all of them up to 256 (one step for <= 256)."""
+    return min(256, max(16, next_power_of_2(n_programs)))
 
 
 def sum_partials(partials: torch.Tensor, *params: torch.Tensor) -> list[torch.Tensor]:
@@ -330,7 +353,9 @@ def sum_partials(partials: torch.Tensor, *params: torch.Tensor) -> list[torch.Te
     parameter's dtype, in one launch."""
     n_parts, n_programs, n_cols = partials.shape
     outs = [torch.empty(n_cols, dtype=p.dtype, device=partials.device) for p in params]
+    block_p = _sum_tile_rows(n_programs)
     launch(_rms_norm_partials_sum_kernel, (cdiv(n_cols, _SUM_BLOCK), n_parts),
            (partials, outs[0], outs[-1], n_programs, n_cols),
-           dict(BLOCK_P=_SUM_BLOCK_P, BLOCK=_SUM_BLOCK), num_warps=4)
+           dict(BLOCK_P=block_p, BLOCK=_SUM_BLOCK),
+           num_warps=max(1, min(8, block_p * _SUM_BLOCK // 1024)))
     return outs

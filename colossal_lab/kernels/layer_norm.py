@@ -295,9 +295,9 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return dx, torch.zeros_like(w), None if b is None else torch.zeros_like(b)
-    n_tiles = cdiv(n_rows, cfg.rows)
-    programs = persistent_programs(n_tiles, cfg.num_warps, x.device,
-                                   programs_per_sm or cfg.programs_per_sm)
+    programs = persistent_programs(n_rows, cfg.rows, cfg.num_warps, x.device,
+                                   programs_per_sm or cfg.programs_per_sm,
+                                   cfg.min_rows_per_program)
     partials = torch.empty((2 if b is not None else 1, programs, n_cols),
                            dtype=torch.float32, device=x.device)
     a = alignment(n_cols, dy.stride(0), x.stride(0))

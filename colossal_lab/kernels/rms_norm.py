@@ -295,15 +295,16 @@ def add_rms_norm_forward(x2d: torch.Tensor, residual2d: torch.Tensor, w: torch.T
     return _forward(x2d, residual2d, w, eps, config)
 
 
-def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages):
+def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages,
+              min_rows=None):
     n_rows, n_cols = x2d.shape
     cfg = config or launch_config(n_cols, x2d.dtype, backward=True)
     dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
     if n_rows == 0:
         return dx, torch.zeros_like(w)
-    n_tiles = cdiv(n_rows, cfg.rows)
-    programs = persistent_programs(n_tiles, cfg.num_warps, x2d.device,
-                                   programs_per_sm or cfg.programs_per_sm)
+    programs = persistent_programs(n_rows, cfg.rows, cfg.num_warps, x2d.device,
+                                   programs_per_sm or cfg.programs_per_sm,
+                                   min_rows or cfg.min_rows_per_program)
     dw_partial = torch.empty((1, programs, n_cols), dtype=torch.float32,
                              device=x2d.device)  # (1, P, H): sum_partials' layout
     dh = dh_in2d if dh_in2d is not None else dy2d
@@ -321,18 +322,19 @@ def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages):
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                       rstd: torch.Tensor, *, config: LaunchConfig | None = None,
-                      programs_per_sm: int | None = None, num_stages: int | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      programs_per_sm: int | None = None, num_stages: int | None = None,
+                      min_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of `rms_norm_forward`.
 
     Args:
         dy, x: (rows, H), unit column stride; x as given to the forward.
         w: (H,) weight; rstd: (rows,) fp32 from the forward.
-        config, programs_per_sm, num_stages: tuning overrides.
+        config, programs_per_sm, num_stages, min_rows: tuning overrides
+            (`persistent_programs`).
     Returns:
         dx (rows, H) in x's dtype, dw (H,) in w's dtype (reduced in fp32).
     """
-    return _backward(dy, x, w, rstd, None, config, programs_per_sm, num_stages)
+    return _backward(dy, x, w, rstd, None, config, programs_per_sm, num_stages, min_rows)
 
 
 def add_rms_norm_backward(dy: torch.Tensor | None, h: torch.Tensor, w: torch.Tensor,
