@@ -242,7 +242,8 @@ def test_write_table_from_tune_rows(tmp_path, monkeypatch):
             for r, nw, g in ((1, 8, 3000.0), (2, 8, 3500.0), (1, 16, None))]
     tune += [{"kind": "tune", "hidden": 4096, "dtype": "bfloat16", "pass": "bwd",
               "rows": 1, "num_warps": 8, "programs_per_sm": 2, "num_stages": s,
-              "gbps": g, "tokens": 16384} for s, g in ((1, 2000.0), (2, 2500.0))]
+              "prefetch": pf, "gbps": g, "tokens": 16384}
+             for s, pf, g in ((1, False, 2000.0), (2, False, 2500.0), (1, True, 2400.0))]
     # a smaller token count's (faster-looking) tile does not replace the 16k winner
     tune += [{"kind": "tune", "hidden": 4096, "dtype": "bfloat16", "pass": "bwd",
               "rows": 4, "num_warps": 4, "programs_per_sm": 1, "num_stages": 1,
@@ -259,8 +260,35 @@ def test_write_table_from_tune_rows(tmp_path, monkeypatch):
     gpu = json.loads(saved.read_text())["provenance"]["gpu"]  # keyed by torch's name
     assert ns["TABLES"][gpu] == {
         "4096/bfloat16/bwd": {"rows": 1, "num_warps": 8, "programs_per_sm": 2,
-                              "num_stages": 2, "min_rows_per_program": 16},
+                              "num_stages": 2, "prefetch": False,
+                              "min_rows_per_program": 16},
         "4096/bfloat16/fwd": {"rows": 2, "num_warps": 8}}
+
+
+def test_tune_rows_save_and_merge(tmp_path, monkeypatch):
+    """Every row `tune` returns (the ceiling too) has the fields save_tune merges by, and
+    a later invocation at another token count keeps the earlier one's rows."""
+    monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
+    monkeypatch.setattr(fused_norm, "measure_copy_gbps", lambda device: 4000.0)
+    monkeypatch.setattr(fused_norm, "_tune_hidden", lambda t, h, d, dev: [
+        {"kind": "tune", "tokens": t, "hidden": h, "dtype": str(d)[6:], "pass": "bwd",
+         "rows": 1, "num_warps": 4, "programs_per_sm": 1, "num_stages": 1, "gbps": 1.0}])
+    for tokens in ((1024,), (16384,)):
+        with monkeypatch.context() as m:  # tune refuses to run without a GPU
+            m.setattr(torch.cuda, "is_available", lambda: True)
+            m.setattr(torch.cuda, "empty_cache", lambda: None)
+            rows = fused_norm.tune(tokens, (1024, 2048))
+        fused_norm.save_tune("fused_norm_tune", rows, "test")
+    saved = json.loads((tmp_path / hardware_slug() / "fused_norm_tune.json").read_text())
+    assert sorted((r["kind"], r["tokens"], r["hidden"]) for r in saved["rows"]
+                  if r["kind"] == "tune") == [("tune", 1024, 1024), ("tune", 1024, 2048),
+                                               ("tune", 16384, 1024), ("tune", 16384, 2048)]
+
+
+def hardware_slug() -> str:
+    from colossal_lab import hardware
+
+    return hardware.detect().slug
 
 
 def test_host_parts_stubs_the_launches_and_puts_them_back():

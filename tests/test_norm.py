@@ -361,6 +361,24 @@ def test_small_token_counts_on_gpu(shape):
               [x, w], [dy], 1e-3, 0.0)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("shape", [(13, 5120), (9, 1000), (21, 13824 // 8 + 3)], ids=str)
+def test_rms_norm_backward_prefetch(shape, prefetch):
+    """The backward with and without the register double buffer: several tiles per
+    program (4 programs under the interpreter), one to three row pieces, a last tile
+    that is partly past the end."""
+    from colossal_lab.kernels.rms_norm import rms_norm_backward, rms_norm_forward
+
+    x, w = _inputs(shape, torch.bfloat16, torch.float32)
+    dy = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
+    _, rstd = rms_norm_forward(x.detach(), w.detach(), 1e-6)
+    dx, dw = rms_norm_backward(dy, x.detach(), w.detach(), rstd, prefetch=prefetch)
+    xr, wr = x.detach().float().requires_grad_(), w.detach().double().requires_grad_()
+    ref = torch.autograd.grad(rms_norm_ref(xr.double(), wr, 1e-6), (xr, wr), dy.double())
+    torch.testing.assert_close(dx.float(), ref[0].float(), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(dw.double(), ref[1], atol=1e-3, rtol=1e-3)
+
+
 def test_persistent_grid_size(monkeypatch):
     """SMs x programs per SM, capped so each program loops over >= min_rows rows and
     never more programs than tiles."""

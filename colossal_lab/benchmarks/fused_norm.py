@@ -825,7 +825,8 @@ MIN_ROWS_CANDIDATES = (1, 2, 4, 8, 16, 32)
 
 def tune(tokens=(16384,), hidden=TUNE_HIDDEN, dtypes=(torch.bfloat16,)) -> list[dict]:
     """Time our RMSNorm launchers over their launch parameters (forward: rows per tile
-    and warps; backward: also programs per SM and pipelining stages; at
+    and warps; backward: also programs per SM, pipelining stages or our register
+    prefetch; at
     <= `TUNE_SMALL_TOKENS` tokens the backward's rows per program) and print the best
     of each next to the default. `--write-table` turns the winners into
     `kernels/norm_table.py`. About 30 s per hidden size, dtype and token count on an
@@ -840,7 +841,7 @@ def tune(tokens=(16384,), hidden=TUNE_HIDDEN, dtypes=(torch.bfloat16,)) -> list[
             for h in hidden:
                 rows += _tune_hidden(t, h, dtype, device)
                 torch.cuda.empty_cache()
-    rows.append({"kind": "ceiling", "hidden": None, "dtype": None,
+    rows.append({"kind": "ceiling", "tokens": None, "hidden": None, "dtype": None,
                  "copy_gbps": measure_copy_gbps(device=device)})
     return rows
 
@@ -894,12 +895,13 @@ def _tune_hidden(tokens: int, h: int, dtype, device) -> list[dict]:
             if nw == 32:
                 continue
             for pps in (1, 2, 4):
-                for stages in (1, 2):
+                for stages, pf in ((1, False), (2, False), (1, True)):
                     row = {**base, "pass": "bwd", "rows": r, "num_warps": nw,
-                           "programs_per_sm": pps, "num_stages": stages}
-                    rows.append(timed(row, bwd_bytes, lambda c=cfg, p=pps, s=stages:
+                           "programs_per_sm": pps, "num_stages": stages, "prefetch": pf}
+                    rows.append(timed(row, bwd_bytes, lambda c=cfg, p=pps, s=stages, f=pf:
                                       rms_norm_backward(dy, x, w, rstd, config=c,
-                                                        programs_per_sm=p, num_stages=s)))
+                                                        programs_per_sm=p, num_stages=s,
+                                                        prefetch=f)))
     _print_best(rows, base, default, ("fwd", "bwd"))
     return rows
 
@@ -947,8 +949,8 @@ def table_from_tune(rows: list[dict]) -> dict[str, dict[str, int]]:
                                                              cur["gbps"]):
             best[k] = r
     fields = {"fwd": ("rows", "num_warps"),
-              "bwd": ("rows", "num_warps", "programs_per_sm", "num_stages")}
-    table = {k: {f: r[f] for f in fields[r["pass"]]} for k, r in best.items()}
+              "bwd": ("rows", "num_warps", "programs_per_sm", "num_stages", "prefetch")}
+    table = {k: {f: r[f] for f in fields[r["pass"]] if f in r} for k, r in best.items()}
     for k, r in small.items():
         table.setdefault(k, {})["min_rows_per_program"] = r["min_rows_per_program"]
     return dict(sorted(table.items()))

@@ -64,6 +64,9 @@ class Defaults:
     bwd_stages: int = 2
     """Backward: `num_stages` of the row loop (1: no software pipelining; 2: Triton may
     prefetch the next tile's loads while the current one computes)."""
+    bwd_prefetch: bool = False
+    """Backward (RMSNorm): issue the next row tile's loads before reducing the current
+    one (a register double buffer; costs the registers of one more x and dy tile)."""
     bwd_min_rows_per_program: int = 8
     """Backward: fewest rows a persistent program loops over. Caps the grid at small
     token counts, where (programs x H) fp32 partials written and summed would
@@ -92,6 +95,9 @@ class LaunchConfig:
     min_rows_per_program: int | None = None
     """Backward: fewest rows per persistent program (None:
     `DEFAULTS.bwd_min_rows_per_program`)."""
+    prefetch: bool | None = None
+    """Backward (RMSNorm): register double buffer of the row loop (None:
+    `DEFAULTS.bwd_prefetch`)."""
     source: str = "heuristic"
     """"heuristic", "override" or "table:<gpu>" (`norm_table.TABLES`)."""
     pieces: tuple[int, int, int] = (0, 0, 0)
@@ -196,7 +202,7 @@ def launch_config(n_cols: int, dtype: torch.dtype | None = None, *,
             cap, max(4, _floor_power_of_2(tile // (32 * DEFAULTS.elems_per_thread))))
     return LaunchConfig(block, rows, num_warps, entry.get("programs_per_sm"),
                         entry.get("num_stages"), entry.get("min_rows_per_program"),
-                        source, pieces)
+                        entry.get("prefetch"), source, pieces)
 
 
 @functools.cache

@@ -6,7 +6,8 @@
 (the GPU as `torch.cuda.get_device_name()` and the tune results' provenance name it)
 (block = next_power_of_2(H), pass "fwd" or "bwd") and falls back to its heuristic for
 a GPU or key that is absent. Keys of an entry: rows, num_warps and, for "bwd",
-programs_per_sm, num_stages and (tuned at small token counts) min_rows_per_program.
+programs_per_sm, num_stages, prefetch (RMSNorm only) and, tuned at small token
+counts, min_rows_per_program.
 """
 
 TABLES: dict[str, dict[str, dict[str, int]]] = {}

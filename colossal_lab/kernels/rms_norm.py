@@ -144,15 +144,22 @@ def _rms_norm_forward_kernel(
 
 
 @triton.jit
-def _rms_norm_backward_piece(DY, X, w, rstd, rows, row_ok, stride_dy, stride_x, n_cols,
-                             OFF: tl.constexpr, P: tl.constexpr):
-    """x̂ and dy (fp32) of columns OFF .. OFF + P - 1 of the tile, and their share of
-    Σ dy·w·x̂ per row. dy·w is not kept: `_rms_norm_dx_piece` multiplies again, one
-    FMA per element, so a wide row holds three fp32 tiles across the row sum, not four
-    (at H = 13824 four spill)."""
+def _rms_norm_load_piece(DY, X, rows, row_ok, stride_dy, stride_x, n_cols,
+                         OFF: tl.constexpr, P: tl.constexpr):
+    """x and dy of columns OFF .. OFF + P - 1 of a row tile, as stored (not upcast: a
+    prefetched tile waits in registers at half the size)."""
     cols, _, mask = _piece(rows, row_ok, n_cols, OFF, P)
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    return x, dy
+
+
+@triton.jit
+def _rms_norm_backward_piece(x, dy, w, rstd):
+    """x̂ and dy (fp32) of one piece of the tile, and its share of Σ dy·w·x̂ per row.
+    dy·w is not kept: `_rms_norm_dx_piece` multiplies again, one FMA per element, so a
+    wide row holds three fp32 tiles across the row sum, not four (at H = 13824 four
+    spill)."""
     x_hat = x.to(tl.float32) * rstd[:, None]
     dy = dy.to(tl.float32)
     return x_hat, dy, tl.sum(dy * w[None, :] * x_hat, axis=1)
@@ -193,10 +200,13 @@ def _rms_norm_backward_kernel(
     P1: tl.constexpr,
     P2: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # software-pipelining depth of the row loop
+    PREFETCH: tl.constexpr,  # load tile t + P while tile t computes (in registers)
 ):
     """dx = r · (dy·w − x̂·c) with c = mean(dy·w·x̂); this program's share of
     dw = Σ dy·x̂, accumulated per piece. Persistent: program p handles tiles p, p + P,
-    p + 2P, ..."""
+    p + 2P, ...; with PREFETCH the loads of the next tile are issued before the
+    current one is reduced (a register double buffer, our own pipelining where
+    Triton's `num_stages` would stage the loads through shared memory)."""
     stride_dy, stride_x, stride_dh = stride_dy * ALIGN, stride_x * ALIGN, stride_dh * ALIGN
     n_cols = n_cols * ALIGN
     pid = tl.program_id(0)
@@ -213,18 +223,53 @@ def _rms_norm_backward_kernel(
         w2 = tl.load(W + cols2, mask=cols2 < n_cols, other=0.0).to(tl.float32)
         dw2 = tl.zeros((ROWS, P2), dtype=tl.float32)
     n_tiles = tl.cdiv(n_rows, ROWS)
+    if PREFETCH:  # this program's first tile, loaded ahead of the loop
+        rows_n, row_ok_n = _row_tile(pid, n_rows, ROWS)
+        rstd_n = tl.load(RSTD + rows_n, mask=row_ok_n, other=0.0)
+        x0_n, dy0_n = _rms_norm_load_piece(DY, X, rows_n, row_ok_n, stride_dy, stride_x,
+                                           n_cols, 0, P0)
+        if P1 > 0:
+            x1_n, dy1_n = _rms_norm_load_piece(DY, X, rows_n, row_ok_n, stride_dy,
+                                               stride_x, n_cols, P0, P1)
+        if P2 > 0:
+            x2_n, dy2_n = _rms_norm_load_piece(DY, X, rows_n, row_ok_n, stride_dy,
+                                               stride_x, n_cols, P0 + P1, P2)
     for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
         rows, row_ok = _row_tile(tile, n_rows, ROWS)
-        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)  # (ROWS,) r
-        xh0, dy0, c = _rms_norm_backward_piece(DY, X, w0, rstd, rows, row_ok, stride_dy,
+        if PREFETCH:
+            # take the tile loaded last iteration and issue the next one's loads now,
+            # so they are in flight while this tile is reduced and stored
+            rstd, x0, dy0 = rstd_n, x0_n, dy0_n
+            if P1 > 0:
+                x1, dy1 = x1_n, dy1_n
+            if P2 > 0:
+                x2, dy2 = x2_n, dy2_n
+            rows_n, row_ok_n = _row_tile(tile + n_programs, n_rows, ROWS)
+            rstd_n = tl.load(RSTD + rows_n, mask=row_ok_n, other=0.0)
+            x0_n, dy0_n = _rms_norm_load_piece(DY, X, rows_n, row_ok_n, stride_dy,
                                                stride_x, n_cols, 0, P0)
+            if P1 > 0:
+                x1_n, dy1_n = _rms_norm_load_piece(DY, X, rows_n, row_ok_n, stride_dy,
+                                                   stride_x, n_cols, P0, P1)
+            if P2 > 0:
+                x2_n, dy2_n = _rms_norm_load_piece(DY, X, rows_n, row_ok_n, stride_dy,
+                                                   stride_x, n_cols, P0 + P1, P2)
+        else:
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)  # (ROWS,) r
+            x0, dy0 = _rms_norm_load_piece(DY, X, rows, row_ok, stride_dy, stride_x,
+                                           n_cols, 0, P0)
+            if P1 > 0:
+                x1, dy1 = _rms_norm_load_piece(DY, X, rows, row_ok, stride_dy, stride_x,
+                                               n_cols, P0, P1)
+            if P2 > 0:
+                x2, dy2 = _rms_norm_load_piece(DY, X, rows, row_ok, stride_dy, stride_x,
+                                               n_cols, P0 + P1, P2)
+        xh0, dy0, c = _rms_norm_backward_piece(x0, dy0, w0, rstd)
         if P1 > 0:
-            xh1, dy1, c1 = _rms_norm_backward_piece(DY, X, w1, rstd, rows, row_ok, stride_dy,
-                                                    stride_x, n_cols, P0, P1)
+            xh1, dy1, c1 = _rms_norm_backward_piece(x1, dy1, w1, rstd)
             c += c1
         if P2 > 0:
-            xh2, dy2, c2 = _rms_norm_backward_piece(DY, X, w2, rstd, rows, row_ok, stride_dy,
-                                                    stride_x, n_cols, P0 + P1, P2)
+            xh2, dy2, c2 = _rms_norm_backward_piece(x2, dy2, w2, rstd)
             c += c2
         c = c / n_cols  # (ROWS,) mean(dy·w·x̂)
         _rms_norm_dx_piece(DX, DH_IN, xh0, dy0, w0, rstd, c, rows, row_ok, stride_dh,
@@ -296,7 +341,7 @@ def add_rms_norm_forward(x2d: torch.Tensor, residual2d: torch.Tensor, w: torch.T
 
 
 def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages,
-              min_rows=None):
+              min_rows=None, prefetch=None):
     n_rows, n_cols = x2d.shape
     cfg = config or launch_config(n_cols, x2d.dtype, backward=True)
     dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
@@ -307,6 +352,8 @@ def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages,
                                    min_rows or cfg.min_rows_per_program)
     dw_partial = torch.empty((1, programs, n_cols), dtype=torch.float32,
                              device=x2d.device)  # (1, P, H): sum_partials' layout
+    if prefetch is None:
+        prefetch = DEFAULTS.bwd_prefetch if cfg.prefetch is None else cfg.prefetch
     dh = dh_in2d if dh_in2d is not None else dy2d
     a = alignment(n_cols, dy2d.stride(0), x2d.stride(0), dh.stride(0))
     launch(_rms_norm_backward_kernel, (programs,),
@@ -314,7 +361,8 @@ def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages,
             dy2d.stride(0) // a, x2d.stride(0) // a, dh.stride(0) // a, n_rows, n_cols // a),
            dict(HAS_DH_IN=dh_in2d is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
                 P1=cfg.pieces[1], P2=cfg.pieces[2],
-                NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages),
+                NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages,
+                PREFETCH=prefetch),
            num_warps=cfg.num_warps)
     (dw,) = sum_partials(dw_partial, w)  # (H,) in w's dtype, one launch
     return dx, dw
@@ -323,18 +371,20 @@ def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages,
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                       rstd: torch.Tensor, *, config: LaunchConfig | None = None,
                       programs_per_sm: int | None = None, num_stages: int | None = None,
-                      min_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      min_rows: int | None = None, prefetch: bool | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of `rms_norm_forward`.
 
     Args:
         dy, x: (rows, H), unit column stride; x as given to the forward.
         w: (H,) weight; rstd: (rows,) fp32 from the forward.
-        config, programs_per_sm, num_stages, min_rows: tuning overrides
-            (`persistent_programs`).
+        config, programs_per_sm, num_stages, min_rows, prefetch: tuning overrides
+            (`persistent_programs`, `LaunchConfig`).
     Returns:
         dx (rows, H) in x's dtype, dw (H,) in w's dtype (reduced in fp32).
     """
-    return _backward(dy, x, w, rstd, None, config, programs_per_sm, num_stages, min_rows)
+    return _backward(dy, x, w, rstd, None, config, programs_per_sm, num_stages, min_rows,
+                     prefetch)
 
 
 def add_rms_norm_backward(dy: torch.Tensor | None, h: torch.Tensor, w: torch.Tensor,
