@@ -46,3 +46,36 @@ def test_direct_launches_match_the_jit_bit_for_bit(monkeypatch):
     for got, want in zip(run(), ref):  # every launch from the cache now
         assert torch.equal(got, want)
     assert launch._fast  # the direct path took every call
+
+
+def test_no_hooks_tells_empty_chains_from_listeners():
+    from triton.knobs import HookChain
+
+    chain = HookChain()
+    assert launch._no_hooks(None) and launch._no_hooks(chain)
+    chain.add(print)
+    assert not launch._no_hooks(chain)
+    assert not launch._no_hooks(print)  # an old-style single hook
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cached_launches_still_call_a_profilers_hook(monkeypatch):
+    """A launch hook added after a kernel was cached (e.g. by a profiler) is called on
+    every later launch: the runner then goes through Triton's own path."""
+    from triton import knobs
+
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    w = torch.randn(256, device="cuda", requires_grad=True)
+    rms_norm_triton(x, w).sum().backward()  # cached now
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        rms_norm_triton(x, w).sum().backward()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert "_rms_norm_forward_kernel" in seen and "_rms_norm_backward_kernel" in seen
+    assert launch._fast

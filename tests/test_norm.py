@@ -403,8 +403,9 @@ def test_partials_sum_is_one_deterministic_launch(programs, n_cols, monkeypatch)
     each parameter's dtype, by one launch, the same bits on every call."""
     from colossal_lab.kernels import _norm_common as nc
 
-    partials = torch.randn(2, programs, n_cols) * 3
-    w, b = torch.empty(n_cols, dtype=torch.bfloat16), torch.empty(n_cols)
+    partials = torch.randn(2, programs, n_cols, device=DEVICE) * 3
+    w = torch.empty(n_cols, dtype=torch.bfloat16, device=DEVICE)
+    b = torch.empty(n_cols, device=DEVICE)
     counts = count_launches(monkeypatch, nc._rms_norm_partials_sum_kernel)
     dw, db = nc.sum_partials(partials, w, b)
     assert counts == {"_rms_norm_partials_sum_kernel": 1}

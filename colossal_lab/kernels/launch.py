@@ -3,30 +3,41 @@
 `kernel[grid](*args, **constexprs)` does tens of microseconds of Python before the
 driver call: it binds the arguments, works out what to specialise on, builds and looks
 up the cache key and checks the globals the kernel read. Measured on the H200's host,
-about 44 µs per launch, and an RMSNorm forward + backward makes three launches: at
+about 29 µs per launch, and an RMSNorm forward + backward makes three launches: at
 small shapes that is most of an eager call, and more than the GPU time. `launch` does
 that work once per specialisation: the first call goes through Triton's JIT, which
-compiles and returns the compiled kernel; later calls with the same key call that
-compiled kernel directly (`CompiledKernel[grid](*all_args)`, Triton's own launcher).
+compiles and returns the compiled kernel; later calls with the same key go to the
+compiled kernel's launcher (`_Runner`), about 6 µs there.
+
+Even `CompiledKernel[grid](*args)`, Triton's own way back in, costs about 9 µs: since
+Triton 3.5 the launch hooks are `HookChain`s, never None, so every launch builds the
+hooks' metadata and calls two empty chains from C. `_Runner` passes no hooks while the
+chains are empty and goes through `CompiledKernel[grid]` as soon as a profiler has
+added one.
 
 The key is at least as fine as Triton's specialisation (the current device; each
 tensor's dtype and 16-byte alignment; each integer's divisibility by 16, whether it is
 1 and whether it fits in 32 bits; the constexprs, warps and stages), so a cached kernel
-is reused only where Triton would have picked the same one. Under the interpreter, or
-if the compiled kernel's launcher does not take the call (another Triton version),
-every launch goes through `kernel[grid]` as usual; so does one that torch.compile is
-tracing (dynamo understands `kernel[grid]` calls, not our cache).
+is reused only where Triton would have picked the same one. Working that out from the
+arguments (`_spec`) costs about 6 µs a launch on the H200's host; a caller that already
+holds what determines it (shapes, strides, dtypes, pointer alignments) passes it as
+`key` instead. Under the interpreter, or if the compiled kernel's launcher does not
+take the call (another Triton version), every launch goes through `kernel[grid]` as
+usual; so does one that torch.compile is tracing (dynamo understands `kernel[grid]`
+calls, not our cache).
 """
 
 from __future__ import annotations
 
 import torch
+from triton import knobs
 
 from colossal_lab.kernels import INTERPRET
 
-CACHE: dict[tuple, tuple] = {}
-"""(kernel, device, specialisation, constexprs, warps, stages) -> (compiled kernel,
-constexpr values in signature order)."""
+CACHE: dict[tuple, _Runner] = {}
+"""(kernel, device, specialisation) -> the compiled kernel's `_Runner`; the
+specialisation is `key` when the caller gives one, else (`_spec(args)`, constexprs,
+warps, stages)."""
 _fast = not INTERPRET
 """False once the direct path failed: then every launch goes through the JIT."""
 
@@ -48,13 +59,51 @@ def _spec(args: tuple) -> tuple:
     return tuple(out)
 
 
+def _no_hooks(chain) -> bool:
+    """True for an absent or empty launch-hook chain (a plain callable counts as one)."""
+    return chain is None or getattr(chain, "calls", True) == []
+
+
+class _Runner:
+    """One compiled specialisation, launched through its launcher with the arguments
+    Triton's own `CompiledKernel[grid]` would pass, minus the work of empty hooks."""
+
+    __slots__ = ("compiled", "tail", "device", "run", "function", "metadata")
+
+    def __init__(self, compiled, tail: tuple, device: int):
+        compiled._init_handles()
+        self.compiled, self.tail, self.device = compiled, tail, device
+        self.run, self.function = compiled.run, compiled.function
+        self.metadata = compiled.packed_metadata
+
+    def __call__(self, grid: tuple, args: tuple) -> None:
+        g = (*grid, 1, 1)
+        hooks = knobs.runtime
+        if _no_hooks(hooks.launch_enter_hook) and _no_hooks(hooks.launch_exit_hook):
+            self.run(g[0], g[1], g[2], _current_stream(self.device), self.function,
+                     self.metadata, None, None, None, *args, *self.tail)
+        else:  # a profiler listens: Triton's path builds what its hooks are given
+            self.compiled[g[:3]](*args, *self.tail)
+
+
+def _current_stream(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+if not INTERPRET and torch.cuda.is_available():  # the raw handle, ~10x cheaper
+    _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _current_stream)
+
+
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict, *, num_warps: int,
-           num_stages: int | None = None) -> None:
+           num_stages: int | None = None, key=None) -> None:
     """`kernel[grid](*args, **constexprs, num_warps=..., num_stages=...)`, through
     the compiled kernel when this specialisation was launched before.
 
     `args` are the kernel's runtime arguments, in order; `constexprs` the compile-time
-    ones, all of which must follow them in the kernel's signature."""
+    ones, all of which must follow them in the kernel's signature. `key`, if given,
+    must be hashable and determine everything Triton specialises this launch on: the
+    tensors' dtypes and 16-byte alignment, the integers' divisibility by 16 and
+    equality to 1, the constexprs, warps and stages."""
     global _fast
     options = {"num_warps": num_warps}
     if num_stages is not None:
@@ -63,17 +112,21 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, *, num_warps: int
         kernel[grid](*args, **constexprs, **options)
         return
     # the device too: a compiled kernel's handles belong to the device it was loaded on
-    key = (kernel, torch.cuda.current_device(), _spec(args), tuple(constexprs.items()),
-           num_warps, num_stages)
-    hit = CACHE.get(key)
-    if hit is None:
+    device = torch.cuda.current_device()
+    if key is None:
+        key = (_spec(args), tuple(constexprs.items()), num_warps, num_stages)
+    runner = CACHE.get((kernel, device, key))
+    if runner is None:
         compiled = kernel[grid](*args, **constexprs, **options)
         if compiled is not None:  # (a stand-in kernel returns nothing: nothing to keep)
-            CACHE[key] = (compiled, tuple(constexprs[n] for n in kernel.arg_names[len(args):]))
+            tail = tuple(constexprs[n] for n in kernel.arg_names[len(args):])
+            try:
+                CACHE[(kernel, device, key)] = _Runner(compiled, tail, device)
+            except Exception:  # a compiled kernel of another shape: the JIT from now on
+                _fast = False
         return
-    compiled, tail = hit
-    try:  # the compiled kernel's launcher indexes all three grid dimensions
-        compiled[(*grid, 1, 1)[:3]](*args, *tail)
+    try:
+        runner(grid, args)
     except Exception:  # a launcher with another calling convention: the JIT from now on
         _fast = False
         CACHE.clear()
