@@ -961,6 +961,7 @@ def write_table(tune_name: str = "fused_norm_tune", path: Path | None = None) ->
     whose `results/<gpu>/<tune_name>.json` is found (this GPU's, else the reference's),
     keeping other GPUs' entries."""
     import pprint
+    import textwrap
 
     from colossal_lab.kernels import norm_table
     from colossal_lab.results import load_results
@@ -970,10 +971,10 @@ def write_table(tune_name: str = "fused_norm_tune", path: Path | None = None) ->
     tables = {**norm_table.TABLES, gpu: table_from_tune(res.rows)}
     path = path or Path(norm_table.__file__)
     doc = (norm_table.__doc__ or "").strip()
-    body = pprint.pformat(tables, width=88, sort_dicts=True)
+    body = textwrap.indent(pprint.pformat(tables, width=88, sort_dicts=True), "    ")
     path.write_text(f'"""{doc}\n"""\n\n# from {res._file_label()}, commit '
                     f"{str(res.provenance.get('git_sha'))[:10]}\n"
-                    f"TABLES: dict[str, dict[str, dict[str, int]]] = {body}\n")
+                    f"TABLES: dict[str, dict[str, dict[str, int | bool]]] = (\n{body}\n)\n")
     return path
 
 

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from colossal_lab.kernels import INTERPRET
-from colossal_lab.kernels.launch import launch
+from colossal_lab.kernels.launch import int_spec, launch
 
 MAX_HIDDEN = 65536
 """Largest H a program can hold in registers as one row (64K elements)."""
@@ -354,14 +354,28 @@ def _sum_tile_rows(n_programs: int) -> int:
     return min(256, max(16, next_power_of_2(n_programs)))
 
 
+@functools.lru_cache(maxsize=1024)
+def _sum_plan(n_parts: int, n_programs: int, n_cols: int, out_dtypes: tuple,
+              partials_aligned: bool) -> tuple:
+    """Grid, constexprs, warps and launch key of `sum_partials` for one shape: worked
+    out once, not per call (host time, see `kernels.launch`)."""
+    block_p = _sum_tile_rows(n_programs)
+    constexprs = dict(BLOCK_P=block_p, BLOCK=_SUM_BLOCK)
+    warps = max(1, min(8, block_p * _SUM_BLOCK // 1024))
+    key = (out_dtypes, partials_aligned, int_spec(n_programs), int_spec(n_cols),
+           block_p, warps)
+    return (cdiv(n_cols, _SUM_BLOCK), n_parts), constexprs, warps, key
+
+
 def sum_partials(partials: torch.Tensor, *params: torch.Tensor) -> list[torch.Tensor]:
     """(len(params), programs, H) fp32 partials -> one (H,) sum per parameter, in that
     parameter's dtype, in one launch."""
     n_parts, n_programs, n_cols = partials.shape
-    outs = [torch.empty(n_cols, dtype=p.dtype, device=partials.device) for p in params]
-    block_p = _sum_tile_rows(n_programs)
-    launch(_rms_norm_partials_sum_kernel, (cdiv(n_cols, _SUM_BLOCK), n_parts),
-           (partials, outs[0], outs[-1], n_programs, n_cols),
-           dict(BLOCK_P=block_p, BLOCK=_SUM_BLOCK),
-           num_warps=max(1, min(8, block_p * _SUM_BLOCK // 1024)))
+    outs = [p.new_empty(n_cols) for p in params]  # (same dtype and device as p)
+    grid, constexprs, warps, key = _sum_plan(
+        n_parts, n_programs, n_cols, tuple(o.dtype for o in outs),
+        partials.data_ptr() % 16 == 0)
+    launch(_rms_norm_partials_sum_kernel, grid,
+           (partials, outs[0], outs[-1], n_programs, n_cols), constexprs,
+           num_warps=warps, key=key)
     return outs

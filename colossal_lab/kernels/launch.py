@@ -42,6 +42,12 @@ _fast = not INTERPRET
 """False once the direct path failed: then every launch goes through the JIT."""
 
 
+def int_spec(i: int) -> tuple[bool, bool, bool]:
+    """What Triton specialises an integer argument on: divisible by 16, equal to 1,
+    fits in 32 bits."""
+    return (i % 16 == 0, i == 1, -(1 << 31) <= i < (1 << 31))
+
+
 def _spec(args: tuple) -> tuple:
     """What Triton specialises a launch on, per runtime argument (or finer)."""
     out = []
@@ -51,7 +57,7 @@ def _spec(args: tuple) -> tuple:
         elif isinstance(a, bool):
             out.append(("b", a))
         elif isinstance(a, int):
-            out.append((a % 16 == 0, a == 1, -(1 << 31) <= a < (1 << 31)))
+            out.append(int_spec(a))
         elif isinstance(a, float):
             out.append("f")
         else:

@@ -11,15 +11,17 @@ counts, min_rows_per_program.
 """
 
 # from results/h200/fused_norm_tune.json, commit 171d8d9
-TABLES: dict[str, dict[str, dict[str, int]]] = {'NVIDIA H200': {'1024/bfloat16/bwd': {'min_rows_per_program': 2},
-                 '1024/float32/bwd': {'min_rows_per_program': 1},
-                 '2048/bfloat16/bwd': {'min_rows_per_program': 4},
-                 '2048/float32/bwd': {'min_rows_per_program': 4},
-                 '4096/bfloat16/bwd': {'min_rows_per_program': 2,
-                                       'num_stages': 1,
-                                       'num_warps': 8,
-                                       'prefetch': True,
-                                       'programs_per_sm': 2,
-                                       'rows': 1},
-                 '4096/bfloat16/fwd': {'num_warps': 8, 'rows': 1},
-                 '4096/float32/bwd': {'min_rows_per_program': 4}}}
+TABLES: dict[str, dict[str, dict[str, int | bool]]] = (
+    {'NVIDIA H200': {'1024/bfloat16/bwd': {'min_rows_per_program': 2},
+                     '1024/float32/bwd': {'min_rows_per_program': 1},
+                     '2048/bfloat16/bwd': {'min_rows_per_program': 4},
+                     '2048/float32/bwd': {'min_rows_per_program': 4},
+                     '4096/bfloat16/bwd': {'min_rows_per_program': 2,
+                                           'num_stages': 1,
+                                           'num_warps': 8,
+                                           'prefetch': True,
+                                           'programs_per_sm': 2,
+                                           'rows': 1},
+                     '4096/bfloat16/fwd': {'num_warps': 8, 'rows': 1},
+                     '4096/float32/bwd': {'min_rows_per_program': 4}}}
+)

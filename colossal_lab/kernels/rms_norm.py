@@ -47,6 +47,8 @@ dtype also when w is fp32 (autocast keeps fp32 weights): the reference would pro
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -66,7 +68,7 @@ from colossal_lab.kernels._norm_common import (
     persistent_programs,
     sum_partials,
 )
-from colossal_lab.kernels.launch import launch
+from colossal_lab.kernels.launch import int_spec, launch
 
 
 @triton.jit
@@ -293,24 +295,41 @@ def _rms_norm_backward_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
+@functools.lru_cache(maxsize=4096)
+def _forward_plan(n_rows, n_cols, stride_x, stride_res, has_residual, dtypes, aligned,
+                  config):
+    """Grid, integer arguments, constexprs, warps and launch key of one forward shape.
+    Worked out once per shape, strides, dtypes (x, residual, w, y) and pointer
+    alignments (x, residual, w), not per call: at small shapes an eager call is host
+    time, most of it Python (`kernels.launch`)."""
+    cfg = config or launch_config(n_cols, dtypes[0])
+    a = alignment(n_cols, stride_x, stride_res)
+    ints = (stride_x // a, stride_res // a, n_rows, n_cols // a)
+    constexprs = dict(HAS_RESIDUAL=has_residual, ALIGN=a, ROWS=cfg.rows,
+                      P0=cfg.pieces[0], P1=cfg.pieces[1], P2=cfg.pieces[2])
+    key = (dtypes, aligned, tuple(map(int_spec, ints)), tuple(constexprs.items()),
+           cfg.num_warps)
+    return (cdiv(n_rows, cfg.rows),), ints, constexprs, cfg.num_warps, key
+
+
 def _forward(x2d, residual2d, w, eps, config):
     n_rows, n_cols = x2d.shape
     dtype = x2d.dtype  # of y and h: torch's promotion of x and residual, as for x + res
     if residual2d is not None:
         dtype = torch.result_type(x2d, residual2d)
-    cfg = config or launch_config(n_cols, x2d.dtype)
-    y = torch.empty((n_rows, n_cols), dtype=dtype, device=x2d.device)
+    y = x2d.new_empty((n_rows, n_cols), dtype=dtype)
     h = torch.empty_like(y) if residual2d is not None else None
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+    rstd = x2d.new_empty(n_rows, dtype=torch.float32)
     if n_rows:
         res = residual2d if residual2d is not None else x2d
-        a = alignment(n_cols, x2d.stride(0), res.stride(0))
-        launch(_rms_norm_forward_kernel, (cdiv(n_rows, cfg.rows),),
-               (x2d, res, w, y, h if h is not None else y, rstd,
-                x2d.stride(0) // a, res.stride(0) // a, n_rows, n_cols // a, eps),
-               dict(HAS_RESIDUAL=residual2d is not None, ALIGN=a, ROWS=cfg.rows,
-                    P0=cfg.pieces[0], P1=cfg.pieces[1], P2=cfg.pieces[2]),
-               num_warps=cfg.num_warps)
+        grid, ints, constexprs, warps, key = _forward_plan(
+            n_rows, n_cols, x2d.stride(0), res.stride(0), residual2d is not None,
+            (x2d.dtype, res.dtype, w.dtype, dtype),
+            (x2d.data_ptr() % 16 == 0, res.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0),
+            config)
+        launch(_rms_norm_forward_kernel, grid,
+               (x2d, res, w, y, h if h is not None else y, rstd, *ints, eps), constexprs,
+               num_warps=warps, key=key)
     return y, h, rstd
 
 
@@ -340,30 +359,45 @@ def add_rms_norm_forward(x2d: torch.Tensor, residual2d: torch.Tensor, w: torch.T
     return _forward(x2d, residual2d, w, eps, config)
 
 
+@functools.lru_cache(maxsize=4096)
+def _backward_plan(n_rows, n_cols, strides, has_dh_in, dtypes, aligned, device, config,
+                   programs_per_sm, num_stages, min_rows, prefetch):
+    """Persistent grid, integer arguments, constexprs, warps and launch key of one
+    backward shape (strides of dy, x, dh_in; dtypes of dy, x, w, dh_in; alignments of
+    their pointers and rstd's): worked out once per shape, as `_forward_plan`."""
+    cfg = config or launch_config(n_cols, dtypes[1], backward=True)
+    programs = persistent_programs(n_rows, cfg.rows, cfg.num_warps, device,
+                                   programs_per_sm or cfg.programs_per_sm,
+                                   min_rows or cfg.min_rows_per_program)
+    if prefetch is None:
+        prefetch = DEFAULTS.bwd_prefetch if cfg.prefetch is None else cfg.prefetch
+    a = alignment(n_cols, *strides)
+    ints = (*(s // a for s in strides), n_rows, n_cols // a)
+    constexprs = dict(HAS_DH_IN=has_dh_in, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
+                      P1=cfg.pieces[1], P2=cfg.pieces[2],
+                      NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages,
+                      PREFETCH=prefetch)
+    key = (dtypes, aligned, tuple(map(int_spec, ints)), tuple(constexprs.items()),
+           cfg.num_warps)
+    return programs, ints, constexprs, cfg.num_warps, key
+
+
 def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages,
               min_rows=None, prefetch=None):
     n_rows, n_cols = x2d.shape
-    cfg = config or launch_config(n_cols, x2d.dtype, backward=True)
-    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    dx = torch.empty_like(x2d, memory_format=torch.contiguous_format)
     if n_rows == 0:
         return dx, torch.zeros_like(w)
-    programs = persistent_programs(n_rows, cfg.rows, cfg.num_warps, x2d.device,
-                                   programs_per_sm or cfg.programs_per_sm,
-                                   min_rows or cfg.min_rows_per_program)
-    dw_partial = torch.empty((1, programs, n_cols), dtype=torch.float32,
-                             device=x2d.device)  # (1, P, H): sum_partials' layout
-    if prefetch is None:
-        prefetch = DEFAULTS.bwd_prefetch if cfg.prefetch is None else cfg.prefetch
     dh = dh_in2d if dh_in2d is not None else dy2d
-    a = alignment(n_cols, dy2d.stride(0), x2d.stride(0), dh.stride(0))
+    programs, ints, constexprs, warps, key = _backward_plan(
+        n_rows, n_cols, (dy2d.stride(0), x2d.stride(0), dh.stride(0)), dh_in2d is not None,
+        (dy2d.dtype, x2d.dtype, w.dtype, dh.dtype),
+        tuple(t.data_ptr() % 16 == 0 for t in (dy2d, x2d, w, rstd, dh)), x2d.device,
+        config, programs_per_sm, num_stages, min_rows, prefetch)
+    dw_partial = x2d.new_empty((1, programs, n_cols), dtype=torch.float32)  # (1, P, H)
     launch(_rms_norm_backward_kernel, (programs,),
-           (dy2d, x2d, w, rstd, dh, dx, dw_partial,
-            dy2d.stride(0) // a, x2d.stride(0) // a, dh.stride(0) // a, n_rows, n_cols // a),
-           dict(HAS_DH_IN=dh_in2d is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
-                P1=cfg.pieces[1], P2=cfg.pieces[2],
-                NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages,
-                PREFETCH=prefetch),
-           num_warps=cfg.num_warps)
+           (dy2d, x2d, w, rstd, dh, dx, dw_partial, *ints), constexprs,
+           num_warps=warps, key=key)
     (dw,) = sum_partials(dw_partial, w)  # (H,) in w's dtype, one launch
     return dx, dw
 
