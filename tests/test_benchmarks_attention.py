@@ -75,13 +75,39 @@ def test_sweep_holds_every_point_and_provider():
     assert {c.layout for c in canon} == {"mha", "gqa4", "gqa8"}
     for c in canon:  # the chapter's extra providers, at the canonical point only
         assert set(bench_fa.CANONICAL_EXTRAS) <= set(c.providers)
-    assert sum(len(c.providers) for c in speed) == 4 * len(speed) + 4 * 3
+    assert sum(len(c.providers) for c in speed) == 4 * len(speed) + 5 * 3
     c0 = bench_fa.CANONICAL
     assert any((c.batch, c.heads, c.kv_heads, c.seq_len, c.head_dim, c.causal)
                == (c0["batch"], c0["heads"], c0["heads"], c0["seq_len"], c0["head_dim"],
                    c0["causal"]) for c in canon)
     mem = [c for c in cases if c.kind == "memory"]
     assert [c.seq_len for c in mem] == list(bench_fa.MEM_SEQ_LENS)
+
+
+def test_flex_compiles_once_per_series(monkeypatch):
+    """"flex" compiles once per (D, causal, group, dtype) with dynamic shapes and reuses
+    it across sequence lengths; a new series, or "flex-static" (one static compile per
+    shape), resets the compiler first."""
+    compiles, resets = [], []
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic: compiles.append(dynamic)
+                        or (lambda *a, **k: dynamic))
+    monkeypatch.setattr(torch.compiler, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(bench_fa, "_FLEX_COMPILED", {})
+
+    def run(batch, seq, dim=64, group=1, static=False):
+        q = torch.empty(batch, 4, seq, dim)
+        k = torch.empty(batch, 4 // group, seq, dim)
+        return bench_fa._flex_fn(q, k, k, False, static=static)()
+
+    assert [run(4, 512), run(2, 1024), run(1, 2048)] == [True] * 3
+    assert (compiles, len(resets)) == ([True], 1)  # one dynamic compile for the series
+    run(4, 512, group=2)  # another layout: its own compile
+    assert (compiles, len(resets)) == ([True, True], 2)
+    assert run(2, 1024, group=2, static=True) is False  # one shape, compiled statically
+    assert (compiles[-1], len(resets)) == (False, 3)
+    run(1, 2048, group=2)  # the series compiles again after a static compile's reset
+    assert (compiles[-1], len(resets)) == (True, 4)
+    assert "flex-static" in bench_fa.config_of()["flex_compile"]
 
 
 def test_filters_narrow_the_sweep():

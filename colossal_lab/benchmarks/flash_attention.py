@@ -72,11 +72,19 @@ LAYOUTS = {"mha": 1, "gqa4": 4, "gqa8": 8}
 CANONICAL = {"batch": 4, "heads": 32, "seq_len": 4096, "head_dim": 128, "causal": True}
 SWEEP_PROVIDERS = ("triton", "cudnn", "sdpa-flash", "flex")
 """The providers at every point of the sweep (issue #14)."""
-CANONICAL_EXTRAS = ("naive", "sdpa-efficient", "triton-atomic", "flash_attn")
-"""Extra providers at the canonical (S, D, causal), in every layout: the chapter's table;
-elsewhere they would only lengthen the run."""
+CANONICAL_EXTRAS = ("naive", "sdpa-efficient", "triton-atomic", "flash_attn", "flex-static")
+"""Extra providers at the canonical (S, D, causal), in every layout: the chapter's table,
+and "flex-static", which checks the dynamic-shape compile of "flex" against a compile
+for that one shape; elsewhere they would only lengthen the run."""
+FLEX_COMPILE = {"flex": "torch.compile(flex_attention, dynamic=True), one compile per "
+                        "(head dim, causal, layout) serving every sequence length",
+                "flex-static": "torch.compile(flex_attention, dynamic=False), one compile "
+                               "per shape"}
+"""How each FlexAttention provider is compiled (recorded in the results file's config).
+One static compile per shape costs about 30 s of the sweep's ~108 cases; the canonical
+point runs both."""
 PROVIDERS = ("naive", "sdpa-flash", "sdpa-efficient", "cudnn", "triton", "triton-atomic",
-             "flex", "flash_attn")
+             "flex", "flex-static", "flash_attn")
 """Every provider `--providers` takes. `triton` is our kernel with its default backward
 (dQ in its own kernel); `triton-atomic` the same forward with FA2's atomic dQ
 (`dq_mode="atomic"`)."""
@@ -230,14 +238,16 @@ def pending(cases: list[Case], done_rows: Iterable[dict]) -> list[Case]:
 # ------------------------------------------------------------------- a cost estimate
 
 RATE_TFLOPS = {"naive": 25, "sdpa-efficient": 150, "sdpa-flash": 300, "flash_attn": 300,
-               "flex": 350, "triton": 400, "triton-atomic": 400, "cudnn": 500}
+               "flex": 350, "flex-static": 350, "triton": 400, "triton-atomic": 400,
+               "cudnn": 500}
 """Assumed fwd TFLOP/s per provider on an H200 (near the recorded canonical-point figures;
 fwd+bwd taken 15 % slower): only for `estimate_s`."""
-SETUP_S = {"flex": 30.0, "triton": 8.0, "triton-atomic": 4.0}
+SETUP_S = {"flex": 6.0, "flex-static": 30.0, "triton": 8.0, "triton-atomic": 4.0}
 """Assumed seconds to set a provider up at one case before it is timed (others 1 s):
-FlexAttention compiles its forward and backward for every shape (`torch.compiler.reset()`
-each case); our kernels autotune three kernels per (D, causal, group, S bucket), compiling
-each tile once per fresh machine. Guesses; the rows' `wall_s` say what they really took."""
+"flex-static" compiles FlexAttention's forward and backward for every shape, "flex" once
+per six sequence lengths (`FLEX_COMPILE`); our kernels autotune three kernels per (D,
+causal, group, S bucket), compiling each tile once per fresh machine. Guesses; the
+rows' `wall_s` say what they really took."""
 CASE_S = 1.5
 """Per case: random tensors and the fp32 reference."""
 MEMORY_S = 3.0
@@ -373,11 +383,29 @@ def _flash_attn_installed() -> bool:
     return True
 
 
-def _flex_fn(q, k, v, causal: bool) -> Callable[[], torch.Tensor]:
+_FLEX_COMPILED: dict = {}
+"""The dynamic-shape compile of `flex_attention` in use and the (D, causal, group,
+dtype, device) it serves: the sweep's cases run in that order, so one compile serves
+every sequence length (and batch) of a series."""
+
+
+def _flex_fn(q, k, v, causal: bool, static: bool = False) -> Callable[[], torch.Tensor]:
+    """FlexAttention on these tensors. "flex" (`static` False) compiles once per (head
+    dim, causal, group, dtype) with dynamic shapes (`FLEX_COMPILE`); "flex-static"
+    compiles for this one shape, as a single-shape user would."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    torch.compiler.reset()  # one static compile per shape; no recompile limit to hit
-    compiled = torch.compile(flex_attention, dynamic=False)
+    series = (q.shape[-1], causal, q.shape[1] // k.shape[1], q.dtype, q.device)
+    if static:
+        torch.compiler.reset()  # one static compile; no recompile limit to hit
+        _FLEX_COMPILED.clear()
+        compiled = torch.compile(flex_attention, dynamic=False)
+    else:
+        if _FLEX_COMPILED.get("series") != series:
+            torch.compiler.reset()  # a new series: its own compile, no stale entries
+            _FLEX_COMPILED.update(series=series,
+                                  fn=torch.compile(flex_attention, dynamic=True))
+        compiled = _FLEX_COMPILED["fn"]
     s = q.shape[-2]
     block_mask = None
     if causal:
@@ -395,8 +423,8 @@ def make_fn(provider: str, q, k, v, causal: bool) -> Callable[[], torch.Tensor]:
     (k, v with Hkv < Hq heads) go in as they are: our kernels take them natively, SDPA
     (flash, efficient, cuDNN) gets `enable_gqa=True` (`switches.attention._sdpa`), Flex
     `enable_gqa=True`; nothing copies k or v up to Hq heads except naive."""
-    if provider == "flex":
-        return _flex_fn(q, k, v, causal)
+    if provider in ("flex", "flex-static"):
+        return _flex_fn(q, k, v, causal, static=provider == "flex-static")
     if provider == "triton-atomic":
         from colossal_lab.kernels.flash_attention import flash_attention
 
@@ -416,7 +444,7 @@ def _skip_reason(provider: str, case: Case, device: torch.device,
         return why
     if provider == "flash_attn" and not _flash_attn_installed():
         return "not installed"
-    if provider == "flex" and device.type != "cuda":
+    if provider in ("flex", "flex-static") and device.type != "cuda":
         return "needs CUDA"
     from colossal_lab.switches.attention import BACKENDS, _why_not
 
@@ -862,7 +890,7 @@ def config_of(quick: bool = False, timing: str = "graph") -> dict:
                        "events": "triton do_bench median (CUDA events, eager calls)"
                        }[timing] + "; each row's timing field says how it was timed",
             "fwd": "forward with autograd recording (training forward)",
-            "naive_limit_gib": NAIVE_LIMIT_GIB,
+            "naive_limit_gib": NAIVE_LIMIT_GIB, "flex_compile": FLEX_COMPILE,
             "memory": "peak of one fwd+bwd incl. inputs, B=1 H=32 D=128 causal"}
 
 
