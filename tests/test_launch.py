@@ -79,3 +79,38 @@ def test_cached_launches_still_call_a_profilers_hook(monkeypatch):
         knobs.runtime.launch_enter_hook.remove(hook)
     assert "_rms_norm_forward_kernel" in seen and "_rms_norm_backward_kernel" in seen
     assert launch._fast
+
+
+def test_callers_keys_are_as_fine_as_tritons_specialisation(monkeypatch):
+    """The norms pass their own launch key (a cached plan's) instead of `_spec(args)`:
+    whatever shapes, strides, offsets and dtypes come in, launches with equal keys
+    specialise alike (equal `_spec`, constexprs and warps), so a cached compiled kernel
+    is never reused where Triton would have compiled another."""
+    from colossal_lab.kernels import _norm_common, layer_norm, rms_norm
+
+    seen: dict = {}
+    real = launch.launch
+
+    def spy(kernel, grid, args, constexprs, *, num_warps, num_stages=None, key=None):
+        if key is not None:
+            spec = (launch._spec(args), tuple(constexprs.items()), num_warps, num_stages)
+            assert seen.setdefault((kernel, key), spec) == spec, kernel
+        return real(kernel, grid, args, constexprs, num_warps=num_warps,
+                    num_stages=num_stages, key=key)
+
+    for module in (rms_norm, layer_norm, _norm_common):
+        monkeypatch.setattr(module, "launch", spy)
+    gen = torch.Generator().manual_seed(0)
+    for rows, cols, offset, dtype in [(5, 1001, 0, torch.float32), (7, 1009, 1, torch.float32),
+                                      (3, 1001, 3, torch.bfloat16), (9, 64, 0, torch.float32),
+                                      (1, 64, 1, torch.float32), (16, 48, 2, torch.bfloat16),
+                                      (5, 1009, 0, torch.float32), (20, 1001, 0, torch.float32)]:
+        base = torch.randn(rows * cols + offset, generator=gen).to(dtype)
+        x = base[offset:].view(rows, cols).requires_grad_()  # offset: unaligned pointer
+        w = torch.randn(cols, generator=gen).requires_grad_()
+        b = torch.randn(cols, generator=gen).requires_grad_()
+        rms_norm.rms_norm_triton(x, w).sum().backward()
+        layer_norm.layer_norm_triton(x, w, b).sum().backward()
+        y, h = rms_norm.add_rms_norm_triton(x, x.detach() * 2, w)
+        (y.sum() + h.sum()).backward()
+    assert len({k[0] for k in seen}) == 5  # rms fwd, bwd, ln fwd, bwd, partials sum

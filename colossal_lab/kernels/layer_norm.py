@@ -23,6 +23,8 @@ partials. The layout is the one of `rms_norm.py`; shared helpers are in `_norm_c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -42,7 +44,7 @@ from colossal_lab.kernels._norm_common import (
     persistent_programs,
     sum_partials,
 )
-from colossal_lab.kernels.launch import launch
+from colossal_lab.kernels.launch import int_spec, launch
 
 
 @triton.jit
@@ -261,19 +263,56 @@ def layer_norm_forward(x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
         y (rows, H) in x2d's dtype, mean and rstd (rows,) fp32.
     """
     n_rows, n_cols = x2d.shape
-    cfg = config or launch_config(n_cols, x2d.dtype)
-    y = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
-    mean = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+    y = torch.empty_like(x2d, memory_format=torch.contiguous_format)
+    mean = x2d.new_empty(n_rows, dtype=torch.float32)
+    rstd = x2d.new_empty(n_rows, dtype=torch.float32)
     if n_rows:
-        a = alignment(n_cols, x2d.stride(0))
-        launch(_layer_norm_forward_kernel, (cdiv(n_rows, cfg.rows),),
-               (x2d, w, b if b is not None else w, y, mean, rstd,
-                x2d.stride(0) // a, n_rows, n_cols // a, eps),
-               dict(HAS_BIAS=b is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
-                    P1=cfg.pieces[1], P2=cfg.pieces[2]),
-               num_warps=cfg.num_warps)
+        bias = b if b is not None else w
+        grid, ints, constexprs, warps, key = _forward_plan(
+            n_rows, n_cols, x2d.stride(0), b is not None, (x2d.dtype, w.dtype, bias.dtype),
+            (x2d.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0, bias.data_ptr() % 16 == 0),
+            config)
+        launch(_layer_norm_forward_kernel, grid, (x2d, w, bias, y, mean, rstd, *ints, eps),
+               constexprs, num_warps=warps, key=key)
     return y, mean, rstd
+
+
+@functools.lru_cache(maxsize=4096)
+def _forward_plan(n_rows, n_cols, stride_x, has_bias, dtypes, aligned, config):
+    """Grid, integer arguments, constexprs, warps and launch key of one forward shape,
+    worked out once per shape, strides, dtypes and pointer alignments (as RMSNorm's,
+    `rms_norm._forward_plan`)."""
+    cfg = config or launch_config(n_cols, dtypes[0])
+    a = alignment(n_cols, stride_x)
+    ints = (stride_x // a, n_rows, n_cols // a)
+    constexprs = dict(HAS_BIAS=has_bias, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
+                      P1=cfg.pieces[1], P2=cfg.pieces[2])
+    key = (dtypes, aligned, tuple(map(int_spec, ints)), tuple(constexprs.items()),
+           cfg.num_warps)
+    return (cdiv(n_rows, cfg.rows),), ints, constexprs, cfg.num_warps, key
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_plan(n_rows, n_cols, strides, has_bias, dtypes, aligned, device, config,
+                   programs_per_sm, num_stages):
+    """Persistent grid, integer arguments, constexprs, warps and launch key of one
+    backward shape (strides and dtypes of dy and x, w's dtype, pointer alignments),
+    worked out once per shape."""
+    cfg = config or launch_config(n_cols, dtypes[1], backward=True)
+    programs = persistent_programs(n_rows, cfg.rows, cfg.num_warps, device,
+                                   programs_per_sm or cfg.programs_per_sm,
+                                   cfg.min_rows_per_program)
+    a = alignment(n_cols, *strides)
+    ints = (*(s // a for s in strides), n_rows, n_cols // a)
+    constexprs = dict(HAS_BIAS=has_bias, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
+                      P1=cfg.pieces[1], P2=cfg.pieces[2],
+                      NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages)
+    # the dbias partials start programs x H floats into the buffer: 16-byte aligned or
+    # not, and Triton specialises on that
+    db_aligned = not has_bias or programs * n_cols % 4 == 0
+    key = (dtypes, aligned, db_aligned, tuple(map(int_spec, ints)),
+           tuple(constexprs.items()), cfg.num_warps)
+    return programs, ints, constexprs, cfg.num_warps, key
 
 
 def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
@@ -291,23 +330,19 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
         dx (rows, H) in x's dtype; dw (H,) in w's dtype; db (H,) in b's dtype, or None.
     """
     n_rows, n_cols = x.shape
-    cfg = config or launch_config(n_cols, x.dtype, backward=True)
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     if n_rows == 0:
         return dx, torch.zeros_like(w), None if b is None else torch.zeros_like(b)
-    programs = persistent_programs(n_rows, cfg.rows, cfg.num_warps, x.device,
-                                   programs_per_sm or cfg.programs_per_sm,
-                                   cfg.min_rows_per_program)
-    partials = torch.empty((2 if b is not None else 1, programs, n_cols),
-                           dtype=torch.float32, device=x.device)
-    a = alignment(n_cols, dy.stride(0), x.stride(0))
+    programs, ints, constexprs, warps, key = _backward_plan(
+        n_rows, n_cols, (dy.stride(0), x.stride(0)), b is not None,
+        (dy.dtype, x.dtype, w.dtype),
+        tuple(t.data_ptr() % 16 == 0 for t in (dy, x, w, mean, rstd)), x.device, config,
+        programs_per_sm, num_stages)
+    partials = x.new_empty((2 if b is not None else 1, programs, n_cols),
+                           dtype=torch.float32)
     launch(_layer_norm_backward_kernel, (programs,),
-           (dy, x, w, mean, rstd, dx, partials[0], partials[-1],
-            dy.stride(0) // a, x.stride(0) // a, n_rows, n_cols // a),
-           dict(HAS_BIAS=b is not None, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
-                P1=cfg.pieces[1], P2=cfg.pieces[2],
-                NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages),
-           num_warps=cfg.num_warps)
+           (dy, x, w, mean, rstd, dx, partials[0], partials[-1], *ints), constexprs,
+           num_warps=warps, key=key)
     # dw and db, each in its parameter's dtype, in one launch
     sums = sum_partials(partials, w, *([b] if b is not None else []))
     return dx, sums[0], sums[1] if b is not None else None

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from colossal_lab.kernels._norm_common import _to_dtype, cdiv, next_power_of_2
+from colossal_lab.kernels.launch import launch
 
 MAX_BLOCK = 1024
 """Columns per program: 1024 bf16 = 2 KB per tensor, 8 elements per thread at 4 warps."""
@@ -143,9 +144,9 @@ def swiglu_forward(gu2d: torch.Tensor) -> torch.Tensor:
     h = torch.empty((n_rows, n_cols), dtype=gu2d.dtype, device=gu2d.device)
     if h.numel():
         block, rows, warps = _tiling(n_cols)
-        _swiglu_forward_kernel[_grid(n_rows, n_cols, rows, block)](
-            gu2d, h, gu2d.stride(0), n_rows, n_cols, ROWS=rows, BLOCK=block,
-            num_warps=warps)
+        launch(_swiglu_forward_kernel, _grid(n_rows, n_cols, rows, block),
+               (gu2d, h, gu2d.stride(0), n_rows, n_cols), dict(ROWS=rows, BLOCK=block),
+               num_warps=warps)
     return h
 
 
@@ -162,9 +163,9 @@ def swiglu_backward(dh2d: torch.Tensor, gu2d: torch.Tensor) -> torch.Tensor:
     dgu = torch.empty((n_rows, 2 * n_cols), dtype=gu2d.dtype, device=gu2d.device)
     if dgu.numel():
         block, rows, warps = _tiling(n_cols)
-        _swiglu_backward_kernel[_grid(n_rows, n_cols, rows, block)](
-            dh2d, gu2d, dgu, dh2d.stride(0), gu2d.stride(0), n_rows, n_cols, ROWS=rows,
-            BLOCK=block, num_warps=warps)
+        launch(_swiglu_backward_kernel, _grid(n_rows, n_cols, rows, block),
+               (dh2d, gu2d, dgu, dh2d.stride(0), gu2d.stride(0), n_rows, n_cols),
+               dict(ROWS=rows, BLOCK=block), num_warps=warps)
     return dgu
 
 
