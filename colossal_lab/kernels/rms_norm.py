@@ -157,6 +157,26 @@ def _rms_norm_load_piece(DY, X, rows, row_ok, stride_dy, stride_x, n_cols,
 
 
 @triton.jit
+def _rms_norm_load_tile(DY, X, RSTD, tile, n_rows, stride_dy, stride_x, n_cols,
+                        ROWS: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
+                        P2: tl.constexpr):
+    """r, and x and dy of each piece, of row tile `tile` (rows past the end masked off);
+    an absent piece (P1 or P2 = 0) repeats the first one's, never used."""
+    rows, row_ok = _row_tile(tile, n_rows, ROWS)
+    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)  # (ROWS,) r
+    x0, dy0 = _rms_norm_load_piece(DY, X, rows, row_ok, stride_dy, stride_x, n_cols, 0, P0)
+    x1, dy1 = x0, dy0
+    x2, dy2 = x0, dy0
+    if P1 > 0:
+        x1, dy1 = _rms_norm_load_piece(DY, X, rows, row_ok, stride_dy, stride_x, n_cols,
+                                       P0, P1)
+    if P2 > 0:
+        x2, dy2 = _rms_norm_load_piece(DY, X, rows, row_ok, stride_dy, stride_x, n_cols,
+                                       P0 + P1, P2)
+    return rstd, x0, dy0, x1, dy1, x2, dy2
+
+
+@triton.jit
 def _rms_norm_backward_piece(x, dy, w, rstd):
     """x̂ and dy (fp32) of one piece of the tile, and its share of Σ dy·w·x̂ per row.
     dy·w is not kept: `_rms_norm_dx_piece` multiplies again, one FMA per element, so a
@@ -226,46 +246,20 @@ def _rms_norm_backward_kernel(
         dw2 = tl.zeros((ROWS, P2), dtype=tl.float32)
     n_tiles = tl.cdiv(n_rows, ROWS)
     if PREFETCH:  # this program's first tile, loaded ahead of the loop
-        rows_n, row_ok_n = _row_tile(pid, n_rows, ROWS)
-        rstd_n = tl.load(RSTD + rows_n, mask=row_ok_n, other=0.0)
-        x0_n, dy0_n = _rms_norm_load_piece(DY, X, rows_n, row_ok_n, stride_dy, stride_x,
-                                           n_cols, 0, P0)
-        if P1 > 0:
-            x1_n, dy1_n = _rms_norm_load_piece(DY, X, rows_n, row_ok_n, stride_dy,
-                                               stride_x, n_cols, P0, P1)
-        if P2 > 0:
-            x2_n, dy2_n = _rms_norm_load_piece(DY, X, rows_n, row_ok_n, stride_dy,
-                                               stride_x, n_cols, P0 + P1, P2)
+        rstd_n, x0_n, dy0_n, x1_n, dy1_n, x2_n, dy2_n = _rms_norm_load_tile(
+            DY, X, RSTD, pid, n_rows, stride_dy, stride_x, n_cols, ROWS, P0, P1, P2)
     for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
         rows, row_ok = _row_tile(tile, n_rows, ROWS)
         if PREFETCH:
             # take the tile loaded last iteration and issue the next one's loads now,
             # so they are in flight while this tile is reduced and stored
-            rstd, x0, dy0 = rstd_n, x0_n, dy0_n
-            if P1 > 0:
-                x1, dy1 = x1_n, dy1_n
-            if P2 > 0:
-                x2, dy2 = x2_n, dy2_n
-            rows_n, row_ok_n = _row_tile(tile + n_programs, n_rows, ROWS)
-            rstd_n = tl.load(RSTD + rows_n, mask=row_ok_n, other=0.0)
-            x0_n, dy0_n = _rms_norm_load_piece(DY, X, rows_n, row_ok_n, stride_dy,
-                                               stride_x, n_cols, 0, P0)
-            if P1 > 0:
-                x1_n, dy1_n = _rms_norm_load_piece(DY, X, rows_n, row_ok_n, stride_dy,
-                                                   stride_x, n_cols, P0, P1)
-            if P2 > 0:
-                x2_n, dy2_n = _rms_norm_load_piece(DY, X, rows_n, row_ok_n, stride_dy,
-                                                   stride_x, n_cols, P0 + P1, P2)
+            rstd, x0, dy0, x1, dy1, x2, dy2 = rstd_n, x0_n, dy0_n, x1_n, dy1_n, x2_n, dy2_n
+            rstd_n, x0_n, dy0_n, x1_n, dy1_n, x2_n, dy2_n = _rms_norm_load_tile(
+                DY, X, RSTD, tile + n_programs, n_rows, stride_dy, stride_x, n_cols, ROWS,
+                P0, P1, P2)
         else:
-            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)  # (ROWS,) r
-            x0, dy0 = _rms_norm_load_piece(DY, X, rows, row_ok, stride_dy, stride_x,
-                                           n_cols, 0, P0)
-            if P1 > 0:
-                x1, dy1 = _rms_norm_load_piece(DY, X, rows, row_ok, stride_dy, stride_x,
-                                               n_cols, P0, P1)
-            if P2 > 0:
-                x2, dy2 = _rms_norm_load_piece(DY, X, rows, row_ok, stride_dy, stride_x,
-                                               n_cols, P0 + P1, P2)
+            rstd, x0, dy0, x1, dy1, x2, dy2 = _rms_norm_load_tile(
+                DY, X, RSTD, tile, n_rows, stride_dy, stride_x, n_cols, ROWS, P0, P1, P2)
         xh0, dy0, c = _rms_norm_backward_piece(x0, dy0, w0, rstd)
         if P1 > 0:
             xh1, dy1, c1 = _rms_norm_backward_piece(x1, dy1, w1, rstd)
