@@ -186,6 +186,11 @@ def test_targets_on_synthetic_rows():
     eager_capture = _pair(4096, 4096, 1.0, 2.0)
     eager_capture[0]["timing"] = "events (capture failed: X)"  # not graph replay
     assert fused_norm.targets(eager_capture)[0]["ok"] is None
+    # the checks of another provider of ours (the C++ path) read that provider's rows
+    native = [{**r, "provider": "triton-native", "fwd_bwd_ms": 0.5}
+              for r in slow if r["provider"] == "triton"]
+    by_native = fused_norm.targets(slow + native, ours="triton-native")
+    assert by_native[0]["ok"] and by_native[0]["worst"] == pytest.approx(1.8)
 
 
 @pytest.fixture()

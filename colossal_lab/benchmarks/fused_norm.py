@@ -47,7 +47,8 @@ from colossal_lab.switches import norm
 from colossal_lab.timing import gbps, time_fn, time_kernels
 
 OPS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu")
-PROVIDERS = ("eager", "torch", "compile", "triton", "liger", "apex", "separate")
+PROVIDERS = ("eager", "torch", "compile", "triton", "triton-native", "liger", "apex",
+             "separate")
 HIDDEN = (1024, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 12288, 13824, 16384)
 ODD_HIDDEN = (1000, 3000, 5000, 11008)
 """Sizes that are no multiple of 16 or of a power of two: masked tiles, no 16-byte
@@ -65,8 +66,9 @@ value is the results file each saves to by default (`--name`)."""
 CHUNK_BUDGET_S = 300.0
 """--dry-run's chunks: estimated GPU seconds per command line, well under a 600 s limit
 (the estimate leaves out Triton's JIT and process start-up)."""
-SWEEP_PROVIDERS = ("torch", "triton", "liger")
-"""Providers of the sweep (those installed): ours against the library kernels."""
+SWEEP_PROVIDERS = ("torch", "triton", "triton-native", "liger")
+"""Providers of the sweep (those installed): ours against the library kernels.
+"triton-native" is our RMSNorm through its C++ path (`kernels.native`), RMSNorm only."""
 SWEEP_EAGER_AT = (16384, "bfloat16")
 """(tokens, dtype) at which the default sweep also times "eager", the unfused reference
 Hugging Face runs: one row per hidden size, for chapter 02's fused-against-eager
@@ -176,6 +178,18 @@ def _provider_fn(op: str, provider: str):
 
         name = {"torch": "eager", "eager": "eager"}.get(provider, provider)
         return lambda gu: projections.swiglu(gu, backend=name)
+    if provider == "triton-native":  # RMSNorm only: per-call work in C++
+        from colossal_lab.kernels import native
+        from colossal_lab.kernels.rms_norm import rms_norm_triton
+
+        if native.module() is None:
+            raise RuntimeError(f"the native path cannot be built: {native.why_not()}")
+
+        def through_cpp(x, w):
+            with native.forced():  # the first call of a shape registers it (Python)
+                return rms_norm_triton(x, w, EPS)
+
+        return through_cpp
     if provider == "separate":  # the unfused baseline of the fused add
         from colossal_lab.kernels.rms_norm import rms_norm_triton
 
@@ -632,11 +646,14 @@ def sweep(cases, providers=None, *, host: bool = True, on_row=None,
 
 
 def targets(rows: list[dict], *, op: str = "rms_norm", min_eager_tokens: int = 16384,
-            copy_share: float = 0.85, host_gap_us: float = 20.0) -> list[dict]:
+            copy_share: float = 0.85, host_gap_us: float = 20.0, ours: str = "triton"
+            ) -> list[dict]:
     """Issue #14's done-when, evaluated on sweep rows: one dict per check with `check`,
     `ok` (None when no row can tell), `worst` and where (`at`), and `failing`.
 
-    1. graph replay: ours ("triton") >= 1.0 x torch in fwd+bwd at every point;
+    `ours` is the provider held to them ("triton"; "triton-native" for its C++ path).
+
+    1. graph replay: ours >= 1.0 x torch in fwd+bwd at every point;
     2. eager (do_bench) >= 1.0 x torch at every point with >= `min_eager_tokens`;
     3. ours >= `copy_share` of the copy bandwidth at 16384 x 4096 bf16, fwd+bwd;
     4. one eager fwd+bwd's host time within `host_gap_us` of torch's, at every host row.
@@ -649,11 +666,11 @@ def targets(rows: list[dict], *, op: str = "rms_norm", min_eager_tokens: int = 1
     def ratio_check(name, field, keep):
         worst, at, failing, n = None, None, [], 0
         for k, prov in sorted(pairs.items()):
-            ours, ref = prov.get("triton", {}), prov.get("torch", {})
-            if not keep(k, ours) or not ours.get(field) or not ref.get(field):
+            mine, ref = prov.get(ours, {}), prov.get("torch", {})
+            if not keep(k, mine) or not mine.get(field) or not ref.get(field):
                 continue
             n += 1
-            x = ref[field] / ours[field]  # time ratio: > 1 means ours is faster
+            x = ref[field] / mine[field]  # time ratio: > 1 means ours is faster
             if worst is None or x < worst:
                 worst, at = x, k
             if x < 1.0:
@@ -665,7 +682,7 @@ def targets(rows: list[dict], *, op: str = "rms_norm", min_eager_tokens: int = 1
                        lambda k, r: str(r.get("timing", "")) == "cuda_graph"),
            ratio_check(f"eager fwd+bwd >= 1.0x torch at >= {min_eager_tokens} tokens",
                        "eager_fwd_bwd_ms", lambda k, r: k[0] >= min_eager_tokens)]
-    head = pairs.get((*HEADLINE, "bfloat16"), {}).get("triton", {})
+    head = pairs.get((*HEADLINE, "bfloat16"), {}).get(ours, {})
     share = (head["fwd_bwd_gbps"] / head["copy_gbps"]
              if head.get("fwd_bwd_gbps") and head.get("copy_gbps") else None)
     low = share is not None and share < copy_share
@@ -679,8 +696,8 @@ def targets(rows: list[dict], *, op: str = "rms_norm", min_eager_tokens: int = 1
         if r.get("kind") == "host" and r.get("op") == op and "host_us" in r:
             key = (r["tokens"], r["hidden"], r["dtype"])
             hosts.setdefault(key, {})[r["provider"]] = r
-    gaps = [(k, v["triton"]["host_us"] - v["torch"]["host_us"]) for k, v in
-            sorted(hosts.items()) if "triton" in v and "torch" in v]
+    gaps = [(k, v[ours]["host_us"] - v["torch"]["host_us"]) for k, v in
+            sorted(hosts.items()) if ours in v and "torch" in v]
     worst_gap = max(gaps, key=lambda g: g[1], default=None)
     out.append({"check": f"eager fwd+bwd host time <= torch's + {host_gap_us:.0f} us",
                 "ok": all(g <= host_gap_us for _, g in gaps) if gaps else None,
@@ -695,6 +712,8 @@ def providers_here(op: str, device) -> list[str]:
     """Providers that run here without falling back to another one."""
     avail = norm.available_backends(device)
     out = [p for p in PROVIDERS[:-1] if p in avail]
+    if op == "rms_norm" and "triton" in avail and torch.device(device).type == "cuda":
+        out.insert(out.index("triton") + 1, "triton-native")
     if op == "add_rms_norm" and "triton" in avail:
         out.append("separate")
     return out

@@ -367,15 +367,18 @@ def _sum_plan(n_parts: int, n_programs: int, n_cols: int, out_dtypes: tuple,
     return (cdiv(n_cols, _SUM_BLOCK), n_parts), constexprs, warps, key
 
 
-def sum_partials(partials: torch.Tensor, *params: torch.Tensor) -> list[torch.Tensor]:
+def sum_partials(partials: torch.Tensor, *params: torch.Tensor, on_launch=None
+                 ) -> list[torch.Tensor]:
     """(len(params), programs, H) fp32 partials -> one (H,) sum per parameter, in that
-    parameter's dtype, in one launch."""
+    parameter's dtype, in one launch. `on_launch(kernel, grid, args, key)`, if given,
+    is told what was launched (`kernels.native` replays it)."""
     n_parts, n_programs, n_cols = partials.shape
     outs = [p.new_empty(n_cols) for p in params]  # (same dtype and device as p)
     grid, constexprs, warps, key = _sum_plan(
         n_parts, n_programs, n_cols, tuple(o.dtype for o in outs),
         partials.data_ptr() % 16 == 0)
-    launch(_rms_norm_partials_sum_kernel, grid,
-           (partials, outs[0], outs[-1], n_programs, n_cols), constexprs,
-           num_warps=warps, key=key)
+    args = (partials, outs[0], outs[-1], n_programs, n_cols)
+    launch(_rms_norm_partials_sum_kernel, grid, args, constexprs, num_warps=warps, key=key)
+    if on_launch is not None:
+        on_launch(_rms_norm_partials_sum_kernel, grid, args, key)
     return outs

@@ -100,6 +100,14 @@ if not INTERPRET and torch.cuda.is_available():  # the raw handle, ~10x cheaper
     _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _current_stream)
 
 
+def runner_for(kernel, key) -> _Runner | None:
+    """The cached runner of `kernel` launched with caller key `key` on the current
+    device (None before its first launch, or on the JIT path)."""
+    if not _fast:
+        return None
+    return CACHE.get((kernel, torch.cuda.current_device(), key))
+
+
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict, *, num_warps: int,
            num_stages: int | None = None, key=None) -> None:
     """`kernel[grid](*args, **constexprs, num_warps=..., num_stages=...)`, through

@@ -53,10 +53,12 @@ import torch
 import triton
 import triton.language as tl
 
+from colossal_lab.kernels import native
 from colossal_lab.kernels._norm_common import (
     DEFAULTS,
     LaunchConfig,
     _piece,
+    _rms_norm_partials_sum_kernel,
     _row_tile,
     _to_dtype,
     alignment,
@@ -68,7 +70,7 @@ from colossal_lab.kernels._norm_common import (
     persistent_programs,
     sum_partials,
 )
-from colossal_lab.kernels.launch import int_spec, launch
+from colossal_lab.kernels.launch import int_spec, launch, runner_for
 
 
 @triton.jit
@@ -306,7 +308,7 @@ def _forward_plan(n_rows, n_cols, stride_x, stride_res, has_residual, dtypes, al
     return (cdiv(n_rows, cfg.rows),), ints, constexprs, cfg.num_warps, key
 
 
-def _forward(x2d, residual2d, w, eps, config):
+def _forward(x2d, residual2d, w, eps, config, on_launch=None):
     n_rows, n_cols = x2d.shape
     dtype = x2d.dtype  # of y and h: torch's promotion of x and residual, as for x + res
     if residual2d is not None:
@@ -321,9 +323,10 @@ def _forward(x2d, residual2d, w, eps, config):
             (x2d.dtype, res.dtype, w.dtype, dtype),
             (x2d.data_ptr() % 16 == 0, res.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0),
             config)
-        launch(_rms_norm_forward_kernel, grid,
-               (x2d, res, w, y, h if h is not None else y, rstd, *ints, eps), constexprs,
-               num_warps=warps, key=key)
+        args = (x2d, res, w, y, h if h is not None else y, rstd, *ints, eps)
+        launch(_rms_norm_forward_kernel, grid, args, constexprs, num_warps=warps, key=key)
+        if on_launch is not None:
+            on_launch(_rms_norm_forward_kernel, grid, args, key)
     return y, h, rstd
 
 
@@ -377,7 +380,7 @@ def _backward_plan(n_rows, n_cols, strides, has_dh_in, dtypes, aligned, device, 
 
 
 def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages,
-              min_rows=None, prefetch=None):
+              min_rows=None, prefetch=None, on_launch=None):
     n_rows, n_cols = x2d.shape
     dx = torch.empty_like(x2d, memory_format=torch.contiguous_format)
     if n_rows == 0:
@@ -389,10 +392,12 @@ def _backward(dy2d, x2d, w, rstd, dh_in2d, config, programs_per_sm, num_stages,
         tuple(t.data_ptr() % 16 == 0 for t in (dy2d, x2d, w, rstd, dh)), x2d.device,
         config, programs_per_sm, num_stages, min_rows, prefetch)
     dw_partial = x2d.new_empty((1, programs, n_cols), dtype=torch.float32)  # (1, P, H)
-    launch(_rms_norm_backward_kernel, (programs,),
-           (dy2d, x2d, w, rstd, dh, dx, dw_partial, *ints), constexprs,
-           num_warps=warps, key=key)
-    (dw,) = sum_partials(dw_partial, w)  # (H,) in w's dtype, one launch
+    args = (dy2d, x2d, w, rstd, dh, dx, dw_partial, *ints)
+    launch(_rms_norm_backward_kernel, (programs,), args, constexprs, num_warps=warps,
+           key=key)
+    if on_launch is not None:
+        on_launch(_rms_norm_backward_kernel, (programs,), args, key)
+    (dw,) = sum_partials(dw_partial, w, on_launch=on_launch)  # (H,) in w's dtype
     return dx, dw
 
 
@@ -432,7 +437,8 @@ def add_rms_norm_backward(dy: torch.Tensor | None, h: torch.Tensor, w: torch.Ten
 
 
 class TritonRMSNormFunction(torch.autograd.Function):
-    """y = RMSNorm(x) · w over the last dimension; saves x, w and rstd (fp32)."""
+    """y = RMSNorm(x) · w over the last dimension; saves x, w and rstd (fp32). With
+    `kernels.native` on, also registers its launches for the C++ path of this shape."""
 
     @staticmethod
     def forward(ctx, x, w, eps):
@@ -440,16 +446,40 @@ class TritonRMSNormFunction(torch.autograd.Function):
         n_cols = x.shape[-1]
         w_c = check_param(w, n_cols, x, "weight")
         x2d = as_rows(x, n_cols)  # (rows, H)
-        y, rstd = rms_norm_forward(x2d, w_c, eps)
+        hook = _native_hook(x2d, w_c) if x.is_contiguous() else None
+        y, _, rstd = _forward(x2d, None, w_c, eps, None, hook)
         ctx.save_for_backward(x2d, w_c, rstd)
         ctx.shape = x.shape
+        ctx.native = hook is not None
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x2d, w, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(as_rows(dy, x2d.shape[1]), x2d, w, rstd)
+        dy2d = as_rows(dy, x2d.shape[1])
+        hook = None
+        if ctx.native and dy2d.is_contiguous() and dy2d.data_ptr() % 16 == 0:
+            hook = _native_hook(x2d, w)  # what the C++ backward will hand its kernels
+        dx, dw = _backward(dy2d, x2d, w, rstd, None, None, None, None, on_launch=hook)
         return dx.view(ctx.shape), dw if ctx.needs_input_grad[1] else None, None
+
+
+def _native_hook(x2d, w):
+    """The `on_launch` that registers each launch with `kernels.native` (None when the
+    native path is off)."""
+    if not (native.requested() and x2d.is_cuda):
+        return None
+    slots = {_rms_norm_forward_kernel: ("forward", (0, 0, 1, 2, 2, 3)),
+             _rms_norm_backward_kernel: ("backward", (0, 1, 2, 3, 0, 4, 5)),
+             _rms_norm_partials_sum_kernel: ("sum", (5, 6, 6))}
+
+    def hook(kernel, grid, args, key):
+        which, where = slots[kernel]
+        programs = grid[0] if which == "backward" else 0
+        native.register_launch(which, x2d, w, runner_for(kernel, key), grid, args, where,
+                               programs)
+
+    return hook
 
 
 class TritonAddRMSNormFunction(torch.autograd.Function):
@@ -490,8 +520,10 @@ class TritonAddRMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Fused RMSNorm of x (..., H) with weight w (H,); output in x's dtype."""
-    return TritonRMSNormFunction.apply(x, w, eps)
+    """Fused RMSNorm of x (..., H) with weight w (H,); output in x's dtype. Through the
+    C++ path (`kernels.native`) when it is on and has a plan for this shape."""
+    y = native.rms_norm(x, w, eps)
+    return y if y is not None else TritonRMSNormFunction.apply(x, w, eps)
 
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,

@@ -1,0 +1,181 @@
+"""RMSNorm's forward and backward with no Python between the call and the GPU
+(`csrc/rms_norm_native.cpp`, built on first use with `torch.utils.cpp_extension`).
+
+From Python each eager forward + backward pays for a Python autograd `Function` and
+three calls into Triton's launcher: about 200 µs of host time on the H200's host even
+with everything precomputed, against about 126 µs for `F.rms_norm`, whose autograd node
+is C++ (notes/fused_norm.md). Where the GPU work is shorter than that, eager training
+waits on the host. The native path keeps every decision in Python and moves only the
+per-call work to C++:
+
+1. the first call of a shape goes through `rms_norm.TritonRMSNormFunction` as before:
+   checks, tiles, compilation, launches;
+2. `register_launch` (called from there) hands each launch to C++: the compiled kernel's
+   function handle, grid, threads, shared memory, and where each kernel argument comes
+   from (which tensor, which integer, the call's eps). The arguments are matched against
+   the kernel's parameter list in its PTX, so a mismatch (another Triton's calling
+   convention) registers nothing and that shape stays on the Python path;
+3. later calls of that shape find the plan in C++ (`rms_norm`), which allocates, launches
+   and records a C++ autograd node whose backward does the same.
+
+Off unless `COLOSSAL_LAB_NATIVE=1` (it is not yet measured on a GPU); also off under
+the interpreter, while torch.compile traces, and where the extension cannot be built
+(no C++ compiler: `why_not()` says why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from colossal_lab.kernels import INTERPRET
+
+ENV = "COLOSSAL_LAB_NATIVE"
+SOURCE = Path(__file__).parent / "csrc" / "rms_norm_native.cpp"
+_state: dict = {}
+
+
+def requested() -> bool:
+    """The native path was asked for (`COLOSSAL_LAB_NATIVE=1`, or inside `forced()`)
+    and can apply here (not under the interpreter)."""
+    return (_state.get("forced", False) or os.environ.get(ENV) == "1") and not INTERPRET
+
+
+@contextlib.contextmanager
+def forced():
+    """The native path on within this block, whatever the environment says (the
+    benchmark's "triton-native" provider)."""
+    before = _state.get("forced", False)
+    _state["forced"] = True
+    try:
+        yield
+    finally:
+        _state["forced"] = before
+
+
+def module(build: bool = True):
+    """The built extension, or None (see `why_not`). Built once per process into a
+    cache folder per torch version and source (about 45 s on a 2-core CPU)."""
+    if "module" not in _state and build:
+        _state["module"], _state["why_not"] = _build()
+    return _state.get("module")
+
+
+def why_not() -> str | None:
+    """Why `module()` is None, after a build was tried."""
+    return _state.get("why_not")
+
+
+def _build():
+    try:
+        from torch.utils import cpp_extension
+
+        # ninja may sit in this Python's environment without being on PATH
+        bindir = str(Path(sys.executable).parent)
+        if shutil.which("ninja") is None and (Path(bindir) / "ninja").exists():
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
+        tag = f"{torch.__version__}-{digest}"
+        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
+        build_dir = Path(os.environ.get("COLOSSAL_LAB_NATIVE_DIR",
+                                        Path.home() / ".cache" / "colossal_lab")) / tag
+        build_dir.mkdir(parents=True, exist_ok=True)
+        mod = cpp_extension.load("colossal_lab_rms_norm_native", [str(SOURCE)],
+                                 extra_cflags=["-O2"], build_directory=str(build_dir),
+                                 verbose=False)
+        return mod, None
+    except Exception as e:  # no compiler, no ninja, a header missing ...
+        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """y through a registered plan, or None (no plan for this shape yet, or the native
+    path is off): the caller then takes the Python path."""
+    if not (requested() and x.is_cuda) or torch.compiler.is_compiling():
+        return None
+    mod = module()
+    return None if mod is None else mod.rms_norm(x, w, eps)
+
+
+_PTX_ENTRY = re.compile(r"\.entry\s+\w+\s*\((.*?)\)", re.S)
+_PTX_PARAM = re.compile(r"\.param\s+\.(\w+)")
+
+
+def ptx_params(ptx: str) -> list[str]:
+    """The kernel's parameter types as its PTX declares them ("u64", "u32", "f32", ...):
+    the arguments that were not constexpr, then Triton's scratch pointers."""
+    entry = _PTX_ENTRY.search(ptx)
+    return _PTX_PARAM.findall(entry.group(1)) if entry else []
+
+
+_FITS = {"t": ("u64", "b64", "s64"), "n": ("u64", "b64", "s64"),
+         "i": ("u32", "b32", "s32"), "l": ("u64", "b64", "s64"), "f": ("f32", "b32")}
+
+
+def kernel_params(args: tuple, slots: tuple, ptx: str) -> list[tuple[str, int]] | None:
+    """Where each kernel parameter comes from, for the C++ side: ("t", slot) for a tensor
+    (`slots[i]`: the C++ slot of the tensor at argument i), ("i", v) / ("l", v) for a
+    32 / 64-bit integer,
+    ("f", 0) for the float (eps), ("n", 0) for a trailing null pointer (Triton's scratch
+    arguments). Integers equal to 1 are left out: Triton compiles them in as constants.
+    None when the list does not match the kernel's PTX parameters."""
+    out: list[tuple[str, int]] = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            if i >= len(slots) or slots[i] is None:
+                return None
+            out.append(("t", slots[i]))
+        elif isinstance(a, bool):
+            return None  # no runtime bools in our kernels: a surprise, stay in Python
+        elif isinstance(a, int):
+            if a != 1:
+                out.append(("i" if -(1 << 31) <= a < (1 << 31) else "l", a))
+        elif isinstance(a, float):
+            out.append(("f", 0))
+        else:
+            return None
+    types = ptx_params(ptx)
+    if len(types) < len(out) or len(types) - len(out) > 2:
+        return None
+    out += [("n", 0)] * (len(types) - len(out))
+    if any(t not in _FITS[k] for (k, _), t in zip(out, types)):
+        return None
+    return out
+
+
+FORWARD_SLOTS = ("x", "w", "y", "rstd")
+BACKWARD_SLOTS = ("dy", "x", "w", "rstd", "dx", "partials", "dw")
+"""The tensors the C++ forward and backward hand their launches, in this order (the
+`slots` of `register_launch` index these)."""
+
+
+def register_launch(which: str, x: torch.Tensor, w: torch.Tensor, runner, grid: tuple,
+                    args: tuple, slots: tuple, programs: int = 0) -> bool:
+    """Hand one launch the Python path just made for (x, w) to the C++ plan of that
+    shape (`which`: "forward", "backward" or "sum"; `slots`: per argument, the index
+    of that tensor in `FORWARD_SLOTS` or `BACKWARD_SLOTS`, None for the others). False
+    (and nothing registered) where the launch cannot be replayed from C++."""
+    mod = module()
+    if mod is None or runner is None:
+        return False
+    compiled = runner.compiled
+    meta = compiled.metadata
+    if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_pdl", False) or \
+            getattr(meta, "launch_cooperative_grid", False):
+        return False  # launched with attributes cuLaunchKernel does not take
+    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+        return False  # needs scratch memory that Triton's launcher allocates per launch
+    params = kernel_params(args, slots, compiled.asm["ptx"])
+    if params is None:
+        return False
+    g = (*grid, 1, 1)[:3]
+    mod.set_launch(mod.key_of(x, w), which, int(runner.function), list(g),
+                   32 * meta.num_warps, int(meta.shared), params, programs)
+    return True
