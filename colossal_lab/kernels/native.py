@@ -81,18 +81,44 @@ def _build():
         bindir = str(Path(sys.executable).parent)
         if shutil.which("ninja") is None and (Path(bindir) / "ninja").exists():
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        cuda = _cuda_include()  # real launches need the current CUDA stream
         digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
-        tag = f"{torch.__version__}-{digest}"
+        tag = f"{torch.__version__}-{'cuda' if cuda else 'cpu'}-{digest}"
         tag = re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
         build_dir = Path(os.environ.get("COLOSSAL_LAB_NATIVE_DIR",
                                         Path.home() / ".cache" / "colossal_lab")) / tag
         build_dir.mkdir(parents=True, exist_ok=True)
-        mod = cpp_extension.load("colossal_lab_rms_norm_native", [str(SOURCE)],
-                                 extra_cflags=["-O2"], build_directory=str(build_dir),
-                                 verbose=False)
+        options = dict(extra_cflags=["-O2"])
+        if cuda:
+            options.update(extra_cflags=["-O2", "-DCOLOSSAL_LAB_WITH_CUDA"],
+                           extra_include_paths=[cuda], extra_ldflags=["-lc10_cuda"])
+        mod = cpp_extension.load(f"colossal_lab_rms_norm_native_{'cuda' if cuda else 'cpu'}",
+                                 [str(SOURCE)], build_directory=str(build_dir),
+                                 verbose=False, **options)
         return mod, None
     except Exception as e:  # no compiler, no ninja, a header missing ...
         return None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+
+
+def _cuda_include() -> str | None:
+    """CUDA's include folder, for a torch built with CUDA on a machine with a GPU (the
+    CUDA toolkit's, or the `nvidia-cuda-runtime` wheel's); None otherwise: the
+    extension is then built to record launches only (tests on a CPU)."""
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return None
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    candidates = [Path(CUDA_HOME) / "include"] if CUDA_HOME else []
+    try:
+        import nvidia.cuda_runtime as runtime  # the pip wheel torch depends on
+
+        candidates += [Path(p) / "include" for p in runtime.__path__]
+    except ImportError:
+        pass
+    for c in candidates:
+        if (c / "cuda_runtime_api.h").exists():
+            return str(c)
+    return None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:

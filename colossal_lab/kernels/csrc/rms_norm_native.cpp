@@ -12,8 +12,11 @@
 #include <torch/extension.h>
 
 #include <c10/core/DeviceGuard.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
+
+#ifdef COLOSSAL_LAB_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <cstring>
 #include <string>
@@ -25,8 +28,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// cuLaunchKernel, taken from the driver at run time (no CUDA headers or libraries at
-// build time: this file also builds, and is tested with launches recorded, on a CPU).
+// cuLaunchKernel, taken from the driver at run time. Built without CUDA (a CPU machine:
+// COLOSSAL_LAB_WITH_CUDA undefined) the extension can only record launches (tests).
 using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned,
                          unsigned, unsigned, void*, void**, void**);
 
@@ -67,6 +70,15 @@ LaunchFn launch_fn() {
   return fn;
 }
 
+void* current_stream(const c10::Device& device) {
+#ifdef COLOSSAL_LAB_WITH_CUDA
+  return c10::cuda::getCurrentCUDAStream(device.index()).stream();
+#else
+  TORCH_CHECK(false, "rms_norm_native was built without CUDA: it can only record launches");
+  return nullptr;
+#endif
+}
+
 void run(const Launch& l, const std::vector<at::Tensor>& slots, double eps,
          const c10::Device& device) {
   std::vector<uint64_t> storage(l.params.size(), 0);
@@ -95,10 +107,9 @@ void run(const Launch& l, const std::vector<at::Tensor>& slots, double eps,
                           l.threads, l.shared, std::move(values));
     return;
   }
-  c10::Stream stream = c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
+  void* stream = current_stream(device);
   int err = launch_fn()(reinterpret_cast<void*>(l.function), l.grid[0], l.grid[1],
-                        l.grid[2], l.threads, 1, 1, l.shared, stream.native_handle(),
-                        args.data(), nullptr);
+                        l.grid[2], l.threads, 1, 1, l.shared, stream, args.data(), nullptr);
   TORCH_CHECK(err == 0, "rms_norm_native: cuLaunchKernel returned CUresult ", err);
 }
 
