@@ -134,6 +134,13 @@ def expected(row: dict) -> dict:
         want["gbps"] = timing.gbps(row["gbytes"] * 1e9, row["ms"])  # bench optimizer
         if _num(row.get("copy_gbps")):
             want["of_copy_ceiling"] = want["gbps"] / row["copy_gbps"]
+    if row.get("kind") == "tune" and _num(row.get("ms")) and row["ms"] > 0 and \
+            row.get("pass") in ("fwd", "bwd") and _num(row.get("tokens")):
+        from colossal_lab.benchmarks.fused_norm import moved_bytes  # bench fused_norm --tune
+
+        elem = {"bfloat16": 2, "float16": 2, "float32": 4}[row["dtype"]]
+        fwd, bwd = moved_bytes("rms_norm", row["tokens"], row["hidden"], elem)
+        want["gbps"] = timing.gbps(fwd if row["pass"] == "fwd" else bwd, row["ms"])
     if row.get("kind") == "gemm" and _num(row.get("ms")) and "in_features" in row:
         factor = 6 if row.get("pass") == "fwd_bwd" else 2  # precision.measure_gemm
         want["tflops"] = timing.tflops(factor * row["tokens"] * row["in_features"]

@@ -98,9 +98,17 @@ def table(rows: list[dict], columns: dict[str, str | None], *, headers: dict | N
 def execute(paths: list[str | Path], timeout: int = 1800, kernel: str = "python3") -> None:
     """Execute notebooks in place (each in its own folder), keeping their outputs: how
     the committed notebooks are refreshed on a GPU node."""
+    import os
+
     import nbformat
     from nbclient import NotebookClient
 
+    # A package installed without its bytecode (a GPU node's wheels, pip --no-compile)
+    # is compiled on first import, and Python 3.12 warns there about invalid escapes in
+    # its docstrings: noise on stderr, with a local path, in a committed output. The
+    # kernel inherits this environment.
+    os.environ["PYTHONWARNINGS"] = ",".join(
+        w for w in (os.environ.get("PYTHONWARNINGS"), "ignore::SyntaxWarning") if w)
     for p in map(Path, paths):
         nb = nbformat.read(p, as_version=4)
         t0 = time.perf_counter()
