@@ -7,7 +7,8 @@ about 29 µs per launch, and an RMSNorm forward + backward makes three launches:
 small shapes that is most of an eager call, and more than the GPU time. `launch` does
 that work once per specialisation: the first call goes through Triton's JIT, which
 compiles and returns the compiled kernel; later calls with the same key go to the
-compiled kernel's launcher (`_Runner`), about 6 µs there.
+compiled kernel's launcher (`_Runner`), 6 to 11 µs there (two probes on two nodes,
+notes/fused_norm.md).
 
 Even `CompiledKernel[grid](*args)`, Triton's own way back in, costs about 9 µs: since
 Triton 3.5 the launch hooks are `HookChain`s, never None, so every launch builds the
