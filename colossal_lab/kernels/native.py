@@ -124,8 +124,8 @@ def _cuda_include() -> str | None:
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
     """y through a registered plan, or None (no plan for this shape yet, or the native
     path is off): the caller then takes the Python path."""
-    if not (requested() and x.is_cuda) or torch.compiler.is_compiling():
-        return None
+    if torch.compiler.is_compiling() or not (requested() and x.is_cuda):
+        return None  # (while dynamo traces, the Python path: it can trace that one)
     mod = module()
     return None if mod is None else mod.rms_norm(x, w, eps)
 

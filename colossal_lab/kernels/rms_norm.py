@@ -467,7 +467,7 @@ class TritonRMSNormFunction(torch.autograd.Function):
 def _native_hook(x2d, w):
     """The `on_launch` that registers each launch with `kernels.native` (None when the
     native path is off)."""
-    if not (native.requested() and x2d.is_cuda):
+    if torch.compiler.is_compiling() or not (native.requested() and x2d.is_cuda):
         return None
     slots = {_rms_norm_forward_kernel: ("forward", (0, 0, 1, 2, 2, 3)),
              _rms_norm_backward_kernel: ("backward", (0, 1, 2, 3, 0, 4, 5)),
