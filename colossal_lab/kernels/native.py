@@ -102,8 +102,9 @@ def _build():
 
 def _cuda_include() -> str | None:
     """CUDA's include folder, for a torch built with CUDA on a machine with a GPU (the
-    CUDA toolkit's, or the `nvidia-cuda-runtime` wheel's); None otherwise: the
-    extension is then built to record launches only (tests on a CPU)."""
+    CUDA toolkit's, the `nvidia-cuda-runtime` wheel's, or the one Triton ships for its
+    own launcher); None otherwise: the extension is then built to record launches only
+    (tests on a CPU)."""
     if torch.version.cuda is None or not torch.cuda.is_available():
         return None
     from torch.utils.cpp_extension import CUDA_HOME
@@ -115,6 +116,9 @@ def _cuda_include() -> str | None:
         candidates += [Path(p) / "include" for p in runtime.__path__]
     except ImportError:
         pass
+    import triton
+
+    candidates.append(Path(triton.__file__).parent / "backends" / "nvidia" / "include")
     for c in candidates:
         if (c / "cuda_runtime_api.h").exists():
             return str(c)
