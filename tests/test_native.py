@@ -149,13 +149,19 @@ def test_native_path_declines_what_it_has_no_plan_for(mod):
     assert mod.rms_norm(x, torch.randn(144)[::2], 1e-6) is None  # w not contiguous
 
 
-def test_off_under_the_interpreter_and_by_default(monkeypatch):
+def test_off_by_default_and_under_the_interpreter(monkeypatch):
+    monkeypatch.setattr(native, "INTERPRET", False)
     monkeypatch.delenv(native.ENV, raising=False)
     assert not native.requested()
+    with native.forced():
+        assert native.requested()
+    assert not native.requested()
     monkeypatch.setenv(native.ENV, "1")
-    assert native.requested() != native.INTERPRET
+    assert native.requested()
     x, w = torch.randn(3, 40), torch.randn(40)
     assert native.rms_norm(x, w, 1e-6) is None  # CPU tensors: always the Python path
+    monkeypatch.setattr(native, "INTERPRET", True)
+    assert not native.requested()
 
 
 def test_arguments_match_a_kernel_compiled_for_sm90():

@@ -837,17 +837,16 @@ power of two itself; sizes between two (5120, 13824) get their bucket's entry.""
 
 TUNE_SMALL_TOKENS = 4096
 """At this many tokens or fewer `--tune` times only the backward's grid cap
-(`min_rows_per_program`, with programs per SM and stages): the tile shape and warps
-come from the large-token tuning, where the bandwidth is decided."""
+(`min_rows_per_program`), every other setting as `launch_config` gives it (the table's
+large-token entry, where the bandwidth is decided): tune the large token count first."""
 MIN_ROWS_CANDIDATES = (1, 2, 4, 8, 16, 32)
 
 
 def tune(tokens=(16384,), hidden=TUNE_HIDDEN, dtypes=(torch.bfloat16,)) -> list[dict]:
     """Time our RMSNorm launchers over their launch parameters (forward: rows per tile
     and warps; backward: also programs per SM, pipelining stages or our register
-    prefetch; at
-    <= `TUNE_SMALL_TOKENS` tokens the backward's rows per program) and print the best
-    of each next to the default. `--write-table` turns the winners into
+    prefetch; at <= `TUNE_SMALL_TOKENS` tokens the backward's rows per program) and
+    print the best of each next to the default. `--write-table` turns the winners into
     `kernels/norm_table.py`. About 30 s per hidden size, dtype and token count on an
     H200."""
     if not torch.cuda.is_available():
@@ -888,19 +887,15 @@ def _tune_hidden(tokens: int, h: int, dtype, device) -> list[dict]:
 
     rows = []
     if tokens <= TUNE_SMALL_TOKENS:
-        bwd = launch_config(h, dtype, backward=True)
-        cfg = launch_config(h, rows=bwd.rows, num_warps=bwd.num_warps)
+        bwd = launch_config(h, dtype, backward=True)  # what runs, but for the grid cap
         for min_rows in MIN_ROWS_CANDIDATES:
-            for pps in (1, 2, 4):
-                for stages in (1, 2):
-                    row = {**base, "pass": "bwd", "rows": bwd.rows,
-                           "num_warps": bwd.num_warps, "programs_per_sm": pps,
-                           "num_stages": stages, "min_rows_per_program": min_rows}
-                    rows.append(timed(row, bwd_bytes, lambda p=pps, s=stages, m=min_rows:
-                                      rms_norm_backward(dy, x, w, rstd, config=cfg,
-                                                        programs_per_sm=p, num_stages=s,
-                                                        min_rows=m)))
-        _print_best(rows, base, default, ("bwd",))
+            row = {**base, "pass": "bwd", "rows": bwd.rows, "num_warps": bwd.num_warps,
+                   "programs_per_sm": bwd.programs_per_sm, "num_stages": bwd.num_stages,
+                   "prefetch": bwd.prefetch, "config_source": bwd.source,
+                   "min_rows_per_program": min_rows}
+            rows.append(timed(row, bwd_bytes, lambda m=min_rows: rms_norm_backward(
+                dy, x, w, rstd, config=bwd, min_rows=m)))
+        _print_best(rows, base, bwd, ("bwd",))
         return rows
     candidates = sorted({1, max(1, default.rows // 2), default.rows, 2 * default.rows})
     for r in candidates:

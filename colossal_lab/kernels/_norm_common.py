@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from colossal_lab.kernels import INTERPRET
-from colossal_lab.kernels.launch import int_spec, launch
+from colossal_lab.kernels.launch import launch, plan_key
 
 MAX_HIDDEN = 65536
 """Largest H a program can hold in registers as one row (64K elements)."""
@@ -362,8 +362,8 @@ def _sum_plan(n_parts: int, n_programs: int, n_cols: int, out_dtypes: tuple,
     block_p = _sum_tile_rows(n_programs)
     constexprs = dict(BLOCK_P=block_p, BLOCK=_SUM_BLOCK)
     warps = max(1, min(8, block_p * _SUM_BLOCK // 1024))
-    key = (out_dtypes, partials_aligned, int_spec(n_programs), int_spec(n_cols),
-           block_p, warps)
+    key = plan_key(out_dtypes, (partials_aligned,), (n_programs, n_cols), constexprs,
+                   warps)
     return (cdiv(n_cols, _SUM_BLOCK), n_parts), constexprs, warps, key
 
 

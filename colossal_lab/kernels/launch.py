@@ -49,6 +49,16 @@ def int_spec(i: int) -> tuple[bool, bool, bool]:
     return (i % 16 == 0, i == 1, -(1 << 31) <= i < (1 << 31))
 
 
+def plan_key(dtypes: tuple, aligned: tuple, ints: tuple, constexprs: dict,
+             num_warps: int, num_stages: int | None = None) -> tuple:
+    """A caller's `key` for `launch`, from what decides Triton's specialisation: the
+    dtypes and 16-byte alignment of every tensor argument that is not freshly allocated
+    (fresh ones are aligned and of known dtype: the caller's plan fixes them), the
+    runtime integers (`int_spec` of each), the constexprs, warps and stages."""
+    return (dtypes, aligned, tuple(map(int_spec, ints)), tuple(constexprs.items()),
+            num_warps, num_stages)
+
+
 def _spec(args: tuple) -> tuple:
     """What Triton specialises a launch on, per runtime argument (or finer)."""
     out = []

@@ -44,7 +44,7 @@ from colossal_lab.kernels._norm_common import (
     persistent_programs,
     sum_partials,
 )
-from colossal_lab.kernels.launch import int_spec, launch
+from colossal_lab.kernels.launch import launch, plan_key
 
 
 @triton.jit
@@ -287,8 +287,7 @@ def _forward_plan(n_rows, n_cols, stride_x, has_bias, dtypes, aligned, config):
     ints = (stride_x // a, n_rows, n_cols // a)
     constexprs = dict(HAS_BIAS=has_bias, ALIGN=a, ROWS=cfg.rows, P0=cfg.pieces[0],
                       P1=cfg.pieces[1], P2=cfg.pieces[2])
-    key = (dtypes, aligned, tuple(map(int_spec, ints)), tuple(constexprs.items()),
-           cfg.num_warps)
+    key = plan_key(dtypes, aligned, ints, constexprs, cfg.num_warps)
     return (cdiv(n_rows, cfg.rows),), ints, constexprs, cfg.num_warps, key
 
 
@@ -310,8 +309,7 @@ def _backward_plan(n_rows, n_cols, strides, has_bias, dtypes, aligned, device, c
     # the dbias partials start programs x H floats into the buffer: 16-byte aligned or
     # not, and Triton specialises on that
     db_aligned = not has_bias or programs * n_cols % 4 == 0
-    key = (dtypes, aligned, db_aligned, tuple(map(int_spec, ints)),
-           tuple(constexprs.items()), cfg.num_warps)
+    key = plan_key(dtypes, (*aligned, db_aligned), ints, constexprs, cfg.num_warps)
     return programs, ints, constexprs, cfg.num_warps, key
 
 

@@ -70,7 +70,7 @@ from colossal_lab.kernels._norm_common import (
     persistent_programs,
     sum_partials,
 )
-from colossal_lab.kernels.launch import int_spec, launch, runner_for
+from colossal_lab.kernels.launch import launch, plan_key, runner_for
 
 
 @triton.jit
@@ -303,8 +303,7 @@ def _forward_plan(n_rows, n_cols, stride_x, stride_res, has_residual, dtypes, al
     ints = (stride_x // a, stride_res // a, n_rows, n_cols // a)
     constexprs = dict(HAS_RESIDUAL=has_residual, ALIGN=a, ROWS=cfg.rows,
                       P0=cfg.pieces[0], P1=cfg.pieces[1], P2=cfg.pieces[2])
-    key = (dtypes, aligned, tuple(map(int_spec, ints)), tuple(constexprs.items()),
-           cfg.num_warps)
+    key = plan_key(dtypes, aligned, ints, constexprs, cfg.num_warps)
     return (cdiv(n_rows, cfg.rows),), ints, constexprs, cfg.num_warps, key
 
 
@@ -374,8 +373,7 @@ def _backward_plan(n_rows, n_cols, strides, has_dh_in, dtypes, aligned, device, 
                       P1=cfg.pieces[1], P2=cfg.pieces[2],
                       NUM_STAGES=num_stages or cfg.num_stages or DEFAULTS.bwd_stages,
                       PREFETCH=prefetch)
-    key = (dtypes, aligned, tuple(map(int_spec, ints)), tuple(constexprs.items()),
-           cfg.num_warps)
+    key = plan_key(dtypes, aligned, ints, constexprs, cfg.num_warps)
     return programs, ints, constexprs, cfg.num_warps, key
 
 
