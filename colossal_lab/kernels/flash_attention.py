@@ -76,9 +76,16 @@ import triton
 import triton.language as tl
 
 from colossal_lab.kernels import INTERPRET
+from colossal_lab.kernels import flash_attention_hopper as hopper
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 """Head dims the kernels accept (a tile's width must be a power of two)."""
+FORWARD_KERNELS = ("auto", "portable", "hopper")
+DEFAULT_FORWARD_KERNEL = "portable"
+"""Which forward runs: "portable" (this file's FlashAttention-2), "hopper" (the Gluon
+kernel of `flash_attention_hopper`, sm_90 only; an error where it cannot run) or "auto"
+(the Hopper kernel where `flash_attention_hopper.unsupported` accepts the inputs, the
+portable one elsewhere)."""
 DQ_MODES = ("separate", "atomic")
 DEFAULT_DQ_MODE = "separate"
 """How the backward computes dQ (see `flash_attention_backward`). "separate" is
@@ -654,7 +661,8 @@ def _scale(sm_scale: float | None, head_dim: int) -> float:
 
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            causal: bool = True, sm_scale: float | None = None
+                            causal: bool = True, sm_scale: float | None = None,
+                            kernel: str | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel.
 
@@ -662,18 +670,30 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q: (B, Hq, S, D); k, v: (B, Hkv, S, D). Any strides; nothing is copied.
         causal: mask keys after the query.
         sm_scale: softmax scale, default 1/sqrt(D).
+        kernel: one of `FORWARD_KERNELS`, default `DEFAULT_FORWARD_KERNEL`.
     Returns:
         o: (B, Hq, S, D) in q's dtype, laid out like q (`empty_like`), so the usual
            `o.transpose(1, 2).reshape(B, S, H·D)` of a (B, S, H, D) q costs no copy;
         lse: (B, Hq, S) fp32, the natural-log log-sum-exp of each score row.
     """
     group = _check_inputs(q, k, v)
+    kernel = kernel or DEFAULT_FORWARD_KERNEL
+    if kernel not in FORWARD_KERNELS:
+        raise ValueError(f"kernel={kernel!r}; choose from {FORWARD_KERNELS}")
     b, hq, s, d = q.shape
     sm_scale = _scale(sm_scale, d)
     o = torch.empty_like(q)
     lse = torch.empty((b, hq, s), device=q.device, dtype=torch.float32)
     if s == 0 or b == 0:
         return o, lse
+    if kernel != "portable":
+        why = "Gluon has no interpreter" if INTERPRET else hopper.unsupported(q, k, v)
+        if why is None:
+            hopper.forward(q, k, v, causal, sm_scale, o, lse)
+            return o, lse
+        if kernel == "hopper":
+            raise ValueError(f"the Hopper forward cannot take these inputs: {why} "
+                             "(kernel='auto' falls back to the portable kernel)")
 
     def grid(meta):
         return (triton.cdiv(s, meta["BLOCK_M"]), hq, b)
@@ -746,8 +766,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     """Autograd wiring: save q, k, v, o and the LSE (O(S) extra), never P."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, dq_mode=None):
-        o, lse = flash_attention_forward(q, k, v, causal, sm_scale)
+    def forward(ctx, q, k, v, causal, sm_scale, dq_mode=None, kernel=None):
+        o, lse = flash_attention_forward(q, k, v, causal, sm_scale, kernel)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.sm_scale, ctx.dq_mode = causal, sm_scale, dq_mode
         return o
@@ -757,12 +777,12 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale,
                                               ctx.dq_mode)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    sm_scale: float | None = None, *, dq_mode: str | None = None
-                    ) -> torch.Tensor:
+                    sm_scale: float | None = None, *, dq_mode: str | None = None,
+                    kernel: str | None = None) -> torch.Tensor:
     """Exact attention softmax(q kᵀ · scale) v without materialising the scores.
 
     Args:
@@ -774,10 +794,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         sm_scale: softmax scale, default 1/sqrt(D).
         dq_mode: how the backward computes dQ, "separate" or "atomic" (see
             `flash_attention_backward`); default `DEFAULT_DQ_MODE`.
+        kernel: which forward (`FORWARD_KERNELS`); default `DEFAULT_FORWARD_KERNEL`.
+            The backward is the portable kernel's either way.
     Returns:
         (B, Hq, S, D) in q's dtype; differentiable in q, k and v.
     """
     _check_inputs(q, k, v)
     if dq_mode is not None and dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode={dq_mode!r}; choose from {DQ_MODES}")
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), sm_scale, dq_mode)
+    if kernel is not None and kernel not in FORWARD_KERNELS:
+        raise ValueError(f"kernel={kernel!r}; choose from {FORWARD_KERNELS}")
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), sm_scale, dq_mode, kernel)

@@ -1,0 +1,304 @@
+"""FlashAttention forward for Hopper (sm_90) in Gluon: warp-specialised, TMA and wgmma.
+
+Why a second forward. The portable kernel (`flash_attention.py`, FlashAttention-2 in
+Triton) leaves the schedule to Triton's compiler: every warp loads, multiplies and runs
+the softmax in turn, so the tensor cores wait while the exponentials run and the loads
+are issued by the same warps that need the registers. On the H200 it reaches about 0.8x
+cuDNN. FlashAttention-3 (Shah et al. 2024) splits the work between warps instead, and
+Gluon (Triton's lower-level language: explicit layouts, shared memory, barriers and
+warp partitions) lets us write that schedule ourselves:
+
+- a **producer** warp issues TMA copies: Q once, then K and V tiles into a ring of
+  `STAGES` shared-memory slots. Each slot has a "ready" barrier per tensor, which the
+  copy completes, and an "empty" barrier the consumers arrive on when done with it;
+- two **consumer** warpgroups (4 warps each) own 64 query rows each of the program's
+  128. Per key tile: S = Q Kᵀ with an asynchronous wgmma from shared memory, the online
+  softmax in the wgmma accumulator's own register layout (exp2, the scale folded in),
+  P converted to bf16 in registers, and O += P V with P as the register operand;
+- registers are re-balanced between partitions (`worker_num_regs`): the producer needs
+  24 per thread, the consumers take the rest.
+
+The online softmax, the LSE it saves for the backward and the causal schedule (unmasked
+tiles first, the diagonal tile masked, longest query blocks launched first) are the
+portable kernel's; read its docstring first. The backward stays the portable one: it
+takes (O, LSE) from either forward.
+
+Scope: compute capability 9.x, bf16 or fp16, head dim 64 or 128, S a multiple of 128,
+and q, k, v whose rows can be addressed as one 2-D TMA view (`rows_view`: (B, H, S, D)
+contiguous, the (B, S, H, D) transpose, or slices of a packed QKV). Anything else runs
+the portable kernel (`unsupported` says why), which is also the teaching version.
+
+Gluon has no interpreter: on a CPU this module only compiles its kernel for sm_90
+ahead of time (tests), and it is never chosen.
+
+References: J. Shah et al., "FlashAttention-3: Fast and Accurate Attention with
+Asynchrony and Low-precision" (2024); Triton's Gluon tutorials (TMA, wgmma, warp
+specialisation) for the API.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; an older Triton keeps the portable kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+HALF_M = 64
+"""Query rows per consumer warpgroup; a program owns two of them (BLOCK_M = 128)."""
+BLOCK_M = 2 * HALF_M
+BLOCK_N = 128
+"""Key rows per step."""
+STAGES = 2
+"""K/V tiles in flight (shared memory: 2 x 2 x 128 x 128 x 2 B = 128 KiB at D = 128)."""
+HEAD_DIMS = (64, 128)
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+_LN2 = 0.6931471805599453
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _consume(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, rows,
+                 lo, hi, qk_scale,
+                 s_layout: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
+        """Key tiles [lo, hi) for one warpgroup's 64 rows: the online softmax step of
+        the portable kernel, with both products on wgmma."""
+        HALF: gl.constexpr = q.shape[0]
+        s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+        for j in range(lo, hi):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            if MASKED:  # the diagonal tile: keys after the query get -inf
+                cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                keep = gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0)
+                s = gl.where(keep, s * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                s = s - gl.expand_dims(m_new, 1)
+            else:  # scale after the max: one FMA per score
+                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+                s = s * qk_scale - gl.expand_dims(m_new, 1)
+            p = gl.exp2(s)
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+            mbarrier.wait(v_ready.index(slot), phase)
+            acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(kv_empty.index(slot), count=1)  # this slot may be refilled
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @gluon.jit
+    def _consumer(smem, bars, descs, offsets, o_ptr, lse_ptr, stride_os, seq_len, qk_scale,
+                  n_unmasked, n_blocks, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """One consumer warpgroup: rows [m0 + 64·WG, m0 + 64·WG + 64) of the program."""
+        q_smem, k_smem, v_smem = smem
+        q_bar, k_ready, v_ready, kv_empty = bars
+        m0, o_base, lse_base = offsets[6], offsets[7], offsets[8]
+        HALF: gl.constexpr = q_smem.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=2)
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        q = q_smem.index(WG)
+        rows = m0 + WG * HALF + gl.arange(0, HALF, layout=s_rows)
+        m_i = gl.full([HALF], float("-inf"), gl.float32, s_rows)
+        l_i = gl.zeros([HALF], gl.float32, s_rows)
+        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+        mbarrier.wait(q_bar, 0)
+        acc, l_i, m_i = _consume(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i,
+                                 m_i, rows, 0, n_unmasked, qk_scale, s_layout, p_layout,
+                                 o_rows, BLOCK_N, STAGES, False)
+        if CAUSAL:
+            acc, l_i, m_i = _consume(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc,
+                                     l_i, m_i, rows, n_unmasked, n_blocks, qk_scale,
+                                     s_layout, p_layout, o_rows, BLOCK_N, STAGES, True)
+        gl.store(lse_ptr + lse_base + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+        acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+        o_r = m0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
+        o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        ptrs = (o_ptr + o_base + gl.expand_dims(o_r.to(gl.int64) * stride_os, 1)
+                + gl.expand_dims(o_d, 0))
+        gl.store(ptrs, acc.to(o_ptr.dtype.element_ty))
+
+    @gluon.jit
+    def _producer(smem, bars, descs, offsets, o_ptr, lse_ptr, stride_os, seq_len, qk_scale,
+                  n_unmasked, n_blocks, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """The load warp: Q's two halves once, then K and V tile by tile (same
+        signature as `_consumer`: worker partitions share one)."""
+        q_smem, k_smem, v_smem = smem
+        q_bar, k_ready, v_ready, kv_empty = bars
+        q_desc, k_desc, v_desc = descs
+        q_row, q_col, k_row, k_col, v_row, v_col = (offsets[0], offsets[1], offsets[2],
+                                                    offsets[3], offsets[4], offsets[5])
+        HALF: gl.constexpr = q_smem.shape[1]
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row + HALF, q_col], q_bar,
+                                        q_smem.index(1))
+        for j in range(n_blocks):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            # a fresh barrier counts as having completed phase 1: the first pass waits
+            # for nothing
+            mbarrier.wait(kv_empty.index(slot), phase ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col],
+                                            k_ready.index(slot), k_smem.index(slot))
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col],
+                                            v_ready.index(slot), v_smem.index(slot))
+
+    @gluon.jit
+    def _attn_fwd_hopper_kernel(
+        q_desc, k_desc, v_desc,  # 2-D TMA views (`rows_view`): blocks (64, D), (128, D)
+        o_ptr, lse_ptr,  # O (B, Hq, S, D) any strides; LSE (B, Hq, S) fp32 contiguous
+        q_sb, q_sh, q_ss,  # strides of q (elements): its rows live at (off // q_ss, off % q_ss)
+        k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss,
+        H_Q, seq_len, qk_scale,
+        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+    ):
+        HALF: gl.constexpr = q_desc.block_type.shape[0]
+        BLOCK_M: gl.constexpr = 2 * HALF
+        if CAUSAL:
+            start_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest rows first
+        else:
+            start_m = gl.program_id(0)
+        off_h = gl.program_id(1)
+        off_b = gl.program_id(2).to(gl.int64)
+        off_hkv = off_h // GROUP
+        m0 = start_m * BLOCK_M
+        q_off = off_b * q_sb + off_h.to(gl.int64) * q_sh
+        k_off = off_b * k_sb + off_hkv.to(gl.int64) * k_sh
+        v_off = off_b * v_sb + off_hkv.to(gl.int64) * v_sh
+        offsets = ((q_off // q_ss).to(gl.int32) + m0, (q_off % q_ss).to(gl.int32),
+                   (k_off // k_ss).to(gl.int32), (k_off % k_ss).to(gl.int32),
+                   (v_off // v_ss).to(gl.int32), (v_off % v_ss).to(gl.int32),
+                   m0, off_b * o_sb + off_h.to(gl.int64) * o_sh,
+                   (off_b * H_Q + off_h) * seq_len)
+        if CAUSAL:
+            n_unmasked = m0 // BLOCK_N
+            n_blocks = (m0 + BLOCK_M) // BLOCK_N
+        else:
+            n_unmasked = seq_len // BLOCK_N
+            n_blocks = n_unmasked
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
+                                           k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
+                                           v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a slot
+
+        smem = (q_smem, k_smem, v_smem)
+        bars = (q_bar, k_ready, v_ready, kv_empty)
+        descs = (q_desc, k_desc, v_desc)
+        # (worker partitions share one signature; tuples are spelled out, since
+        # concatenating them would turn the constexprs into runtime values)
+        gl.warp_specialize([
+            (_consumer, (smem, bars, descs, offsets, o_ptr, lse_ptr, o_ss, seq_len, qk_scale,
+                         n_unmasked, n_blocks, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+            (_consumer, (smem, bars, descs, offsets, o_ptr, lse_ptr, o_ss, seq_len, qk_scale,
+                         n_unmasked, n_blocks, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+            (_producer, (smem, bars, descs, offsets, o_ptr, lse_ptr, o_ss, seq_len, qk_scale,
+                         n_unmasked, n_blocks, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def rows_view(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """t (B, H, S, D) as one 2-D (rows, row_stride) view whose rows are t's sequence
+    rows, or None. Head (b, h) starts at element b·sb + h·sh, i.e. at row
+    (b·sb + h·sh) // ss and column (b·sb + h·sh) % ss of the view; that works when D
+    is contiguous, each head's D columns fit within one view row, and the strides and
+    the base are 16-byte aligned (TMA)."""
+    b, h, s, d = t.shape
+    sb, sh, ss, sd = t.stride()
+    e = t.element_size()
+    if sd != 1 or ss < d or (ss * e) % 16 or t.data_ptr() % 16 or sb % ss:
+        return None
+    if sh % ss and (h - 1) * sh + d > ss:  # heads side by side within a row
+        return None
+    rows = ((b - 1) * sb + (h - 1) * sh) // ss + s
+    try:
+        return t.as_strided((rows, ss), (ss, 1)), ss
+    except RuntimeError:  # the view would run past the storage
+        return None
+
+
+def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why this kernel cannot take (q, k, v), or None when it can. (The caller has
+    already checked what every backend checks: `flash_attention.check_shapes`.)"""
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon"
+    if q.device.type != "cuda":
+        return "not a CUDA tensor"
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "not a Hopper GPU (compute capability 9.x)"
+    if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype:
+        return f"dtype {q.dtype}: bf16 or fp16 only"
+    if q.shape[3] not in HEAD_DIMS:
+        return f"head_dim {q.shape[3]} not in {HEAD_DIMS}"
+    if q.shape[2] % BLOCK_M or k.shape[2] != q.shape[2]:
+        return f"S={q.shape[2]} is not a multiple of {BLOCK_M}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if rows_view(t) is None:
+            return f"{name} with strides {t.stride()} has no 2-D TMA view"
+    return None
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+            sm_scale: float, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fill o (B, Hq, S, D) and lse (B, Hq, S, fp32, contiguous) for inputs that
+    `unsupported` accepted."""
+    b, hq, s, d = q.shape
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    descs = []
+    for t, block in ((q, HALF_M), (k, BLOCK_N), (v, BLOCK_N)):
+        view, stride = rows_view(t)
+        layout = gl.NVMMASharedLayout.get_default_for([block, d], gl_dtype)
+        descs.append(TensorDescriptor(view, list(view.shape), [stride, 1], [block, d],
+                                      layout))
+    grid = (s // BLOCK_M, hq, b)
+    _attn_fwd_hopper_kernel[grid](
+        *descs, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        hq, s, sm_scale * math.log2(math.e),
+        GROUP=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_N=BLOCK_N,
+        STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4)
