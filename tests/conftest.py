@@ -73,11 +73,13 @@ def count_launches(monkeypatch, *kernels) -> dict[str, int]:
     """Count the launches of Triton kernels (`@triton.jit`, interpreted or compiled, or
     autotuned): `kernel[grid](...)` calls the kernel object's `run`, wrapped here. Proves
     that a dispatcher ran our Triton kernel, not merely something with equal output.
-    `kernels.launch`'s direct path (on a GPU, a specialisation launched before) would
-    bypass `run`: it is switched off meanwhile."""
-    from colossal_lab.kernels import launch
+    `kernels.launch`'s direct path (on a GPU, a specialisation launched before) and
+    RMSNorm's C++ path (`kernels.native`) would bypass `run`: both are switched off
+    meanwhile."""
+    from colossal_lab.kernels import launch, native
 
     monkeypatch.setattr(launch, "_fast", False)
+    monkeypatch.setenv(native.ENV, "0")
     counts: dict[str, int] = {}
     for kernel in kernels:
         name = getattr(kernel, "fn", kernel).__name__

@@ -149,19 +149,29 @@ def test_native_path_declines_what_it_has_no_plan_for(mod):
     assert mod.rms_norm(x, torch.randn(144)[::2], 1e-6) is None  # w not contiguous
 
 
-def test_off_by_default_and_under_the_interpreter(monkeypatch):
+def test_on_by_default_off_by_environment_and_under_the_interpreter(monkeypatch):
     monkeypatch.setattr(native, "INTERPRET", False)
     monkeypatch.delenv(native.ENV, raising=False)
-    assert not native.requested()
+    assert native.requested()
+    with native.disabled():
+        assert not native.requested()
+        with native.forced():
+            assert native.requested()
+        assert not native.requested()
+    assert native.requested()
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv(native.ENV, off)
+        assert not native.requested()
     with native.forced():
         assert native.requested()
-    assert not native.requested()
     monkeypatch.setenv(native.ENV, "1")
     assert native.requested()
     x, w = torch.randn(3, 40), torch.randn(40)
     assert native.rms_norm(x, w, 1e-6) is None  # CPU tensors: always the Python path
     monkeypatch.setattr(native, "INTERPRET", True)
     assert not native.requested()
+    with native.forced():
+        assert not native.requested()
 
 
 def test_arguments_match_a_kernel_compiled_for_sm90():
@@ -226,3 +236,32 @@ def test_native_path_on_gpu_equals_the_python_path(monkeypatch):
         assert "RMSNormNative" not in outs[0][0] and "RMSNormNative" in outs[2][0]
         for got, want in zip(outs[2][1:], outs[0][1:]):
             assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_native_path_is_the_default_and_its_plan_completes_outside_the_choice(monkeypatch):
+    """By default (no environment) the second call of a shape runs in C++; a plan also
+    completes when the backward runs after the block that chose the path has ended
+    (the benchmark's calls: forward inside `forced()`, `autograd.grad` outside)."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    x = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    names = []
+    for _ in range(3):
+        y = rk.rms_norm_triton(x, w)
+        names.append(y.grad_fn.name())
+        torch.autograd.grad(y, (x, w), dy)
+    assert "RMSNormNative" not in names[0] and "RMSNormNative" in names[2], names
+    x2 = torch.randn(24, 1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with native.disabled():
+        y = rk.rms_norm_triton(x2, w2)  # the Python path: no plan registered
+    torch.autograd.grad(y, (x2, w2), torch.randn_like(y))
+    for _ in range(2):
+        with native.forced():
+            y = rk.rms_norm_triton(x2, w2)
+        torch.autograd.grad(y, (x2, w2), torch.randn_like(y))
+    with native.forced():
+        assert "RMSNormNative" in rk.rms_norm_triton(x2, w2).grad_fn.name()

@@ -205,6 +205,14 @@ def _provider_fn(op: str, provider: str):
         if op == "layer_norm":
             return lambda x, w, b: compiled(x, w, b, EPS)
         return lambda x, r, w: compiled(x, r, w, EPS)
+    if op == "rms_norm" and provider == "triton":  # the Python path, not the C++ one
+        from colossal_lab.kernels import native
+
+        def through_python(x, w):
+            with native.disabled():  # (the forward's choice holds for its backward)
+                return norm.rms_norm(x, w, EPS, backend=provider)
+
+        return through_python
     if op == "rms_norm":
         return lambda x, w: norm.rms_norm(x, w, EPS, backend=provider)
     if op == "layer_norm":

@@ -67,54 +67,73 @@ STAGES = 2
 HEAD_DIMS = (64, 128)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
-_LN2 = 0.6931471805599453
 
 if HAVE_GLUON:
 
     @gluon.jit
-    def _consume(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i, m_i, rows,
-                 lo, hi, qk_scale,
+    def _softmax_step(s, m_i, l_i, rows, j, qk_scale, s_layout: gl.constexpr,
+                      BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
+        """The online softmax of one score tile: P (unnormalised, base 2), the new
+        running max and sum, and alpha, the factor that rescales what O holds."""
+        if MASKED:  # the diagonal tile: keys after the query get -inf
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0)
+            s = gl.where(keep, s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            s = s - gl.expand_dims(m_new, 1)
+        else:  # scale after the max: one FMA per score
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            s = s * qk_scale - gl.expand_dims(m_new, 1)
+        p = gl.exp2(s)
+        alpha = gl.exp2(m_i - m_new)
+        return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+    @gluon.jit
+    def _consume(q, k_smem, v_smem, bars, acc, p, l_i, m_i, rows, lo, hi, qk_scale,
                  s_layout: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
-        """Key tiles [lo, hi) for one warpgroup's 64 rows: the online softmax step of
-        the portable kernel, with both products on wgmma."""
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+                 OVERLAP: gl.constexpr):
+        """Key tiles [lo, hi), lo >= 1, for one warpgroup's 64 rows. Step j issues
+        S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} back to back; with OVERLAP the softmax
+        of S_j runs while the second product is still on the tensor cores
+        (FlashAttention-3's intra-warpgroup pipelining), without it each product is
+        waited for at once."""
+        k_ready, v_ready, k_empty, v_empty = bars
         HALF: gl.constexpr = q.shape[0]
         s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
         for j in range(lo, hi):
             slot = j % STAGES
-            phase = (j // STAGES) & 1
-            mbarrier.wait(k_ready.index(slot), phase)
-            s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            if MASKED:  # the diagonal tile: keys after the query get -inf
-                cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                keep = gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0)
-                s = gl.where(keep, s * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 1))
-                s = s - gl.expand_dims(m_new, 1)
-            else:  # scale after the max: one FMA per score
-                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-                s = s * qk_scale - gl.expand_dims(m_new, 1)
-            p = gl.exp2(s)
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            if not OVERLAP:
+                s_tok = warpgroup_mma_wait(0, deps=(s_tok,))
             p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-            mbarrier.wait(v_ready.index(slot), phase)
-            acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(kv_empty.index(slot), count=1)  # this slot may be refilled
-            m_i = m_new
-        return acc, l_i, m_i
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            if OVERLAP:
+                s = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j done; P V still running
+            else:
+                s = s_tok
+                o_tok, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            mbarrier.arrive(k_empty.index(slot), count=1)  # K_j read: its slot is free
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, j, qk_scale, s_layout,
+                                               BLOCK_N, MASKED)
+            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        return acc, p, l_i, m_i
 
     @gluon.jit
     def _consumer(smem, bars, descs, offsets, o_ptr, lse_ptr, stride_os, seq_len, qk_scale,
                   n_unmasked, n_blocks, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  OVERLAP: gl.constexpr):
         """One consumer warpgroup: rows [m0 + 64·WG, m0 + 64·WG + 64) of the program."""
         q_smem, k_smem, v_smem = smem
-        q_bar, k_ready, v_ready, kv_empty = bars
+        q_bar, k_ready, v_ready, k_empty, v_empty = bars
+        kv_bars = (k_ready, v_ready, k_empty, v_empty)
         m0, o_base, lse_base = offsets[6], offsets[7], offsets[8]
         HALF: gl.constexpr = q_smem.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -132,13 +151,39 @@ if HAVE_GLUON:
         l_i = gl.zeros([HALF], gl.float32, s_rows)
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
         mbarrier.wait(q_bar, 0)
-        acc, l_i, m_i = _consume(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, l_i,
-                                 m_i, rows, 0, n_unmasked, qk_scale, s_layout, p_layout,
-                                 o_rows, BLOCK_N, STAGES, False)
+        # tile 0 alone: its product S_0 has no P V before it to overlap with
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
+                          gl.zeros([HALF, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
         if CAUSAL:
-            acc, l_i, m_i = _consume(q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc,
-                                     l_i, m_i, rows, n_unmasked, n_blocks, qk_scale,
-                                     s_layout, p_layout, o_rows, BLOCK_N, STAGES, True)
+            if n_unmasked == 0:  # the first query block: tile 0 is its diagonal
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale,
+                                                   s_layout, BLOCK_N, True)
+            else:
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale,
+                                                   s_layout, BLOCK_N, False)
+        else:
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale, s_layout,
+                                               BLOCK_N, False)
+        acc, p, l_i, m_i = _consume(q, k_smem, v_smem, kv_bars, acc, p, l_i, m_i, rows, 1,
+                                    n_unmasked, qk_scale, s_layout, p_layout, o_rows,
+                                    BLOCK_N, STAGES, False, OVERLAP)
+        if CAUSAL:
+            acc, p, l_i, m_i = _consume(q, k_smem, v_smem, kv_bars, acc, p, l_i, m_i, rows,
+                                        gl.maximum(n_unmasked, 1), n_blocks, qk_scale,
+                                        s_layout, p_layout, o_rows, BLOCK_N, STAGES, True,
+                                        OVERLAP)
+        # the last P V
+        last = (n_blocks - 1) % STAGES
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
         gl.store(lse_ptr + lse_base + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
         acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
         o_r = m0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
@@ -150,11 +195,13 @@ if HAVE_GLUON:
     @gluon.jit
     def _producer(smem, bars, descs, offsets, o_ptr, lse_ptr, stride_os, seq_len, qk_scale,
                   n_unmasked, n_blocks, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        """The load warp: Q's two halves once, then K and V tile by tile (same
-        signature as `_consumer`: worker partitions share one)."""
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  OVERLAP: gl.constexpr):
+        """The load warp: Q's two halves once, then K and V tile by tile, each into its
+        slot as soon as the consumers have released it (same signature as `_consumer`:
+        worker partitions share one)."""
         q_smem, k_smem, v_smem = smem
-        q_bar, k_ready, v_ready, kv_empty = bars
+        q_bar, k_ready, v_ready, k_empty, v_empty = bars
         q_desc, k_desc, v_desc = descs
         q_row, q_col, k_row, k_col, v_row, v_col = (offsets[0], offsets[1], offsets[2],
                                                     offsets[3], offsets[4], offsets[5])
@@ -165,13 +212,14 @@ if HAVE_GLUON:
                                         q_smem.index(1))
         for j in range(n_blocks):
             slot = j % STAGES
-            phase = (j // STAGES) & 1
-            # a fresh barrier counts as having completed phase 1: the first pass waits
-            # for nothing
-            mbarrier.wait(kv_empty.index(slot), phase ^ 1)
+            # a fresh barrier counts as having completed phase 1: the first pass over
+            # the slots waits for nothing
+            phase = ((j // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col],
                                             k_ready.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col],
                                             v_ready.index(slot), v_smem.index(slot))
@@ -184,8 +232,8 @@ if HAVE_GLUON:
         k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss,
         H_Q, seq_len, qk_scale,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         HALF: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_M: gl.constexpr = 2 * HALF
@@ -220,44 +268,56 @@ if HAVE_GLUON:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(v_empty.index(i), count=2)
 
         smem = (q_smem, k_smem, v_smem)
-        bars = (q_bar, k_ready, v_ready, kv_empty)
+        bars = (q_bar, k_ready, v_ready, k_empty, v_empty)
         descs = (q_desc, k_desc, v_desc)
         # (worker partitions share one signature; tuples are spelled out, since
         # concatenating them would turn the constexprs into runtime values)
         gl.warp_specialize([
             (_consumer, (smem, bars, descs, offsets, o_ptr, lse_ptr, o_ss, seq_len, qk_scale,
-                         n_unmasked, n_blocks, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                         n_unmasked, n_blocks, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
+                         OVERLAP)),
             (_consumer, (smem, bars, descs, offsets, o_ptr, lse_ptr, o_ss, seq_len, qk_scale,
-                         n_unmasked, n_blocks, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                         n_unmasked, n_blocks, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
+                         OVERLAP)),
             (_producer, (smem, bars, descs, offsets, o_ptr, lse_ptr, o_ss, seq_len, qk_scale,
-                         n_unmasked, n_blocks, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL))],
+                         n_unmasked, n_blocks, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
+                         OVERLAP))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def rows_view(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """t (B, H, S, D) as one 2-D (rows, row_stride) view whose rows are t's sequence
-    rows, or None. Head (b, h) starts at element b·sb + h·sh, i.e. at row
-    (b·sb + h·sh) // ss and column (b·sb + h·sh) % ss of the view; that works when D
-    is contiguous, each head's D columns fit within one view row, and the strides and
-    the base are 16-byte aligned (TMA)."""
+    """t (B, H, S, D) as one 2-D view (rows, cols) with row stride ss whose rows are
+    t's sequence rows, and ss; or None. Head (b, h) starts at element b·sb + h·sh, i.e.
+    at row (b·sb + h·sh) // ss and column (b·sb + h·sh) % ss of the view. That works
+    when D is contiguous, the batch stride is whole rows, each head's D columns fit in
+    one view row (heads whole rows apart, as in (B, H, S, D), or side by side within a
+    row, as in the (B, S, H, D) transpose and slices of a packed QKV), and the strides
+    and the base are 16-byte aligned (TMA). The view is only as wide as the columns the
+    heads use, so a slice of a wider buffer does not reach past its storage."""
     b, h, s, d = t.shape
     sb, sh, ss, sd = t.stride()
     e = t.element_size()
-    if sd != 1 or ss < d or (ss * e) % 16 or t.data_ptr() % 16 or sb % ss:
+    if sd != 1 or ss < d or (ss * e) % 16 or t.data_ptr() % 16 or (b > 1 and sb % ss):
         return None
-    if sh % ss and (h - 1) * sh + d > ss:  # heads side by side within a row
+    if h == 1 or sh % ss == 0:
+        cols = d  # each head starts on a row of its own
+    elif (h - 1) * sh + d <= ss:
+        cols = (h - 1) * sh + d
+    else:
         return None
     rows = ((b - 1) * sb + (h - 1) * sh) // ss + s
     try:
-        return t.as_strided((rows, ss), (ss, 1)), ss
+        return t.as_strided((rows, cols), (ss, 1)), ss
     except RuntimeError:  # the view would run past the storage
         return None
 
@@ -284,9 +344,11 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            sm_scale: float, o: torch.Tensor, lse: torch.Tensor) -> None:
+            sm_scale: float, o: torch.Tensor, lse: torch.Tensor, *,
+            overlap: bool = True) -> None:
     """Fill o (B, Hq, S, D) and lse (B, Hq, S, fp32, contiguous) for inputs that
-    `unsupported` accepted."""
+    `unsupported` accepted. `overlap=False` waits for each product at once (the
+    measurement of what the overlap buys)."""
     b, hq, s, d = q.shape
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
@@ -300,5 +362,5 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         *descs, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         hq, s, sm_scale * math.log2(math.e),
         GROUP=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_N=BLOCK_N,
-        STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4)
+        STAGES=STAGES, OVERLAP=bool(overlap), CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4)

@@ -457,15 +457,17 @@ class TritonRMSNormFunction(torch.autograd.Function):
         dy2d = as_rows(dy, x2d.shape[1])
         hook = None
         if ctx.native and dy2d.is_contiguous() and dy2d.data_ptr() % 16 == 0:
-            hook = _native_hook(x2d, w)  # what the C++ backward will hand its kernels
+            # what the C++ backward will hand its kernels (the forward decided: the
+            # backward may run outside the block that chose the path)
+            hook = _native_hook(x2d, w, decided=True)
         dx, dw = _backward(dy2d, x2d, w, rstd, None, None, None, None, on_launch=hook)
         return dx.view(ctx.shape), dw if ctx.needs_input_grad[1] else None, None
 
 
-def _native_hook(x2d, w):
+def _native_hook(x2d, w, decided: bool = False):
     """The `on_launch` that registers each launch with `kernels.native` (None when the
-    native path is off)."""
-    if torch.compiler.is_compiling() or not (native.requested() and x2d.is_cuda):
+    native path is off, unless the forward already `decided` to register)."""
+    if torch.compiler.is_compiling() or not x2d.is_cuda or not (decided or native.requested()):
         return None
     slots = {_rms_norm_forward_kernel: ("forward", (0, 0, 1, 2, 2, 3)),
              _rms_norm_backward_kernel: ("backward", (0, 1, 2, 3, 0, 4, 5)),
