@@ -72,7 +72,8 @@ LAYOUTS = {"mha": 1, "gqa4": 4, "gqa8": 8}
 CANONICAL = {"batch": 4, "heads": 32, "seq_len": 4096, "head_dim": 128, "causal": True}
 SWEEP_PROVIDERS = ("triton", "cudnn", "sdpa-flash", "flex")
 """The providers at every point of the sweep (issue #14)."""
-CANONICAL_EXTRAS = ("naive", "sdpa-efficient", "triton-atomic", "flash_attn", "flex-static")
+CANONICAL_EXTRAS = ("naive", "sdpa-efficient", "triton-atomic", "triton-fa2",
+                    "triton-hopper-serial", "flash_attn", "flex-static")
 """Extra providers at the canonical (S, D, causal), in every layout: the chapter's table,
 and "flex-static", which checks the dynamic-shape compile of "flex" against a compile
 for that one shape; elsewhere they would only lengthen the run."""
@@ -83,11 +84,16 @@ FLEX_COMPILE = {"flex": "torch.compile(flex_attention, dynamic=True), one compil
 """How each FlexAttention provider is compiled (recorded in the results file's config).
 One static compile per shape costs about 30 s of the sweep's ~108 cases; the canonical
 point runs both."""
-PROVIDERS = ("naive", "sdpa-flash", "sdpa-efficient", "cudnn", "triton", "triton-atomic",
+OUR_VARIANTS = {"triton-atomic": {"dq_mode": "atomic"}, "triton-fa2": {"kernel": "portable"},
+                "triton-hopper-serial": {"kernel": "hopper-serial"}}
+"""Our kernel with one choice changed (`flash_attention`'s keyword arguments)."""
+PROVIDERS = ("naive", "sdpa-flash", "sdpa-efficient", "cudnn", "triton", *OUR_VARIANTS,
              "flex", "flex-static", "flash_attn")
-"""Every provider `--providers` takes. `triton` is our kernel with its default backward
-(dQ in its own kernel); `triton-atomic` the same forward with FA2's atomic dQ
-(`dq_mode="atomic"`)."""
+"""Every provider `--providers` takes. `triton` is our kernel as it ships (the default
+forward, `flash_attention.DEFAULT_FORWARD_KERNEL`, and backward, dQ in its own kernel);
+`triton-atomic` the same with FA2's atomic dQ (`dq_mode="atomic"`); `triton-fa2` with the
+portable FlashAttention-2 forward; `triton-hopper-serial` with the Hopper forward whose
+softmax waits for each matmul (`OUR_VARIANTS`)."""
 QUICK_PROVIDERS = ("naive", "sdpa", "triton")
 MEM_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 MEM_PROVIDERS = ("naive", "triton", "sdpa-flash")
@@ -239,10 +245,11 @@ def pending(cases: list[Case], done_rows: Iterable[dict]) -> list[Case]:
 
 RATE_TFLOPS = {"naive": 25, "sdpa-efficient": 150, "sdpa-flash": 300, "flash_attn": 300,
                "flex": 350, "flex-static": 350, "triton": 400, "triton-atomic": 400,
-               "cudnn": 500}
+               "triton-fa2": 400, "triton-hopper-serial": 400, "cudnn": 500}
 """Assumed fwd TFLOP/s per provider on an H200 (near the recorded canonical-point figures;
 fwd+bwd taken 15 % slower): only for `estimate_s`."""
-SETUP_S = {"flex": 6.0, "flex-static": 30.0, "triton": 8.0, "triton-atomic": 4.0}
+SETUP_S = {"flex": 6.0, "flex-static": 30.0, "triton": 8.0, "triton-atomic": 4.0,
+           "triton-fa2": 4.0, "triton-hopper-serial": 4.0}
 """Assumed seconds to set a provider up at one case before it is timed (others 1 s):
 "flex-static" compiles FlexAttention's forward and backward for every shape, "flex" once
 per six sequence lengths (`FLEX_COMPILE`); our kernels autotune three kernels per (D,
@@ -261,11 +268,16 @@ def _static_skip(provider: str, case: Case) -> str | None:
     if provider == "naive" and naive_gib(case.batch, case.heads, case.seq_len) \
             > NAIVE_LIMIT_GIB:
         return "memory"
-    if provider in ("triton", "triton-atomic"):
+    if provider == "triton" or provider in OUR_VARIANTS:
         from colossal_lab.kernels.flash_attention import SUPPORTED_HEAD_DIMS
 
         if case.head_dim not in SUPPORTED_HEAD_DIMS:
             return f"head_dim {case.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+    if provider == "triton-hopper-serial":
+        from colossal_lab.kernels import flash_attention_hopper as hopper
+
+        if case.head_dim not in hopper.HEAD_DIMS or case.seq_len % hopper.BLOCK_M:
+            return f"the Hopper forward takes D in {hopper.HEAD_DIMS}, S % {hopper.BLOCK_M} == 0"
     return None
 
 
@@ -425,10 +437,10 @@ def make_fn(provider: str, q, k, v, causal: bool) -> Callable[[], torch.Tensor]:
     `enable_gqa=True`; nothing copies k or v up to Hq heads except naive."""
     if provider in ("flex", "flex-static"):
         return _flex_fn(q, k, v, causal, static=provider == "flex-static")
-    if provider == "triton-atomic":
+    if provider in OUR_VARIANTS:
         from colossal_lab.kernels.flash_attention import flash_attention
 
-        return lambda: flash_attention(q, k, v, causal, dq_mode="atomic")
+        return lambda: flash_attention(q, k, v, causal, **OUR_VARIANTS[provider])
     from colossal_lab.switches.attention import attention
 
     return lambda: attention(q, k, v, causal, backend=provider)
@@ -448,7 +460,10 @@ def _skip_reason(provider: str, case: Case, device: torch.device,
         return "needs CUDA"
     from colossal_lab.switches.attention import BACKENDS, _why_not
 
-    name = "triton" if provider == "triton-atomic" else provider
+    if provider == "triton-hopper-serial" and (
+            device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
+        return "needs a Hopper GPU"
+    name = "triton" if provider in OUR_VARIANTS else provider
     if name in BACKENDS:
         return _why_not(name, device, dtype, case.head_dim)
     return None
@@ -842,7 +857,7 @@ def summary(rows: list[dict]) -> str:
     name, m = cases[0]
     ours = find("triton", **m)
     if ours and "fwd_tflops" in ours:
-        for other in ("sdpa-flash", "cudnn", "flex", "flash_attn", "triton-atomic"):
+        for other in ("sdpa-flash", "cudnn", "flex", "flash_attn", *OUR_VARIANTS):
             r = find(other, **m)
             if r and "fwd_tflops" in r:
                 lines.append(f"triton / {other} at {name}: fwd "
