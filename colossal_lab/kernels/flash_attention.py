@@ -81,12 +81,12 @@ from colossal_lab.kernels import flash_attention_hopper as hopper
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 """Head dims the kernels accept (a tile's width must be a power of two)."""
 FORWARD_KERNELS = ("auto", "portable", "hopper", "hopper-serial")
-DEFAULT_FORWARD_KERNEL = "portable"
+DEFAULT_FORWARD_KERNEL = "auto"
 """Which forward runs: "portable" (this file's FlashAttention-2), "hopper" (the Gluon
 kernel of `flash_attention_hopper`, sm_90 only; an error where it cannot run),
 "hopper-serial" (the same without its softmax/matmul overlap: what the overlap buys) or
-"auto" (the Hopper kernel where `flash_attention_hopper.unsupported` accepts the inputs,
-the portable one elsewhere)."""
+"auto" (the Hopper kernel where `flash_attention_hopper.unsupported` accepts the inputs
+and torch.compile is not tracing, the portable one elsewhere)."""
 DQ_MODES = ("separate", "atomic")
 DEFAULT_DQ_MODE = "separate"
 """How the backward computes dQ (see `flash_attention_backward`). "separate" is
@@ -688,7 +688,12 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if s == 0 or b == 0:
         return o, lse
     if kernel != "portable":
-        why = "Gluon has no interpreter" if INTERPRET else hopper.unsupported(q, k, v)
+        if INTERPRET:
+            why = "Gluon has no interpreter"
+        elif torch.compiler.is_compiling():
+            why = "torch.compile is tracing (it traces the portable kernel)"
+        else:
+            why = hopper.unsupported(q, k, v)
         if why is None:
             hopper.forward(q, k, v, causal, sm_scale, o, lse,
                            overlap=kernel != "hopper-serial")
