@@ -14,7 +14,10 @@ warp partitions) lets us write that schedule ourselves:
 - two **consumer** warpgroups (4 warps each) own 64 query rows each of the program's
   128. Per key tile: S = Q Kᵀ with an asynchronous wgmma from shared memory, the online
   softmax in the wgmma accumulator's own register layout (exp2, the scale folded in),
-  P converted to bf16 in registers, and O += P V with P as the register operand;
+  P converted to bf16 in registers, and O += P V with P as the register operand. Step j
+  issues S_j and O += P_{j-1} V_{j-1} back to back and computes the softmax of S_j while
+  the second product still runs (FA3's intra-warpgroup overlap; `overlap=False` waits
+  for each product instead, to measure what that buys);
 - registers are re-balanced between partitions (`worker_num_regs`): the producer needs
   24 per thread, the consumers take the rest.
 
