@@ -72,7 +72,7 @@ LAYOUTS = {"mha": 1, "gqa4": 4, "gqa8": 8}
 CANONICAL = {"batch": 4, "heads": 32, "seq_len": 4096, "head_dim": 128, "causal": True}
 SWEEP_PROVIDERS = ("triton", "cudnn", "sdpa-flash", "flex")
 """The providers at every point of the sweep (issue #14)."""
-CANONICAL_EXTRAS = ("naive", "sdpa-efficient", "triton-atomic", "triton-fa2",
+CANONICAL_EXTRAS = ("naive", "sdpa-efficient", "triton-atomic", "triton-hopper",
                     "triton-hopper-serial", "flash_attn", "flex-static")
 """Extra providers at the canonical (S, D, causal), in every layout: the chapter's table,
 and "flex-static", which checks the dynamic-shape compile of "flex" against a compile
@@ -84,16 +84,17 @@ FLEX_COMPILE = {"flex": "torch.compile(flex_attention, dynamic=True), one compil
 """How each FlexAttention provider is compiled (recorded in the results file's config).
 One static compile per shape costs about 30 s of the sweep's ~108 cases; the canonical
 point runs both."""
-OUR_VARIANTS = {"triton-atomic": {"dq_mode": "atomic"}, "triton-fa2": {"kernel": "portable"},
+OUR_VARIANTS = {"triton-atomic": {"dq_mode": "atomic"}, "triton-hopper": {"kernel": "hopper"},
                 "triton-hopper-serial": {"kernel": "hopper-serial"}}
+HOPPER_VARIANTS = ("triton-hopper", "triton-hopper-serial")
 """Our kernel with one choice changed (`flash_attention`'s keyword arguments)."""
 PROVIDERS = ("naive", "sdpa-flash", "sdpa-efficient", "cudnn", "triton", *OUR_VARIANTS,
              "flex", "flex-static", "flash_attn")
 """Every provider `--providers` takes. `triton` is our kernel as it ships (the default
 forward, `flash_attention.DEFAULT_FORWARD_KERNEL`, and backward, dQ in its own kernel);
-`triton-atomic` the same with FA2's atomic dQ (`dq_mode="atomic"`); `triton-fa2` with the
-portable FlashAttention-2 forward; `triton-hopper-serial` with the Hopper forward whose
-softmax waits for each matmul (`OUR_VARIANTS`)."""
+`triton-atomic` the same with FA2's atomic dQ (`dq_mode="atomic"`); `triton-hopper` with
+the Gluon forward for Hopper (`kernels/flash_attention_hopper.py`), `triton-hopper-serial`
+the same with its softmax waiting for each matmul (`OUR_VARIANTS`)."""
 QUICK_PROVIDERS = ("naive", "sdpa", "triton")
 MEM_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 MEM_PROVIDERS = ("naive", "triton", "sdpa-flash")
@@ -245,11 +246,11 @@ def pending(cases: list[Case], done_rows: Iterable[dict]) -> list[Case]:
 
 RATE_TFLOPS = {"naive": 25, "sdpa-efficient": 150, "sdpa-flash": 300, "flash_attn": 300,
                "flex": 350, "flex-static": 350, "triton": 400, "triton-atomic": 400,
-               "triton-fa2": 400, "triton-hopper-serial": 400, "cudnn": 500}
+               "triton-hopper": 450, "triton-hopper-serial": 400, "cudnn": 500}
 """Assumed fwd TFLOP/s per provider on an H200 (near the recorded canonical-point figures;
 fwd+bwd taken 15 % slower): only for `estimate_s`."""
 SETUP_S = {"flex": 6.0, "flex-static": 30.0, "triton": 8.0, "triton-atomic": 4.0,
-           "triton-fa2": 4.0, "triton-hopper-serial": 4.0}
+           "triton-hopper": 4.0, "triton-hopper-serial": 4.0}
 """Assumed seconds to set a provider up at one case before it is timed (others 1 s):
 "flex-static" compiles FlexAttention's forward and backward for every shape, "flex" once
 per six sequence lengths (`FLEX_COMPILE`); our kernels autotune three kernels per (D,
@@ -273,7 +274,7 @@ def _static_skip(provider: str, case: Case) -> str | None:
 
         if case.head_dim not in SUPPORTED_HEAD_DIMS:
             return f"head_dim {case.head_dim} not in {SUPPORTED_HEAD_DIMS}"
-    if provider == "triton-hopper-serial":
+    if provider in HOPPER_VARIANTS:
         from colossal_lab.kernels import flash_attention_hopper as hopper
 
         if case.head_dim not in hopper.HEAD_DIMS or case.seq_len % hopper.BLOCK_M:
@@ -460,7 +461,7 @@ def _skip_reason(provider: str, case: Case, device: torch.device,
         return "needs CUDA"
     from colossal_lab.switches.attention import BACKENDS, _why_not
 
-    if provider == "triton-hopper-serial" and (
+    if provider in HOPPER_VARIANTS and (
             device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
         return "needs a Hopper GPU"
     name = "triton" if provider in OUR_VARIANTS else provider

@@ -81,12 +81,14 @@ from colossal_lab.kernels import flash_attention_hopper as hopper
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 """Head dims the kernels accept (a tile's width must be a power of two)."""
 FORWARD_KERNELS = ("auto", "portable", "hopper", "hopper-serial")
-DEFAULT_FORWARD_KERNEL = "auto"
+DEFAULT_FORWARD_KERNEL = "portable"
 """Which forward runs: "portable" (this file's FlashAttention-2), "hopper" (the Gluon
 kernel of `flash_attention_hopper`, sm_90 only; an error where it cannot run),
 "hopper-serial" (the same without its softmax/matmul overlap: what the overlap buys) or
 "auto" (the Hopper kernel where `flash_attention_hopper.unsupported` accepts the inputs
-and torch.compile is not tracing, the portable one elsewhere)."""
+and torch.compile is not tracing, the portable one elsewhere). The default stays
+"portable" until the overlapped Hopper kernel has been timed against it at every sweep
+point (its first, serial version lost at D = 64 and S = 1024: notes/flash_attention.md)."""
 DQ_MODES = ("separate", "atomic")
 DEFAULT_DQ_MODE = "separate"
 """How the backward computes dQ (see `flash_attention_backward`). "separate" is
