@@ -79,6 +79,8 @@ def test_forward_kernel_choice_and_errors():
         fa.flash_attention_forward(q, q, q, True, kernel="fa3")
     with pytest.raises(ValueError, match="kernel="):
         fa.flash_attention(q, q, q, True, kernel="fa3")
+    with pytest.raises(ValueError, match="schedule="):
+        hopper.forward(q, q, q, True, 0.125, q, q, schedule="fast")
 
 
 @pytest.mark.skipif(not hopper.HAVE_GLUON, reason="this Triton has no Gluon")
@@ -97,7 +99,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from colossal_lab.kernels import flash_attention_hopper as fh
 
-for d, causal in ((128, True), (64, False)):
+for d, causal, schedule in ((128, True, 1), (64, False, 1), (128, True, 0), (128, False, 2)):
     q = torch.empty(1, 2, 256, d, dtype=torch.bfloat16)
     sig = {}
     for name, block in zip(fh._attn_fwd_hopper_kernel.arg_names[:3],
@@ -111,7 +113,7 @@ for d, causal in ((128, True), (64, False)):
         sig[name] = "i64" if name.endswith(("sb", "sh", "ss")) else "i32"
     sig["qk_scale"] = "fp32"
     consts = dict(GROUP=1, HEAD_DIM=d, CAUSAL=causal, BLOCK_N=fh.BLOCK_N,
-                  STAGES=fh.STAGES, OVERLAP=True, CONSUMER_REGS=fh.CONSUMER_REGS,
+                  STAGES=fh.STAGES, SCHEDULE=schedule, CONSUMER_REGS=fh.CONSUMER_REGS,
                   PRODUCER_REGS=fh.PRODUCER_REGS)
     sig.update({k: "constexpr" for k in consts})
     src = GluonASTSource(fh._attn_fwd_hopper_kernel, sig, consts, {})
@@ -155,10 +157,10 @@ def test_hopper_forward_matches_reference(b, hq, hkv, s, d, causal, dtype):
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("layout", ["bshd", "packed"])
-@pytest.mark.parametrize("overlap", [True, False])
-def test_hopper_forward_layouts_and_schedules(layout, overlap):
-    """(B, S, H, D) transposes and slices of a packed QKV go in without copies; the
-    schedule without the overlap gives the same output."""
+@pytest.mark.parametrize("schedule", hopper.SCHEDULES)
+def test_hopper_forward_layouts_and_schedules(layout, schedule):
+    """(B, S, H, D) transposes and slices of a packed QKV go in without copies; every
+    schedule gives the same output."""
     b, s, hq, hkv, d = 2, 512, 8, 2, 128
     if layout == "packed":
         q, k, v = _packed_qkv(b, s, hq, hkv, d, device="cuda")
@@ -168,7 +170,7 @@ def test_hopper_forward_layouts_and_schedules(layout, overlap):
     assert hopper.unsupported(q, k, v) is None
     o = torch.empty_like(q)
     lse = torch.empty(b, hq, s, device="cuda")
-    hopper.forward(q, k, v, True, d ** -0.5, o, lse, overlap=overlap)
+    hopper.forward(q, k, v, True, d ** -0.5, o, lse, schedule=schedule)
     ref, ref_lse = fa.flash_attention_forward(q, k, v, True, kernel="portable")
     torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)

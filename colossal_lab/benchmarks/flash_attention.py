@@ -72,8 +72,13 @@ LAYOUTS = {"mha": 1, "gqa4": 4, "gqa8": 8}
 CANONICAL = {"batch": 4, "heads": 32, "seq_len": 4096, "head_dim": 128, "causal": True}
 SWEEP_PROVIDERS = ("triton", "cudnn", "sdpa-flash", "flex")
 """The providers at every point of the sweep (issue #14)."""
-CANONICAL_EXTRAS = ("naive", "sdpa-efficient", "triton-atomic", "triton-hopper",
-                    "triton-hopper-serial", "flash_attn", "flex-static")
+OUR_VARIANTS = {"triton-atomic": {"dq_mode": "atomic"}, "triton-hopper": {"kernel": "hopper"},
+                "triton-hopper-serial": {"kernel": "hopper-serial"},
+                "triton-hopper-pingpong": {"kernel": "hopper-pingpong"}}
+"""Our kernel with one choice changed (`flash_attention`'s keyword arguments)."""
+HOPPER_VARIANTS = ("triton-hopper", "triton-hopper-serial", "triton-hopper-pingpong")
+CANONICAL_EXTRAS = ("naive", "sdpa-efficient", "triton-atomic", *HOPPER_VARIANTS,
+                    "flash_attn", "flex-static")
 """Extra providers at the canonical (S, D, causal), in every layout: the chapter's table,
 and "flex-static", which checks the dynamic-shape compile of "flex" against a compile
 for that one shape; elsewhere they would only lengthen the run."""
@@ -84,17 +89,13 @@ FLEX_COMPILE = {"flex": "torch.compile(flex_attention, dynamic=True), one compil
 """How each FlexAttention provider is compiled (recorded in the results file's config).
 One static compile per shape costs about 30 s of the sweep's ~108 cases; the canonical
 point runs both."""
-OUR_VARIANTS = {"triton-atomic": {"dq_mode": "atomic"}, "triton-hopper": {"kernel": "hopper"},
-                "triton-hopper-serial": {"kernel": "hopper-serial"}}
-HOPPER_VARIANTS = ("triton-hopper", "triton-hopper-serial")
-"""Our kernel with one choice changed (`flash_attention`'s keyword arguments)."""
 PROVIDERS = ("naive", "sdpa-flash", "sdpa-efficient", "cudnn", "triton", *OUR_VARIANTS,
              "flex", "flex-static", "flash_attn")
 """Every provider `--providers` takes. `triton` is our kernel as it ships (the default
 forward, `flash_attention.DEFAULT_FORWARD_KERNEL`, and backward, dQ in its own kernel);
 `triton-atomic` the same with FA2's atomic dQ (`dq_mode="atomic"`); `triton-hopper` with
-the Gluon forward for Hopper (`kernels/flash_attention_hopper.py`), `triton-hopper-serial`
-the same with its softmax waiting for each matmul (`OUR_VARIANTS`)."""
+the Gluon forward for Hopper (`kernels/flash_attention_hopper.py`), `-serial` and
+`-pingpong` the same with its other schedules (`OUR_VARIANTS`)."""
 QUICK_PROVIDERS = ("naive", "sdpa", "triton")
 MEM_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 MEM_PROVIDERS = ("naive", "triton", "sdpa-flash")
@@ -246,11 +247,12 @@ def pending(cases: list[Case], done_rows: Iterable[dict]) -> list[Case]:
 
 RATE_TFLOPS = {"naive": 25, "sdpa-efficient": 150, "sdpa-flash": 300, "flash_attn": 300,
                "flex": 350, "flex-static": 350, "triton": 400, "triton-atomic": 400,
-               "triton-hopper": 450, "triton-hopper-serial": 400, "cudnn": 500}
+               "triton-hopper": 450, "triton-hopper-serial": 400,
+               "triton-hopper-pingpong": 450, "cudnn": 500}
 """Assumed fwd TFLOP/s per provider on an H200 (near the recorded canonical-point figures;
 fwd+bwd taken 15 % slower): only for `estimate_s`."""
 SETUP_S = {"flex": 6.0, "flex-static": 30.0, "triton": 8.0, "triton-atomic": 4.0,
-           "triton-hopper": 4.0, "triton-hopper-serial": 4.0}
+           "triton-hopper": 4.0, "triton-hopper-serial": 4.0, "triton-hopper-pingpong": 4.0}
 """Assumed seconds to set a provider up at one case before it is timed (others 1 s):
 "flex-static" compiles FlexAttention's forward and backward for every shape, "flex" once
 per six sequence lengths (`FLEX_COMPILE`); our kernels autotune three kernels per (D,

@@ -80,11 +80,12 @@ from colossal_lab.kernels import flash_attention_hopper as hopper
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 """Head dims the kernels accept (a tile's width must be a power of two)."""
-FORWARD_KERNELS = ("auto", "portable", "hopper", "hopper-serial")
+FORWARD_KERNELS = ("auto", "portable", "hopper", "hopper-serial", "hopper-pingpong")
 DEFAULT_FORWARD_KERNEL = "portable"
 """Which forward runs: "portable" (this file's FlashAttention-2), "hopper" (the Gluon
 kernel of `flash_attention_hopper`, sm_90 only; an error where it cannot run),
-"hopper-serial" (the same without its softmax/matmul overlap: what the overlap buys) or
+"hopper-serial" / "hopper-pingpong" (the same with another of its `SCHEDULES`: the
+softmax waiting for each matmul, or the two warpgroups also taking turns) or
 "auto" (the Hopper kernel where `flash_attention_hopper.unsupported` accepts the inputs
 and torch.compile is not tracing, the portable one elsewhere). The default stays
 "portable" until the overlapped Hopper kernel has been timed against it at every sweep
@@ -697,8 +698,9 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             why = hopper.unsupported(q, k, v)
         if why is None:
+            schedule = kernel.partition("-")[2] or hopper.DEFAULT_SCHEDULE
             hopper.forward(q, k, v, causal, sm_scale, o, lse,
-                           overlap=kernel != "hopper-serial")
+                           schedule="overlap" if schedule == "auto" else schedule)
             return o, lse
         if kernel != "auto":
             raise ValueError(f"the Hopper forward cannot take these inputs: {why} "

@@ -16,8 +16,10 @@ warp partitions) lets us write that schedule ourselves:
   softmax in the wgmma accumulator's own register layout (exp2, the scale folded in),
   P converted to bf16 in registers, and O += P V with P as the register operand. Step j
   issues S_j and O += P_{j-1} V_{j-1} back to back and computes the softmax of S_j while
-  the second product still runs (FA3's intra-warpgroup overlap; `overlap=False` waits
-  for each product instead, to measure what that buys);
+  the second product still runs (FA3's intra-warpgroup overlap); with the "pingpong"
+  schedule the two warpgroups also take turns issuing their products, so one's matmuls
+  run under the other's softmax (FA3's inter-warpgroup ping-pong). `SCHEDULES` lists
+  the variants, which are measured side by side;
 - registers are re-balanced between partitions (`worker_num_regs`): the producer needs
   24 per thread, the consumers take the rest.
 
@@ -68,6 +70,11 @@ BLOCK_N = 128
 STAGES = 2
 """K/V tiles in flight (shared memory: 2 x 2 x 128 x 128 x 2 B = 128 KiB at D = 128)."""
 HEAD_DIMS = (64, 128)
+SCHEDULES = ("serial", "overlap", "pingpong")
+"""How a consumer warpgroup orders its work (`_consume`): "serial" waits for each
+matmul at once; "overlap" computes the softmax of S_j while P_{j-1} V_{j-1} runs;
+"pingpong" adds turns between the two warpgroups."""
+DEFAULT_SCHEDULE = "overlap"
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 
@@ -95,27 +102,34 @@ if HAVE_GLUON:
     def _consume(q, k_smem, v_smem, bars, acc, p, l_i, m_i, rows, lo, hi, qk_scale,
                  s_layout: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-                 OVERLAP: gl.constexpr):
+                 SCHEDULE: gl.constexpr, WG: gl.constexpr):
         """Key tiles [lo, hi), lo >= 1, for one warpgroup's 64 rows. Step j issues
-        S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} back to back; with OVERLAP the softmax
-        of S_j runs while the second product is still on the tensor cores
-        (FlashAttention-3's intra-warpgroup pipelining), without it each product is
-        waited for at once."""
-        k_ready, v_ready, k_empty, v_empty = bars
+        S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} back to back. SCHEDULE 0 waits for each
+        product at once; 1 runs the softmax of S_j while the second product is still on
+        the tensor cores (FlashAttention-3's intra-warpgroup pipelining); 2 also makes
+        the two warpgroups take turns issuing their products (FA3's ping-pong): each
+        waits for its turn, issues, and hands the turn over, so one's products run
+        while the other computes its softmax."""
+        k_ready, v_ready, k_empty, v_empty, turn = bars
         HALF: gl.constexpr = q.shape[0]
         s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
         for j in range(lo, hi):
             slot = j % STAGES
             prev = (j - 1) % STAGES
             mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-            s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            if not OVERLAP:
-                s_tok = warpgroup_mma_wait(0, deps=(s_tok,))
             p_op = gl.convert_layout(p.to(q.dtype), p_layout)
             mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            if SCHEDULE == 2:  # warpgroup 0 goes first: its first wait is on a fresh
+                # barrier's completed phase
+                mbarrier.wait(turn.index(WG), ((j - 1) & 1) ^ (1 - WG))
+            s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            if SCHEDULE == 0:
+                s_tok = warpgroup_mma_wait(0, deps=(s_tok,))
             o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            if OVERLAP:
+            if SCHEDULE == 2:
+                mbarrier.arrive(turn.index(1 - WG), count=1)
+            if SCHEDULE != 0:
                 s = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j done; P V still running
             else:
                 s = s_tok
@@ -132,11 +146,11 @@ if HAVE_GLUON:
     def _consumer(smem, bars, descs, offsets, o_ptr, lse_ptr, stride_os, seq_len, qk_scale,
                   n_unmasked, n_blocks, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  OVERLAP: gl.constexpr):
+                  SCHEDULE: gl.constexpr):
         """One consumer warpgroup: rows [m0 + 64·WG, m0 + 64·WG + 64) of the program."""
         q_smem, k_smem, v_smem = smem
-        q_bar, k_ready, v_ready, k_empty, v_empty = bars
-        kv_bars = (k_ready, v_ready, k_empty, v_empty)
+        q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
+        kv_bars = (k_ready, v_ready, k_empty, v_empty, turn)
         m0, o_base, lse_base = offsets[6], offsets[7], offsets[8]
         HALF: gl.constexpr = q_smem.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -173,12 +187,12 @@ if HAVE_GLUON:
                                                BLOCK_N, False)
         acc, p, l_i, m_i = _consume(q, k_smem, v_smem, kv_bars, acc, p, l_i, m_i, rows, 1,
                                     n_unmasked, qk_scale, s_layout, p_layout, o_rows,
-                                    BLOCK_N, STAGES, False, OVERLAP)
+                                    BLOCK_N, STAGES, False, SCHEDULE, WG)
         if CAUSAL:
             acc, p, l_i, m_i = _consume(q, k_smem, v_smem, kv_bars, acc, p, l_i, m_i, rows,
                                         gl.maximum(n_unmasked, 1), n_blocks, qk_scale,
                                         s_layout, p_layout, o_rows, BLOCK_N, STAGES, True,
-                                        OVERLAP)
+                                        SCHEDULE, WG)
         # the last P V
         last = (n_blocks - 1) % STAGES
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
@@ -199,12 +213,12 @@ if HAVE_GLUON:
     def _producer(smem, bars, descs, offsets, o_ptr, lse_ptr, stride_os, seq_len, qk_scale,
                   n_unmasked, n_blocks, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  OVERLAP: gl.constexpr):
+                  SCHEDULE: gl.constexpr):
         """The load warp: Q's two halves once, then K and V tile by tile, each into its
         slot as soon as the consumers have released it (same signature as `_consumer`:
         worker partitions share one)."""
         q_smem, k_smem, v_smem = smem
-        q_bar, k_ready, v_ready, k_empty, v_empty = bars
+        q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
         q_desc, k_desc, v_desc = descs
         q_row, q_col, k_row, k_col, v_row, v_col = (offsets[0], offsets[1], offsets[2],
                                                     offsets[3], offsets[4], offsets[5])
@@ -235,7 +249,7 @@ if HAVE_GLUON:
         k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss,
         H_Q, seq_len, qk_scale,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCHEDULE: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         HALF: gl.constexpr = q_desc.block_type.shape[0]
@@ -273,7 +287,10 @@ if HAVE_GLUON:
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        mbarrier.init(turn.index(0), count=1)  # (SCHEDULE 2) warpgroup 0 may issue
+        mbarrier.init(turn.index(1), count=1)  # ... warpgroup 1 may issue
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -281,20 +298,20 @@ if HAVE_GLUON:
             mbarrier.init(v_empty.index(i), count=2)
 
         smem = (q_smem, k_smem, v_smem)
-        bars = (q_bar, k_ready, v_ready, k_empty, v_empty)
+        bars = (q_bar, k_ready, v_ready, k_empty, v_empty, turn)
         descs = (q_desc, k_desc, v_desc)
         # (worker partitions share one signature; tuples are spelled out, since
         # concatenating them would turn the constexprs into runtime values)
         gl.warp_specialize([
             (_consumer, (smem, bars, descs, offsets, o_ptr, lse_ptr, o_ss, seq_len, qk_scale,
                          n_unmasked, n_blocks, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
-                         OVERLAP)),
+                         SCHEDULE)),
             (_consumer, (smem, bars, descs, offsets, o_ptr, lse_ptr, o_ss, seq_len, qk_scale,
                          n_unmasked, n_blocks, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
-                         OVERLAP)),
+                         SCHEDULE)),
             (_producer, (smem, bars, descs, offsets, o_ptr, lse_ptr, o_ss, seq_len, qk_scale,
                          n_unmasked, n_blocks, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
-                         OVERLAP))],
+                         SCHEDULE))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -348,10 +365,12 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             sm_scale: float, o: torch.Tensor, lse: torch.Tensor, *,
-            overlap: bool = True) -> None:
+            schedule: str = DEFAULT_SCHEDULE) -> None:
     """Fill o (B, Hq, S, D) and lse (B, Hq, S, fp32, contiguous) for inputs that
-    `unsupported` accepted. `overlap=False` waits for each product at once (the
-    measurement of what the overlap buys)."""
+    `unsupported` accepted, with one of `SCHEDULES` (what each step buys is measured
+    by running them side by side)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}; choose from {SCHEDULES}")
     b, hq, s, d = q.shape
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
@@ -365,5 +384,5 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         *descs, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         hq, s, sm_scale * math.log2(math.e),
         GROUP=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_N=BLOCK_N,
-        STAGES=STAGES, OVERLAP=bool(overlap), CONSUMER_REGS=CONSUMER_REGS,
+        STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule), CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
