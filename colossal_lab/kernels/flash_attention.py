@@ -698,9 +698,9 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             why = hopper.unsupported(q, k, v)
         if why is None:
+            # "hopper-serial" -> "serial"; "hopper" and "auto" -> the default schedule
             schedule = kernel.partition("-")[2] or hopper.DEFAULT_SCHEDULE
-            hopper.forward(q, k, v, causal, sm_scale, o, lse,
-                           schedule="overlap" if schedule == "auto" else schedule)
+            hopper.forward(q, k, v, causal, sm_scale, o, lse, schedule=schedule)
             return o, lse
         if kernel != "auto":
             raise ValueError(f"the Hopper forward cannot take these inputs: {why} "
