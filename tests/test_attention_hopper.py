@@ -81,6 +81,8 @@ def test_forward_kernel_choice_and_errors():
         fa.flash_attention(q, q, q, True, kernel="fa3")
     with pytest.raises(ValueError, match="schedule="):
         hopper.forward(q, q, q, True, 0.125, q, q, schedule="fast")
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        hopper.forward(q, q, q, True, 0.125, q.transpose(2, 3), torch.empty(1, 2, 128))
 
 
 @pytest.mark.skipif(not hopper.HAVE_GLUON, reason="this Triton has no Gluon")

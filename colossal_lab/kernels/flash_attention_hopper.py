@@ -366,11 +366,14 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             sm_scale: float, o: torch.Tensor, lse: torch.Tensor, *,
             schedule: str = DEFAULT_SCHEDULE) -> None:
-    """Fill o (B, Hq, S, D) and lse (B, Hq, S, fp32, contiguous) for inputs that
-    `unsupported` accepted, with one of `SCHEDULES` (what each step buys is measured
-    by running them side by side)."""
+    """Fill o (B, Hq, S, D), any strides but a contiguous last dimension, and lse
+    (B, Hq, S, fp32, contiguous) for inputs that `unsupported` accepted, with one of
+    `SCHEDULES` (what each step buys is measured by running them side by side)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; choose from {SCHEDULES}")
+    if o.shape != q.shape or o.stride(3) != 1 or not lse.is_contiguous():
+        raise ValueError("o must have q's shape and a contiguous last dimension, lse "
+                         "must be contiguous")
     b, hq, s, d = q.shape
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
