@@ -13,7 +13,7 @@ import torch
 
 from colossal_lab.kernels import flash_attention as fa
 from colossal_lab.kernels import flash_attention_hopper as hopper
-from tests.test_attention import _check
+from tests.test_attention import DEVICE, _check
 
 on_hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
@@ -66,15 +66,14 @@ def test_unsupported_says_why():
 
 
 def test_forward_kernel_choice_and_errors():
-    """On a CPU (the interpreter) "auto" runs the portable kernel and "hopper" says why
-    it cannot; unknown names are refused."""
-    q = torch.randn(1, 2, 128, 64)
+    """Where the Hopper kernel cannot run (here: fp32, and on a CPU the interpreter),
+    "auto" runs the portable kernel and "hopper" says why; unknown names are refused."""
+    q = torch.randn(1, 2, 128, 64, device=DEVICE)
     o_auto, lse_auto = fa.flash_attention_forward(q, q, q, True, kernel="auto")
     o_port, lse_port = fa.flash_attention_forward(q, q, q, True, kernel="portable")
     assert torch.equal(o_auto, o_port) and torch.equal(lse_auto, lse_port)
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="Hopper forward cannot"):
-            fa.flash_attention_forward(q, q, q, True, kernel="hopper")
+    with pytest.raises(ValueError, match="Hopper forward cannot"):
+        fa.flash_attention_forward(q, q, q, True, kernel="hopper")
     with pytest.raises(ValueError, match="kernel="):
         fa.flash_attention_forward(q, q, q, True, kernel="fa3")
     with pytest.raises(ValueError, match="kernel="):

@@ -29,8 +29,8 @@ PTX = """
 
 
 def test_ptx_params_reads_the_entry_only():
-    assert native.ptx_params(PTX) == ["u64", "u32", "f32", "u64", "u64"]
-    assert native.ptx_params("no entry here") == []
+    assert native.ptx_params(PTX) == ("u64", "u32", "f32", "u64", "u64")
+    assert native.ptx_params("no entry here") == ()
 
 
 def test_kernel_params_map_arguments_to_parameters():

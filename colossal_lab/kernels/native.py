@@ -29,6 +29,7 @@ torch.compile traces, and where the extension cannot be built (no C++ compiler:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -167,11 +168,14 @@ _PTX_ENTRY = re.compile(r"\.entry\s+\w+\s*\((.*?)\)", re.S)
 _PTX_PARAM = re.compile(r"\.param\s+\.(\w+)")
 
 
-def ptx_params(ptx: str) -> list[str]:
+@functools.lru_cache(maxsize=256)
+def ptx_params(ptx: str) -> tuple[str, ...]:
     """The kernel's parameter types as its PTX declares them ("u64", "u32", "f32", ...):
-    the arguments that were not constexpr, then Triton's scratch pointers."""
+    the arguments that were not constexpr, then Triton's scratch pointers. Cached per
+    PTX text: a shape whose plan cannot complete (a backward that never registers, e.g.
+    on a strided upstream gradient) registers its forward on every call."""
     entry = _PTX_ENTRY.search(ptx)
-    return _PTX_PARAM.findall(entry.group(1)) if entry else []
+    return tuple(_PTX_PARAM.findall(entry.group(1))) if entry else ()
 
 
 _FITS = {"t": ("u64", "b64", "s64"), "n": ("u64", "b64", "s64"),

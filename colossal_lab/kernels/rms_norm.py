@@ -464,17 +464,22 @@ class TritonRMSNormFunction(torch.autograd.Function):
         return dx.view(ctx.shape), dw if ctx.needs_input_grad[1] else None, None
 
 
+_NATIVE_SLOTS = {_rms_norm_forward_kernel: ("forward", (0, 0, 1, 2, 2, 3)),
+                 _rms_norm_backward_kernel: ("backward", (0, 1, 2, 3, 0, 4, 5)),
+                 _rms_norm_partials_sum_kernel: ("sum", (5, 6, 6))}
+"""Per kernel: which launch of the C++ plan it is, and for each of its tensor arguments,
+in order, that tensor's index in `native.FORWARD_SLOTS` / `BACKWARD_SLOTS` (the
+forward's residual and h are x and y when there is no residual)."""
+
+
 def _native_hook(x2d, w, decided: bool = False):
     """The `on_launch` that registers each launch with `kernels.native` (None when the
     native path is off, unless the forward already `decided` to register)."""
     if torch.compiler.is_compiling() or not x2d.is_cuda or not (decided or native.requested()):
         return None
-    slots = {_rms_norm_forward_kernel: ("forward", (0, 0, 1, 2, 2, 3)),
-             _rms_norm_backward_kernel: ("backward", (0, 1, 2, 3, 0, 4, 5)),
-             _rms_norm_partials_sum_kernel: ("sum", (5, 6, 6))}
 
     def hook(kernel, grid, args, key):
-        which, where = slots[kernel]
+        which, where = _NATIVE_SLOTS[kernel]
         programs = grid[0] if which == "backward" else 0
         native.register_launch(which, x2d, w, runner_for(kernel, key), grid, args, where,
                                programs)
