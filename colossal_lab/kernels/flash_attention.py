@@ -77,19 +77,22 @@ import triton.language as tl
 
 from colossal_lab.kernels import INTERPRET
 from colossal_lab.kernels import flash_attention_hopper as hopper
+from colossal_lab.kernels import flash_attention_hopper_backward as hopper_bwd
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 """Head dims the kernels accept (a tile's width must be a power of two)."""
-FORWARD_KERNELS = ("auto", "portable", "hopper", "hopper-serial", "hopper-pingpong")
-DEFAULT_FORWARD_KERNEL = "portable"
-"""Which forward runs: "portable" (this file's FlashAttention-2), "hopper" (the Gluon
-kernel of `flash_attention_hopper`, sm_90 only; an error where it cannot run),
-"hopper-serial" / "hopper-pingpong" (the same with another of its `SCHEDULES`: the
-softmax waiting for each matmul, or the two warpgroups also taking turns) or
-"auto" (the Hopper kernel where `flash_attention_hopper.unsupported` accepts the inputs
-and torch.compile is not tracing, the portable one elsewhere). The default stays
-"portable" until the overlapped Hopper kernel has been timed against it at every sweep
-point (its first, serial version lost at D = 64 and S = 1024: notes/flash_attention.md)."""
+KERNELS = ("auto", "portable", "hopper", "hopper-serial", "hopper-pingpong")
+DEFAULT_KERNEL = "portable"
+"""Which kernels run, forward and backward: "portable" (this file's FlashAttention-2),
+"hopper" (the Gluon kernels for sm_90: `flash_attention_hopper`'s forward and
+`flash_attention_hopper_backward`'s one-pass backward; an error where they cannot run),
+"hopper-serial" / "hopper-pingpong" (the same with another of the forward's `SCHEDULES`:
+the softmax waiting for each matmul, or the two warpgroups also taking turns) or "auto"
+(the Hopper kernels where `flash_attention_hopper.unsupported` accepts the inputs and
+torch.compile is not tracing, the portable ones elsewhere). The default stays
+"portable" until the Hopper kernels have been timed against it at every sweep point
+(the forward's first, serial version lost at D = 64 and S = 1024:
+notes/flash_attention.md)."""
 DQ_MODES = ("separate", "atomic")
 DEFAULT_DQ_MODE = "separate"
 """How the backward computes dQ (see `flash_attention_backward`). "separate" is
@@ -664,6 +667,29 @@ def _scale(sm_scale: float | None, head_dim: int) -> float:
     return scale
 
 
+def _why_not_hopper(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                    ) -> str | None:
+    """None where `kernel` (not "portable") runs the Hopper kernels on these inputs;
+    otherwise why not, which is an error unless kernel is "auto"."""
+    if INTERPRET:
+        why = "Gluon has no interpreter"
+    elif torch.compiler.is_compiling():
+        why = "torch.compile is tracing (it traces the portable kernel)"
+    else:
+        why = hopper.unsupported(q, k, v)
+    if why is not None and kernel != "auto":
+        raise ValueError(f"the Hopper kernels cannot take these inputs: {why} "
+                         "(kernel='auto' falls back to the portable kernel)")
+    return why
+
+
+def _check_kernel(kernel: str | None) -> str:
+    kernel = kernel or DEFAULT_KERNEL
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; choose from {KERNELS}")
+    return kernel
+
+
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             causal: bool = True, sm_scale: float | None = None,
                             kernel: str | None = None
@@ -674,37 +700,25 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q: (B, Hq, S, D); k, v: (B, Hkv, S, D). Any strides; nothing is copied.
         causal: mask keys after the query.
         sm_scale: softmax scale, default 1/sqrt(D).
-        kernel: one of `FORWARD_KERNELS`, default `DEFAULT_FORWARD_KERNEL`.
+        kernel: one of `KERNELS`, default `DEFAULT_KERNEL`.
     Returns:
         o: (B, Hq, S, D) in q's dtype, laid out like q (`empty_like`), so the usual
            `o.transpose(1, 2).reshape(B, S, H·D)` of a (B, S, H, D) q costs no copy;
         lse: (B, Hq, S) fp32, the natural-log log-sum-exp of each score row.
     """
     group = _check_inputs(q, k, v)
-    kernel = kernel or DEFAULT_FORWARD_KERNEL
-    if kernel not in FORWARD_KERNELS:
-        raise ValueError(f"kernel={kernel!r}; choose from {FORWARD_KERNELS}")
+    kernel = _check_kernel(kernel)
     b, hq, s, d = q.shape
     sm_scale = _scale(sm_scale, d)
     o = torch.empty_like(q)
     lse = torch.empty((b, hq, s), device=q.device, dtype=torch.float32)
     if s == 0 or b == 0:
         return o, lse
-    if kernel != "portable":
-        if INTERPRET:
-            why = "Gluon has no interpreter"
-        elif torch.compiler.is_compiling():
-            why = "torch.compile is tracing (it traces the portable kernel)"
-        else:
-            why = hopper.unsupported(q, k, v)
-        if why is None:
-            # "hopper-serial" -> "serial"; "hopper" and "auto" -> the default schedule
-            schedule = kernel.partition("-")[2] or hopper.DEFAULT_SCHEDULE
-            hopper.forward(q, k, v, causal, sm_scale, o, lse, schedule=schedule)
-            return o, lse
-        if kernel != "auto":
-            raise ValueError(f"the Hopper forward cannot take these inputs: {why} "
-                             "(kernel='auto' falls back to the portable kernel)")
+    if kernel != "portable" and _why_not_hopper(kernel, q, k, v) is None:
+        # "hopper-serial" -> "serial"; "hopper" and "auto" -> the default schedule
+        schedule = kernel.partition("-")[2] or hopper.DEFAULT_SCHEDULE
+        hopper.forward(q, k, v, causal, sm_scale, o, lse, schedule=schedule)
+        return o, lse
 
     def grid(meta):
         return (triton.cdiv(s, meta["BLOCK_M"]), hq, b)
@@ -719,7 +733,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                              causal: bool = True, sm_scale: float | None = None,
-                             dq_mode: str | None = None
+                             dq_mode: str | None = None, kernel: str | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward: Δ = rowsum(dO ∘ O), then dK/dV and dQ.
 
@@ -729,7 +743,10 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         dq_mode: "separate" (dQ in its own kernel, recomputing P and dP: 7 matmuls,
             deterministic) or "atomic" (the dK/dV kernel adds dS K into an fp32 buffer
             with atomics, FA2's way: 5 matmuls, run-to-run bit differences). Default
-            `DEFAULT_DQ_MODE`.
+            `DEFAULT_DQ_MODE`. The Hopper backward always adds dQ up (through TMA
+            reductions); dq_mode is the portable kernel's.
+        kernel: one of `KERNELS` (every "hopper*" name runs the same backward),
+            default `DEFAULT_KERNEL`.
     Returns:
         dq (B, Hq, S, D), dk and dv (B, Hkv, S, D), laid out like q, k, v.
     """
@@ -737,11 +754,16 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     dq_mode = dq_mode or DEFAULT_DQ_MODE
     if dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode={dq_mode!r}; choose from {DQ_MODES}")
+    kernel = _check_kernel(kernel)
     atomic = dq_mode == "atomic"
     b, hq, s, d = q.shape
     hkv = k.shape[1]
     sm_scale = _scale(sm_scale, d)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
+    hopper_ok = kernel != "portable" and s > 0 and b > 0 \
+        and _why_not_hopper(kernel, q, k, v) is None
+    if hopper_ok:
+        atomic = False  # no buffer here: the Hopper kernel allocates its own
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic \
         else torch.empty_like(q)
     if s == 0 or b == 0:
@@ -751,6 +773,9 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     block = 32 if INTERPRET else 64
     _attn_bwd_preprocess_kernel[(triton.cdiv(s, block), hq, b)](
         o, do, delta, *o.stride(), *do.stride(), hq, s, HEAD_DIM=d, BLOCK_M=block)
+    if hopper_ok:
+        dq32 = hopper_bwd.backward(do, q, k, v, lse, delta, causal, sm_scale, dk, dv)
+        return dq.copy_(dq32), dk, dv
     common = dict(GROUP=group, HEAD_DIM=d, CAUSAL=bool(causal), UPCAST=_upcast(q.dtype))
     qk_scale = sm_scale * math.log2(math.e)
 
@@ -780,14 +805,14 @@ class FlashAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, sm_scale, dq_mode=None, kernel=None):
         o, lse = flash_attention_forward(q, k, v, causal, sm_scale, kernel)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.sm_scale, ctx.dq_mode = causal, sm_scale, dq_mode
+        ctx.causal, ctx.sm_scale, ctx.dq_mode, ctx.kernel = causal, sm_scale, dq_mode, kernel
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale,
-                                              ctx.dq_mode)
+                                              ctx.dq_mode, ctx.kernel)
         return dq, dk, dv, None, None, None, None
 
 
@@ -805,14 +830,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         sm_scale: softmax scale, default 1/sqrt(D).
         dq_mode: how the backward computes dQ, "separate" or "atomic" (see
             `flash_attention_backward`); default `DEFAULT_DQ_MODE`.
-        kernel: which forward (`FORWARD_KERNELS`); default `DEFAULT_FORWARD_KERNEL`.
-            The backward is the portable kernel's either way.
+        kernel: which kernels, forward and backward (`KERNELS`); default
+            `DEFAULT_KERNEL`.
     Returns:
         (B, Hq, S, D) in q's dtype; differentiable in q, k and v.
     """
     _check_inputs(q, k, v)
     if dq_mode is not None and dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode={dq_mode!r}; choose from {DQ_MODES}")
-    if kernel is not None and kernel not in FORWARD_KERNELS:
-        raise ValueError(f"kernel={kernel!r}; choose from {FORWARD_KERNELS}")
+    if kernel is not None:
+        _check_kernel(kernel)
     return FlashAttentionFunction.apply(q, k, v, bool(causal), sm_scale, dq_mode, kernel)

@@ -389,3 +389,27 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         GROUP=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_N=BLOCK_N,
         STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule), CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+
+
+def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE
+                  ) -> tuple:
+    """(kernel, signature, constexprs) to compile the forward for sm_90 without a GPU
+    (`sm90_compile.compile_sm90`), for bf16 inputs of one head dim."""
+    from triton.runtime.jit import mangle_type
+
+    q = torch.empty(1, 2, 2 * BLOCK_M, head_dim, dtype=torch.bfloat16)
+    kern = _attn_fwd_hopper_kernel
+    sig = {}
+    for name, block in zip(kern.arg_names[:3], (HALF_M, BLOCK_N, BLOCK_N)):
+        view, ss = rows_view(q)
+        layout = gl.NVMMASharedLayout.get_default_for([block, head_dim], gl.bfloat16)
+        sig[name] = mangle_type(TensorDescriptor(view, list(view.shape), [ss, 1],
+                                                 [block, head_dim], layout))
+    sig.update(o_ptr="*bf16", lse_ptr="*fp32")
+    for name in kern.arg_names[5:20]:
+        sig[name] = "i64" if name.endswith(("sb", "sh", "ss")) else "i32"
+    sig["qk_scale"] = "fp32"
+    consts = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=BLOCK_N,
+                  STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule),
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
+    return kern, sig, consts
