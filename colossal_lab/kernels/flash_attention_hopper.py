@@ -43,6 +43,7 @@ specialisation) for the API.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -77,6 +78,9 @@ matmul at once; "overlap" computes the softmax of S_j while P_{j-1} V_{j-1} runs
 DEFAULT_SCHEDULE = "overlap"
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
+PERSISTENT = True
+"""One program per SM, each taking a strided share of the (row block, head, batch)
+tiles, rather than one program per tile (the comparison the benchmark makes)."""
 
 if HAVE_GLUON:
 
@@ -99,11 +103,15 @@ if HAVE_GLUON:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
     @gluon.jit
-    def _consume(q, k_smem, v_smem, bars, acc, p, l_i, m_i, rows, lo, hi, qk_scale,
+    def _consume(q, k_smem, v_smem, bars, acc, p, l_i, m_i, rows, lo, hi, c0, tn0,
+                 qk_scale,
                  s_layout: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                  SCHEDULE: gl.constexpr, WG: gl.constexpr):
-        """Key tiles [lo, hi), lo >= 1, for one warpgroup's 64 rows. Step j issues
+        """Key tiles [lo, hi), lo >= 1, for one warpgroup's 64 rows; key tile j sits at
+        position c0 + j of the K/V ring (the program's count over all its tiles), which
+        picks its slot and barrier phases; tn0 counts the turns taken before the tile's
+        step 1 (SCHEDULE 2). Step j issues
         S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} back to back. SCHEDULE 0 waits for each
         product at once; 1 runs the softmax of S_j while the second product is still on
         the tensor cores (FlashAttention-3's intra-warpgroup pipelining); 2 also makes
@@ -114,14 +122,15 @@ if HAVE_GLUON:
         HALF: gl.constexpr = q.shape[0]
         s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
         for j in range(lo, hi):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+            c = c0 + j
+            slot = c % STAGES
+            prev = (c - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), (c // STAGES) & 1)
             p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
             if SCHEDULE == 2:  # warpgroup 0 goes first: its first wait is on a fresh
                 # barrier's completed phase
-                mbarrier.wait(turn.index(WG), ((j - 1) & 1) ^ (1 - WG))
+                mbarrier.wait(turn.index(WG), ((tn0 + j - 1) & 1) ^ (1 - WG))
             s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
             if SCHEDULE == 0:
@@ -143,16 +152,35 @@ if HAVE_GLUON:
         return acc, p, l_i, m_i
 
     @gluon.jit
-    def _consumer(smem, bars, descs, offsets, o_ptr, lse_ptr, stride_os, seq_len, qk_scale,
-                  n_unmasked, n_blocks, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  SCHEDULE: gl.constexpr):
-        """One consumer warpgroup: rows [m0 + 64·WG, m0 + 64·WG + 64) of the program."""
+    def _fwd_tile(tile, n_m, H_Q, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, seq_len):
+        """Work tile -> (first row m0, query head, batch, key tiles without a mask, key
+        tiles in all). Row blocks vary fastest, so the programs running together share
+        a few heads' K and V in L2; causal row blocks run longest first."""
+        if CAUSAL:
+            m0 = (n_m - 1 - tile % n_m) * BLOCK_M
+            n_unmasked = m0 // BLOCK_N
+            n_blocks = (m0 + BLOCK_M) // BLOCK_N
+        else:
+            m0 = (tile % n_m) * BLOCK_M
+            n_unmasked = seq_len // BLOCK_N
+            n_blocks = n_unmasked
+        bh = tile // n_m
+        return m0, bh % H_Q, (bh // H_Q).to(gl.int64), n_unmasked, n_blocks
+
+    @gluon.jit
+    def _consumer(smem, bars, descs, ptrs, strides, dims, qk_scale, WG: gl.constexpr,
+                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr):
+        """One consumer warpgroup: rows [m0 + 64·WG, m0 + 64·WG + 64) of each tile."""
         q_smem, k_smem, v_smem = smem
-        q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
+        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
         kv_bars = (k_ready, v_ready, k_empty, v_empty, turn)
-        m0, o_base, lse_base = offsets[6], offsets[7], offsets[8]
+        o_ptr, lse_ptr = ptrs
+        o_sb, o_sh, o_ss = strides[9], strides[10], strides[11]
+        H_Q, seq_len, n_tiles = dims
         HALF: gl.constexpr = q_smem.shape[1]
+        BLOCK_M: gl.constexpr = 2 * HALF
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -161,85 +189,114 @@ if HAVE_GLUON:
                                                      k_width=2)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-
         q = q_smem.index(WG)
-        rows = m0 + WG * HALF + gl.arange(0, HALF, layout=s_rows)
-        m_i = gl.full([HALF], float("-inf"), gl.float32, s_rows)
-        l_i = gl.zeros([HALF], gl.float32, s_rows)
-        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
-        mbarrier.wait(q_bar, 0)
-        # tile 0 alone: its product S_0 has no P V before it to overlap with
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
-                          gl.zeros([HALF, BLOCK_N], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        if CAUSAL:
-            if n_unmasked == 0:  # the first query block: tile 0 is its diagonal
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale,
-                                                   s_layout, BLOCK_N, True)
+        n_m = seq_len // BLOCK_M
+        c0 = 0  # K/V ring position of the tile's first key tile
+        tn = 0  # turns taken (SCHEDULE 2)
+        it = 0  # tiles taken
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            m0, h, b, n_unmasked, n_blocks = _fwd_tile(tile, n_m, H_Q, GROUP, CAUSAL,
+                                                       BLOCK_M, BLOCK_N, seq_len)
+            rows = m0 + WG * HALF + gl.arange(0, HALF, layout=s_rows)
+            m_i = gl.full([HALF], float("-inf"), gl.float32, s_rows)
+            l_i = gl.zeros([HALF], gl.float32, s_rows)
+            acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+            mbarrier.wait(q_ready, it & 1)
+            # key tile 0 alone: its product S_0 has no P V before it to overlap with
+            mbarrier.wait(k_ready.index(c0 % STAGES), (c0 // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(c0 % STAGES).permute((1, 0)),
+                              gl.zeros([HALF, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            mbarrier.arrive(k_empty.index(c0 % STAGES), count=1)
+            if CAUSAL:
+                if n_unmasked == 0:  # the first query block: tile 0 is its diagonal
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale,
+                                                       s_layout, BLOCK_N, True)
+                else:
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale,
+                                                       s_layout, BLOCK_N, False)
             else:
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale,
                                                    s_layout, BLOCK_N, False)
-        else:
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale, s_layout,
-                                               BLOCK_N, False)
-        acc, p, l_i, m_i = _consume(q, k_smem, v_smem, kv_bars, acc, p, l_i, m_i, rows, 1,
-                                    n_unmasked, qk_scale, s_layout, p_layout, o_rows,
-                                    BLOCK_N, STAGES, False, SCHEDULE, WG)
-        if CAUSAL:
             acc, p, l_i, m_i = _consume(q, k_smem, v_smem, kv_bars, acc, p, l_i, m_i, rows,
-                                        gl.maximum(n_unmasked, 1), n_blocks, qk_scale,
-                                        s_layout, p_layout, o_rows, BLOCK_N, STAGES, True,
-                                        SCHEDULE, WG)
-        # the last P V
-        last = (n_blocks - 1) % STAGES
-        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-        mbarrier.arrive(v_empty.index(last), count=1)
+                                        1, n_unmasked, c0, tn, qk_scale, s_layout,
+                                        p_layout,
+                                        o_rows, BLOCK_N, STAGES, False, SCHEDULE, WG)
+            if CAUSAL:
+                acc, p, l_i, m_i = _consume(q, k_smem, v_smem, kv_bars, acc, p, l_i, m_i,
+                                            rows, gl.maximum(n_unmasked, 1), n_blocks, c0,
+                                            tn, qk_scale, s_layout, p_layout, o_rows, BLOCK_N,
+                                            STAGES, True, SCHEDULE, WG)
+            mbarrier.arrive(q_empty, count=1)  # every S of this tile is done: Q is free
+            # the last P V
+            last = c0 + n_blocks - 1
+            p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+            c0 += n_blocks
+            tn += n_blocks - 1  # steps 1 .. n_blocks - 1 each took one turn
 
-        gl.store(lse_ptr + lse_base + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
-        acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-        o_r = m0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
-        o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        ptrs = (o_ptr + o_base + gl.expand_dims(o_r.to(gl.int64) * stride_os, 1)
-                + gl.expand_dims(o_d, 0))
-        gl.store(ptrs, acc.to(o_ptr.dtype.element_ty))
+            lse_base = (b * H_Q + h) * seq_len
+            gl.store(lse_ptr + lse_base + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+            acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+            o_r = m0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
+            o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            o_base = b * o_sb + h.to(gl.int64) * o_sh
+            o_ptrs = (o_ptr + o_base + gl.expand_dims(o_r.to(gl.int64) * o_ss, 1)
+                      + gl.expand_dims(o_d, 0))
+            gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty))
+            it += 1
 
     @gluon.jit
-    def _producer(smem, bars, descs, offsets, o_ptr, lse_ptr, stride_os, seq_len, qk_scale,
-                  n_unmasked, n_blocks, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  SCHEDULE: gl.constexpr):
-        """The load warp: Q's two halves once, then K and V tile by tile, each into its
-        slot as soon as the consumers have released it (same signature as `_consumer`:
-        worker partitions share one)."""
+    def _producer(smem, bars, descs, ptrs, strides, dims, qk_scale, WG: gl.constexpr,
+                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr):
+        """The load warp: per tile, Q's two halves once the consumers are done with the
+        last tile's, then K and V tile by tile, each into its ring slot as soon as the
+        consumers have released it (the consumers' signature)."""
         q_smem, k_smem, v_smem = smem
-        q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
+        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
         q_desc, k_desc, v_desc = descs
-        q_row, q_col, k_row, k_col, v_row, v_col = (offsets[0], offsets[1], offsets[2],
-                                                    offsets[3], offsets[4], offsets[5])
+        q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss = (
+            strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
+            strides[6], strides[7], strides[8])
+        H_Q, seq_len, n_tiles = dims
         HALF: gl.constexpr = q_smem.shape[1]
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_row + HALF, q_col], q_bar,
-                                        q_smem.index(1))
-        for j in range(n_blocks):
-            slot = j % STAGES
-            # a fresh barrier counts as having completed phase 1: the first pass over
-            # the slots waits for nothing
-            phase = ((j // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(slot), phase)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col],
-                                            k_ready.index(slot), k_smem.index(slot))
-            mbarrier.wait(v_empty.index(slot), phase)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col],
-                                            v_ready.index(slot), v_smem.index(slot))
+        BLOCK_M: gl.constexpr = 2 * HALF
+        n_m = seq_len // BLOCK_M
+        c = 0  # K/V ring position
+        it = 0
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            m0, h, b, n_unmasked, n_blocks = _fwd_tile(tile, n_m, H_Q, GROUP, CAUSAL,
+                                                       BLOCK_M, BLOCK_N, seq_len)
+            hkv = (h // GROUP).to(gl.int64)
+            q_off = b * q_sb + h.to(gl.int64) * q_sh
+            k_off = b * k_sb + hkv * k_sh
+            v_off = b * v_sb + hkv * v_sh
+            q_row, q_col = (q_off // q_ss).to(gl.int32) + m0, (q_off % q_ss).to(gl.int32)
+            k_row, k_col = (k_off // k_ss).to(gl.int32), (k_off % k_ss).to(gl.int32)
+            v_row, v_col = (v_off // v_ss).to(gl.int32), (v_off % v_ss).to(gl.int32)
+            mbarrier.wait(q_empty, (it & 1) ^ 1)  # a fresh barrier: phase 1 is complete
+            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
+            tma.async_copy_global_to_shared(q_desc, [q_row + HALF, q_col], q_ready,
+                                            q_smem.index(1))
+            for j in range(n_blocks):
+                slot = c % STAGES
+                phase = ((c // STAGES) & 1) ^ 1
+                mbarrier.wait(k_empty.index(slot), phase)
+                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col],
+                                                k_ready.index(slot), k_smem.index(slot))
+                mbarrier.wait(v_empty.index(slot), phase)
+                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col],
+                                                v_ready.index(slot), v_smem.index(slot))
+                c += 1
+            it += 1
 
     @gluon.jit
     def _attn_fwd_hopper_kernel(
@@ -247,48 +304,28 @@ if HAVE_GLUON:
         o_ptr, lse_ptr,  # O (B, Hq, S, D) any strides; LSE (B, Hq, S) fp32 contiguous
         q_sb, q_sh, q_ss,  # strides of q (elements): its rows live at (off // q_ss, off % q_ss)
         k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss,
-        H_Q, seq_len, qk_scale,
+        H_Q, seq_len, n_tiles, qk_scale,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCHEDULE: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
+        """Persistent: program p takes tiles p, p + P, p + 2P, ... (P programs, at most
+        one per SM), so one tile's epilogue overlaps the next tile's loads."""
         HALF: gl.constexpr = q_desc.block_type.shape[0]
-        BLOCK_M: gl.constexpr = 2 * HALF
-        if CAUSAL:
-            start_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest rows first
-        else:
-            start_m = gl.program_id(0)
-        off_h = gl.program_id(1)
-        off_b = gl.program_id(2).to(gl.int64)
-        off_hkv = off_h // GROUP
-        m0 = start_m * BLOCK_M
-        q_off = off_b * q_sb + off_h.to(gl.int64) * q_sh
-        k_off = off_b * k_sb + off_hkv.to(gl.int64) * k_sh
-        v_off = off_b * v_sb + off_hkv.to(gl.int64) * v_sh
-        offsets = ((q_off // q_ss).to(gl.int32) + m0, (q_off % q_ss).to(gl.int32),
-                   (k_off // k_ss).to(gl.int32), (k_off % k_ss).to(gl.int32),
-                   (v_off // v_ss).to(gl.int32), (v_off % v_ss).to(gl.int32),
-                   m0, off_b * o_sb + off_h.to(gl.int64) * o_sh,
-                   (off_b * H_Q + off_h) * seq_len)
-        if CAUSAL:
-            n_unmasked = m0 // BLOCK_N
-            n_blocks = (m0 + BLOCK_M) // BLOCK_N
-        else:
-            n_unmasked = seq_len // BLOCK_N
-            n_blocks = n_unmasked
-
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
                                            k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
                                            v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=2)  # both consumers done with Q
         mbarrier.init(turn.index(0), count=1)  # (SCHEDULE 2) warpgroup 0 may issue
         mbarrier.init(turn.index(1), count=1)  # ... warpgroup 1 may issue
         for i in gl.static_range(STAGES):
@@ -298,21 +335,27 @@ if HAVE_GLUON:
             mbarrier.init(v_empty.index(i), count=2)
 
         smem = (q_smem, k_smem, v_smem)
-        bars = (q_bar, k_ready, v_ready, k_empty, v_empty, turn)
+        bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn)
         descs = (q_desc, k_desc, v_desc)
+        ptrs = (o_ptr, lse_ptr)
+        strides = (q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss)
+        dims = (H_Q, seq_len, n_tiles)
         # (worker partitions share one signature; tuples are spelled out, since
         # concatenating them would turn the constexprs into runtime values)
         gl.warp_specialize([
-            (_consumer, (smem, bars, descs, offsets, o_ptr, lse_ptr, o_ss, seq_len, qk_scale,
-                         n_unmasked, n_blocks, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
-                         SCHEDULE)),
-            (_consumer, (smem, bars, descs, offsets, o_ptr, lse_ptr, o_ss, seq_len, qk_scale,
-                         n_unmasked, n_blocks, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
-                         SCHEDULE)),
-            (_producer, (smem, bars, descs, offsets, o_ptr, lse_ptr, o_ss, seq_len, qk_scale,
-                         n_unmasked, n_blocks, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
-                         SCHEDULE))],
+            (_consumer, (smem, bars, descs, ptrs, strides, dims, qk_scale, 0, GROUP,
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE)),
+            (_consumer, (smem, bars, descs, ptrs, strides, dims, qk_scale, 1, GROUP,
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE)),
+            (_producer, (smem, bars, descs, ptrs, strides, dims, qk_scale, 0, GROUP,
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device: the persistent kernels' grid."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def rows_view(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
@@ -382,10 +425,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         layout = gl.NVMMASharedLayout.get_default_for([block, d], gl_dtype)
         descs.append(TensorDescriptor(view, list(view.shape), [stride, 1], [block, d],
                                       layout))
-    grid = (s // BLOCK_M, hq, b)
+    n_tiles = s // BLOCK_M * hq * b
+    grid = (min(n_tiles, sm_count(q.device)) if PERSISTENT else n_tiles,)
     _attn_fwd_hopper_kernel[grid](
         *descs, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        hq, s, sm_scale * math.log2(math.e),
+        hq, s, n_tiles, sm_scale * math.log2(math.e),
         GROUP=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_N=BLOCK_N,
         STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule), CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
@@ -406,7 +450,7 @@ def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE
         sig[name] = mangle_type(TensorDescriptor(view, list(view.shape), [ss, 1],
                                                  [block, head_dim], layout))
     sig.update(o_ptr="*bf16", lse_ptr="*fp32")
-    for name in kern.arg_names[5:20]:
+    for name in kern.arg_names[5:21]:
         sig[name] = "i64" if name.endswith(("sb", "sh", "ss")) else "i32"
     sig["qk_scale"] = "fp32"
     consts = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=BLOCK_N,
