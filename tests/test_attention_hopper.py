@@ -13,6 +13,7 @@ import torch
 
 from colossal_lab.kernels import flash_attention as fa
 from colossal_lab.kernels import flash_attention_hopper as hopper
+from colossal_lab.kernels import flash_attention_hopper_backward as hopper_bwd
 from tests.test_attention import DEVICE, _check
 
 on_hopper = pytest.mark.skipif(
@@ -115,6 +116,7 @@ def test_compiles_for_sm90_without_a_gpu():
     code = r"""
 import json, sys
 from colossal_lab.kernels import flash_attention_hopper as hopper
+from colossal_lab.kernels import flash_attention_hopper_backward as hopper_bwd
 from colossal_lab.kernels import flash_attention_hopper_backward as hopper_bwd
 from colossal_lab.kernels.sm90_compile import compile_sm90
 out = {}
