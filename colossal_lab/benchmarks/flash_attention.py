@@ -73,10 +73,10 @@ CANONICAL = {"batch": 4, "heads": 32, "seq_len": 4096, "head_dim": 128, "causal"
 SWEEP_PROVIDERS = ("triton", "cudnn", "sdpa-flash", "flex")
 """The providers at every point of the sweep (issue #14)."""
 OUR_VARIANTS = {"triton-atomic": {"dq_mode": "atomic"}, "triton-hopper": {"kernel": "hopper"},
-                "triton-hopper-serial": {"kernel": "hopper-serial"},
+                "triton-hopper-overlap": {"kernel": "hopper-overlap"},
                 "triton-hopper-pingpong": {"kernel": "hopper-pingpong"}}
 """Our kernel with one choice changed (`flash_attention`'s keyword arguments)."""
-HOPPER_VARIANTS = ("triton-hopper", "triton-hopper-serial", "triton-hopper-pingpong")
+HOPPER_VARIANTS = ("triton-hopper", "triton-hopper-overlap", "triton-hopper-pingpong")
 CANONICAL_EXTRAS = ("naive", "sdpa-efficient", "triton-atomic", *HOPPER_VARIANTS,
                     "flash_attn", "flex-static")
 """Extra providers at the canonical (S, D, causal), in every layout: the chapter's table,
@@ -91,11 +91,13 @@ One static compile per shape costs about 30 s of the sweep's ~108 cases; the can
 point runs both."""
 PROVIDERS = ("naive", "sdpa-flash", "sdpa-efficient", "cudnn", "triton", *OUR_VARIANTS,
              "flex", "flex-static", "flash_attn")
-"""Every provider `--providers` takes. `triton` is our kernel as it ships (the default
-forward, `flash_attention.DEFAULT_FORWARD_KERNEL`, and backward, dQ in its own kernel);
-`triton-atomic` the same with FA2's atomic dQ (`dq_mode="atomic"`); `triton-hopper` with
-the Gluon forward for Hopper (`kernels/flash_attention_hopper.py`), `-serial` and
-`-pingpong` the same with its other schedules (`OUR_VARIANTS`)."""
+"""Every provider `--providers` takes. `triton` is our attention as it ships
+(`flash_attention.DEFAULT_KERNEL`, "auto": per pass the Hopper or the portable kernel,
+as `AUTO_HOPPER` rules; each row's `kernels` says which ran); `triton-atomic` the
+portable kernels with FA2's atomic dQ (`dq_mode="atomic"`); `triton-hopper` both Gluon
+kernels for Hopper (`kernels/flash_attention_hopper*.py`) at every shape they take,
+`-overlap` and `-pingpong` the same with the forward's other schedules
+(`OUR_VARIANTS`)."""
 QUICK_PROVIDERS = ("naive", "sdpa", "triton")
 MEM_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 MEM_PROVIDERS = ("naive", "triton", "sdpa-flash")
@@ -247,12 +249,12 @@ def pending(cases: list[Case], done_rows: Iterable[dict]) -> list[Case]:
 
 RATE_TFLOPS = {"naive": 25, "sdpa-efficient": 150, "sdpa-flash": 300, "flash_attn": 300,
                "flex": 350, "flex-static": 350, "triton": 400, "triton-atomic": 400,
-               "triton-hopper": 450, "triton-hopper-serial": 400,
+               "triton-hopper": 450, "triton-hopper-overlap": 450,
                "triton-hopper-pingpong": 450, "cudnn": 500}
 """Assumed fwd TFLOP/s per provider on an H200 (near the recorded canonical-point figures;
 fwd+bwd taken 15 % slower): only for `estimate_s`."""
 SETUP_S = {"flex": 6.0, "flex-static": 30.0, "triton": 8.0, "triton-atomic": 4.0,
-           "triton-hopper": 4.0, "triton-hopper-serial": 4.0, "triton-hopper-pingpong": 4.0}
+           "triton-hopper": 4.0, "triton-hopper-overlap": 4.0, "triton-hopper-pingpong": 4.0}
 """Assumed seconds to set a provider up at one case before it is timed (others 1 s):
 "flex-static" compiles FlexAttention's forward and backward for every shape, "flex" once
 per six sequence lengths (`FLEX_COMPILE`); our kernels autotune three kernels per (D,
@@ -598,6 +600,11 @@ def measure_case(batch: int, heads: int, seq_len: int, head_dim: int, causal: bo
                 def fwd_bwd(fwd=fwd):
                     torch.autograd.grad(fwd(), (q, k, v), do)
 
+                if provider == "triton" or provider in OUR_VARIANTS:
+                    from colossal_lab.kernels.flash_attention import kernel_plan
+
+                    row["kernels"] = kernel_plan(
+                        q, k, v, OUR_VARIANTS.get(provider, {}).get("kernel"))
                 out = _first_call(fwd)  # compile / autotune outside the timed region
                 # the error column: against naive attention in fp32 on the same (upcast)
                 # inputs, over the last `ref_rows` query rows (the causal rows that see
@@ -909,7 +916,18 @@ def config_of(quick: bool = False, timing: str = "graph") -> dict:
                        }[timing] + "; each row's timing field says how it was timed",
             "fwd": "forward with autograd recording (training forward)",
             "naive_limit_gib": NAIVE_LIMIT_GIB, "flex_compile": FLEX_COMPILE,
-            "memory": "peak of one fwd+bwd incl. inputs, B=1 H=32 D=128 causal"}
+            "memory": "peak of one fwd+bwd incl. inputs, B=1 H=32 D=128 causal",
+            "triton": _triton_config()}
+
+
+def _triton_config() -> dict:
+    """What `triton` means in this file: the kernel choice and its rules."""
+    from colossal_lab.kernels import flash_attention as fa
+    from colossal_lab.kernels import flash_attention_hopper as hopper
+
+    return {"kernel": fa.DEFAULT_KERNEL, "auto_hopper": fa.AUTO_HOPPER,
+            "hopper_schedule": hopper.DEFAULT_SCHEDULE,
+            "hopper_persistent": "forward without the causal mask"}
 
 
 def merged(kept: list[dict], new: list[dict]) -> list[dict]:

@@ -81,18 +81,24 @@ from colossal_lab.kernels import flash_attention_hopper_backward as hopper_bwd
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 """Head dims the kernels accept (a tile's width must be a power of two)."""
-KERNELS = ("auto", "portable", "hopper", "hopper-serial", "hopper-pingpong")
-DEFAULT_KERNEL = "portable"
+KERNELS = ("auto", "portable", "hopper", "hopper-serial", "hopper-overlap",
+           "hopper-pingpong")
+DEFAULT_KERNEL = "auto"
 """Which kernels run, forward and backward: "portable" (this file's FlashAttention-2),
 "hopper" (the Gluon kernels for sm_90: `flash_attention_hopper`'s forward and
 `flash_attention_hopper_backward`'s one-pass backward; an error where they cannot run),
-"hopper-serial" / "hopper-pingpong" (the same with another of the forward's `SCHEDULES`:
-the softmax waiting for each matmul, or the two warpgroups also taking turns) or "auto"
-(the Hopper kernels where `flash_attention_hopper.unsupported` accepts the inputs and
-torch.compile is not tracing, the portable ones elsewhere). The default stays
-"portable" until the Hopper kernels have been timed against it at every sweep point
-(the forward's first, serial version lost at D = 64 and S = 1024:
-notes/flash_attention.md)."""
+"hopper-serial" / "-overlap" / "-pingpong" (the same with one of the forward's
+`SCHEDULES`; "hopper" takes `flash_attention_hopper.DEFAULT_SCHEDULE`) or "auto": each
+pass takes the Hopper kernel where `flash_attention_hopper.unsupported` accepts the
+inputs, torch.compile is not tracing and the pass's rule (`AUTO_HOPPER`) says it is the
+faster one, the portable kernel elsewhere (A100s, CPUs, fp32, odd shapes)."""
+AUTO_HOPPER = {"forward": {"head_dims": (128,), "min_seq_len": 2048},
+               "backward": {"head_dims": (64, 128), "min_seq_len": 1024}}
+"""Where "auto" takes the Hopper kernel over the portable one, per pass: from the H200
+probes of notes/flash_attention.md (same process, bf16, 30 timed calls each). The Hopper
+forward lost to the portable one at S <= 1024 (0.87x at 1024, 0.74x at 512) and at
+head dim 64 (0.94x); its backward lost only at S = 512 (0.87x). The sweep
+(`bench flash_attention`) records both next to cuDNN at every point."""
 DQ_MODES = ("separate", "atomic")
 DEFAULT_DQ_MODE = "separate"
 """How the backward computes dQ (see `flash_attention_backward`). "separate" is
@@ -667,10 +673,14 @@ def _scale(sm_scale: float | None, head_dim: int) -> float:
     return scale
 
 
-def _why_not_hopper(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                    ) -> str | None:
-    """None where `kernel` (not "portable") runs the Hopper kernels on these inputs;
-    otherwise why not, which is an error unless kernel is "auto"."""
+def _why_not_hopper(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    which: str = "forward") -> str | None:
+    """None where `kernel` (not "portable") runs the Hopper kernel of pass `which` on
+    these inputs; otherwise why not, which is an error unless kernel is "auto"."""
+    rule = AUTO_HOPPER[which]
+    if kernel == "auto" and (q.shape[3] not in rule["head_dims"]
+                             or q.shape[2] < rule["min_seq_len"]):
+        return f"the portable {which} is faster here (AUTO_HOPPER)"
     if INTERPRET:
         why = "Gluon has no interpreter"
     elif torch.compiler.is_compiling():
@@ -688,6 +698,25 @@ def _check_kernel(kernel: str | None) -> str:
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; choose from {KERNELS}")
     return kernel
+
+
+def kernel_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kernel: str | None = None) -> str:
+    """Which kernel each pass runs for these inputs, e.g. "fwd hopper-serial, bwd
+    hopper" or "fwd portable, bwd portable" (for the benchmark's rows)."""
+    kernel = _check_kernel(kernel)
+    names = []
+    for which in ("forward", "backward"):
+        name = "portable"
+        if kernel != "portable":
+            try:
+                if _why_not_hopper(kernel, q, k, v, which) is None:
+                    schedule = kernel.partition("-")[2] or hopper.DEFAULT_SCHEDULE
+                    name = f"hopper-{schedule}" if which == "forward" else "hopper"
+            except ValueError:  # an explicit "hopper" that cannot run: it would raise
+                name = "error"
+        names.append(("fwd " if which == "forward" else "bwd ") + name)
+    return ", ".join(names)
 
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -761,7 +790,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     sm_scale = _scale(sm_scale, d)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     hopper_ok = kernel != "portable" and s > 0 and b > 0 \
-        and _why_not_hopper(kernel, q, k, v) is None
+        and _why_not_hopper(kernel, q, k, v, "backward") is None
     if hopper_ok:
         atomic = False  # no buffer here: the Hopper kernel allocates its own
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic \

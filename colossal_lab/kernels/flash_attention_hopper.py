@@ -23,10 +23,18 @@ warp partitions) lets us write that schedule ourselves:
 - registers are re-balanced between partitions (`worker_num_regs`): the producer needs
   24 per thread, the consumers take the rest.
 
+Without the causal mask the kernel runs persistent: one program per SM takes the (row
+block, head, batch) tiles p, p + P, p + 2P, ..., so one tile's epilogue and the next
+tile's first loads overlap (+13% at S = 2048 and 4096 on the H200). Under the mask the
+tiles' lengths differ, static shares balance badly (0.91x at S = 16384), and one
+program per tile, which the hardware hands to whichever SM frees first, is faster
+(`forward(..., persistent=)` chooses; notes/flash_attention.md has the measurements).
+
 The online softmax, the LSE it saves for the backward and the causal schedule (unmasked
-tiles first, the diagonal tile masked, longest query blocks launched first) are the
-portable kernel's; read its docstring first. The backward stays the portable one: it
-takes (O, LSE) from either forward.
+tiles first, the diagonal tile masked, longest query blocks first) are the portable
+kernel's; read its docstring first. The backward for Hopper is
+`flash_attention_hopper_backward`; the portable backward takes (O, LSE) from either
+forward too.
 
 Scope: compute capability 9.x, bf16 or fp16, head dim 64 or 128, S a multiple of 128,
 and q, k, v whose rows can be addressed as one 2-D TMA view (`rows_view`: (B, H, S, D)
@@ -75,12 +83,11 @@ SCHEDULES = ("serial", "overlap", "pingpong")
 """How a consumer warpgroup orders its work (`_consume`): "serial" waits for each
 matmul at once; "overlap" computes the softmax of S_j while P_{j-1} V_{j-1} runs;
 "pingpong" adds turns between the two warpgroups."""
-DEFAULT_SCHEDULE = "overlap"
+DEFAULT_SCHEDULE = "serial"
+"""Measured fastest, or level, at every D = 128 shape on the H200 (notes/flash_attention.md):
+the two warpgroups already interleave their softmax and matmuls without being told."""
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
-PERSISTENT = True
-"""One program per SM, each taking a strided share of the (row block, head, batch)
-tiles, rather than one program per tile (the comparison the benchmark makes)."""
 
 if HAVE_GLUON:
 
@@ -408,10 +415,12 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             sm_scale: float, o: torch.Tensor, lse: torch.Tensor, *,
-            schedule: str = DEFAULT_SCHEDULE) -> None:
+            schedule: str = DEFAULT_SCHEDULE, persistent: bool | None = None) -> None:
     """Fill o (B, Hq, S, D), any strides but a contiguous last dimension, and lse
     (B, Hq, S, fp32, contiguous) for inputs that `unsupported` accepted, with one of
-    `SCHEDULES` (what each step buys is measured by running them side by side)."""
+    `SCHEDULES` (what each step buys is measured by running them side by side).
+    persistent: one program per SM over strided tiles (default: without the causal
+    mask) or one program per tile."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; choose from {SCHEDULES}")
     if o.shape != q.shape or o.stride(3) != 1 or not lse.is_contiguous():
@@ -426,7 +435,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         descs.append(TensorDescriptor(view, list(view.shape), [stride, 1], [block, d],
                                       layout))
     n_tiles = s // BLOCK_M * hq * b
-    grid = (min(n_tiles, sm_count(q.device)) if PERSISTENT else n_tiles,)
+    if persistent is None:
+        persistent = not causal
+    grid = (min(n_tiles, sm_count(q.device)) if persistent else n_tiles,)
     _attn_fwd_hopper_kernel[grid](
         *descs, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         hq, s, n_tiles, sm_scale * math.log2(math.e),

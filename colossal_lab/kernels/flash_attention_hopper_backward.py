@@ -1,4 +1,4 @@
-"""FlashAttention backward for Hopper (sm_90) in Gluon: one pass, dQ through atomics.
+"""FlashAttention backward for Hopper (sm_90) in Gluon: one pass, dQ through TMA reductions.
 
 The portable backward (`flash_attention.py`) runs two kernels, dK/dV and then dQ, and
 recomputes P and dP in both: 7 matmuls where the mathematics needs 5. Its one-pass
@@ -25,13 +25,25 @@ per SM. This kernel splits the jobs between warps, FlashAttention-3's way:
 
   At head dim 128 each warpgroup forms half of dQ's columns from all 128 keys (64 x 64
   fp32 in registers); at head dim 64 the warpgroups take turns forming the whole of it.
-  dQ goes into an fp32 buffer with atomic adds (L2 reductions); the launcher converts
-  it to the input dtype at the end. 5 matmuls; the sums' order, and so dQ's last bits,
-  change from run to run (dK and dV do not).
+  The warpgroup writes its dQ tile to shared memory and one thread issues a TMA
+  reduction (`cp.reduce.async.bulk.tensor ... .add.f32`) into an fp32 buffer: the adds
+  happen in L2, with no per-element atomics and no address registers; the launcher
+  converts the buffer to the input dtype at the end. 5 matmuls; the sums' order, and so
+  dQ's last bits, change from run to run (dK and dV do not).
+- the row statistics (LSE in base 2, Δ) of each query block go to shared memory with
+  the block (the load warp copies them), and the consumers read them just before use:
+  held in registers for the whole step they cost 32 per thread, and spills.
+
+One program per (key block, key/value head, batch), launched in that order, so the
+programs running together share a few heads' Q and dO in L2 and the hardware hands
+the next program to whichever SM frees first. A persistent version (one program per
+SM over a strided share of the tiles) was measured and lost: static shares balance
+badly under the causal mask (0.85x at S = 1024, 0.82x at 16k; notes/flash_attention.md).
 
 Registers per consumer thread: dK and dV 64 each, Sᵀ and dPᵀ 32 each, dQ 32; the
 producer needs 24 (`worker_num_regs` re-balances them). Shared memory at head dim 128:
-K and V 64 KiB, Q and dO 2 x 2 x 16 KiB, dSᵀ 2 x 16 KiB: 160 KiB.
+K and V 64 KiB, Q and dO 2 x 2 x 16 KiB, dSᵀ 2 x 16 KiB, the dQ tiles on their way out
+2 x 16 KiB: 194 KiB, so one program per SM.
 
 Scope: as the Hopper forward (`flash_attention_hopper.unsupported`), and dO with a TMA
 view (the launcher copies it otherwise). Δ = rowsum(dO ∘ O) comes from the portable
@@ -178,31 +190,20 @@ if hopper.HAVE_GLUON:
         return t, dk, dv
 
     @gluon.jit
-    def _bwd_tile(tile, n_blocks, H_KV, GROUP: gl.constexpr, BN: gl.constexpr):
-        """Work tile -> (first key n0, key/value head, batch). Key blocks vary fastest,
-        so the programs running together share a few heads' Q and dO in L2; causal
-        key block 0 (the most query blocks) comes first."""
-        n0 = (tile % n_blocks) * BN
-        bh = tile // n_blocks
-        return n0, bh % H_KV, (bh // H_KV).to(gl.int64)
-
-    @gluon.jit
-    def _bwd_consumer(smem, bars, descs, ptrs, strides, dims, qk_scale, sm_scale,
-                      WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-        """One consumer warpgroup: keys [n0 + 64·WG, n0 + 64·WG + 64) of each tile."""
+    def _bwd_consumer(smem, bars, descs, heads, ptrs, strides, seq_len, n0, qk_scale,
+                      sm_scale, WG: gl.constexpr, GROUP: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+        """One consumer warpgroup: keys [n0 + 64·WG, n0 + 64·WG + 64)."""
         q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, dq_smem = smem
-        kv_ready, kv_empty, q_ready, do_ready, q_empty, do_empty, ds_ready = bars
+        kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready = bars
         step_bars = (q_ready, do_ready, q_empty, do_empty, ds_ready)
         dq_desc = descs[4]
         dq_buf = dq_smem.index(WG)
         dk_ptr, dv_ptr = ptrs[2], ptrs[3]
-        dk_sb, dk_sh, dk_ss, dv_sb, dv_sh, dv_ss = (strides[8], strides[9], strides[10],
-                                                    strides[11], strides[12], strides[13])
-        H_Q, H_KV, seq_len, n_tiles = dims[0], dims[1], dims[2], dims[3]
+        dk_ss, dv_ss = strides[0], strides[1]
+        bh0, dk_base, dv_base = heads[4], heads[5], heads[6]  # (b, first query head)
         BM: gl.constexpr = q_smem.shape[1]
-        BN: gl.constexpr = k_smem.shape[0]
-        HALF: gl.constexpr = BN // 2
+        HALF: gl.constexpr = k_smem.shape[0] // 2
         DQ_SPLIT: gl.constexpr = HEAD_DIM == 128
         DQ_N: gl.constexpr = HEAD_DIM // 2 if DQ_SPLIT else HEAD_DIM
         DQ_COL0: gl.constexpr = WG * DQ_N if DQ_SPLIT else 0
@@ -220,122 +221,95 @@ if hopper.HAVE_GLUON:
             k_dq = k_smem.slice(DQ_COL0, DQ_N, dim=1)
         else:
             k_dq = k_smem
+        keys = n0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+        dk = gl.zeros([HALF, HEAD_DIM], gl.float32, kv_layout)
+        dv = gl.zeros([HALF, HEAD_DIM], gl.float32, kv_layout)
         n_q = seq_len // BM
-        n_blocks = seq_len // BN
-        t = 0  # steps taken, over all tiles: ring slots and barrier phases
-        it = 0  # tiles taken
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            n0, hkv, b = _bwd_tile(tile, n_blocks, H_KV, GROUP, BN)
+        if CAUSAL:
+            lo = n0 // BM
+            n_diag = (2 * HALF) // BM  # query blocks that cross the diagonal
+        else:
+            lo = 0
+            n_diag = 0
+        mbarrier.wait(kv_bar, 0)
+        t = 0
+        for g in range(GROUP):
+            dq_row0 = ((bh0 + g) * seq_len).to(gl.int32)  # the head's first row of dQ
             if CAUSAL:
-                lo = n0 // BM
-                n_diag = BN // BM  # query blocks that cross the diagonal
-            else:
-                lo = 0
-                n_diag = 0
-            keys = n0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-            dk = gl.zeros([HALF, HEAD_DIM], gl.float32, kv_layout)
-            dv = gl.zeros([HALF, HEAD_DIM], gl.float32, kv_layout)
-            bh0 = b * H_Q + hkv * GROUP  # (b, first query head of the group)
-            mbarrier.wait(kv_ready, it & 1)
-            for g in range(GROUP):
-                dq_row0 = ((bh0 + g) * seq_len).to(gl.int32)  # the head's first dQ row
-                if CAUSAL:
-                    t, dk, dv = _bwd_steps(t, lo, lo + n_diag, k_h, v_h, k_dq, q_smem,
-                                           do_smem, ds_smem, lse_smem, delta_smem,
-                                           step_bars, dk, dv, dq_desc, dq_buf, dq_row0,
-                                           keys, qk_scale, sm_scale, s_layout, a_layout,
-                                           dq_layout, DQ_COL0, HEAD_DIM, STAGES, True,
-                                           DQ_SPLIT, WG)
-                t, dk, dv = _bwd_steps(t, lo + n_diag, n_q, k_h, v_h, k_dq, q_smem,
+                t, dk, dv = _bwd_steps(t, lo, lo + n_diag, k_h, v_h, k_dq, q_smem,
                                        do_smem, ds_smem, lse_smem, delta_smem, step_bars,
                                        dk, dv, dq_desc, dq_buf, dq_row0, keys, qk_scale,
-                                       sm_scale, s_layout, a_layout, dq_layout, DQ_COL0,
-                                       HEAD_DIM, STAGES, False, DQ_SPLIT, WG)
-            # every product that read K and V has completed: the producer may load the
-            # next tile's while this one's dK and dV go out
-            mbarrier.arrive(kv_empty, count=1)
-            rows = n0 + WG * HALF + gl.arange(0, HALF,
-                                              layout=gl.SliceLayout(1, kv_layout))
-            d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-            off = gl.expand_dims(rows.to(gl.int64), 1)
-            hk = hkv.to(gl.int64)
-            gl.store(dk_ptr + (b * dk_sb + hk * dk_sh) + off * dk_ss + gl.expand_dims(d, 0),
-                     dk.to(dk_ptr.dtype.element_ty))
-            gl.store(dv_ptr + (b * dv_sb + hk * dv_sh) + off * dv_ss + gl.expand_dims(d, 0),
-                     dv.to(dv_ptr.dtype.element_ty))
-            it += 1
+                                       sm_scale,
+                                       s_layout, a_layout, dq_layout, DQ_COL0, HEAD_DIM,
+                                       STAGES, True, DQ_SPLIT, WG)
+            t, dk, dv = _bwd_steps(t, lo + n_diag, n_q, k_h, v_h, k_dq, q_smem, do_smem,
+                                   ds_smem, lse_smem, delta_smem, step_bars, dk, dv,
+                                   dq_desc, dq_buf, dq_row0, keys, qk_scale, sm_scale,
+                                   s_layout,
+                                   a_layout, dq_layout, DQ_COL0, HEAD_DIM, STAGES, False,
+                                   DQ_SPLIT, WG)
+        rows = n0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, kv_layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+        off = gl.expand_dims(rows.to(gl.int64), 1)
+        gl.store(dk_ptr + dk_base + off * dk_ss + gl.expand_dims(d, 0),
+                 dk.to(dk_ptr.dtype.element_ty))
+        gl.store(dv_ptr + dv_base + off * dv_ss + gl.expand_dims(d, 0),
+                 dv.to(dv_ptr.dtype.element_ty))
         tma.store_wait(0)  # the last dQ reduction has read its buffer
 
     @gluon.jit
-    def _bwd_producer(smem, bars, descs, ptrs, strides, dims, qk_scale, sm_scale,
-                      WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-        """The load warp: per tile, K and V once the consumers are done with the last
-        tile's, then Q, dO and the row statistics block by block, each into its slot as
-        soon as both consumers have released it (the consumers' signature)."""
+    def _bwd_producer(smem, bars, descs, heads, ptrs, strides, seq_len, n0, qk_scale,
+                      sm_scale, WG: gl.constexpr, GROUP: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+        """The load warp: K and V once, then Q and dO block by block, each into its slot
+        as soon as both consumers have released it (the consumers' signature)."""
         q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, dq_smem = smem
-        kv_ready, kv_empty, q_ready, do_ready, q_empty, do_empty, ds_ready = bars
+        kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready = bars
         q_desc, do_desc, k_desc, v_desc, dq_desc = descs
         lse_ptr, delta_ptr = ptrs[0], ptrs[1]
-        q_sb, q_sh, q_ss, do_sb, do_sh, do_ss = (strides[0], strides[1], strides[2],
-                                                 strides[3], strides[4], strides[5])
-        k_sb, k_sh, k_ss, v_sb, v_sh, v_ss = (strides[6], strides[7], strides[14],
-                                              strides[15], strides[16], strides[17])
-        H_Q, H_KV, seq_len, n_tiles = dims[0], dims[1], dims[2], dims[3]
+        bh0 = heads[4]
+        k_row, k_col, v_row, v_col = heads[0], heads[1], heads[2], heads[3]
+        q_ss, do_ss = strides[2], strides[3]
+        q_off, do_off = strides[4], strides[5]  # element offset of head (b, first_h)
+        q_sh, do_sh = strides[6], strides[7]
         BM: gl.constexpr = q_smem.shape[1]
-        BN: gl.constexpr = k_smem.shape[0]
         stat_layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
         stat_cols = gl.arange(0, BM, layout=stat_layout)
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [v_row, v_col], kv_bar, v_smem)
         n_q = seq_len // BM
-        n_blocks = seq_len // BN
+        if CAUSAL:
+            lo = n0 // BM
+        else:
+            lo = 0
         t = 0
-        it = 0
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            n0, hkv, b = _bwd_tile(tile, n_blocks, H_KV, GROUP, BN)
-            if CAUSAL:
-                lo = n0 // BM
-            else:
-                lo = 0
-            hk = hkv.to(gl.int64)
-            k_off = b * k_sb + hk * k_sh
-            v_off = b * v_sb + hk * v_sh
-            mbarrier.wait(kv_empty, (it & 1) ^ 1)  # a fresh barrier: phase 1 is complete
-            mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [(k_off // k_ss).to(gl.int32) + n0, (k_off % k_ss).to(gl.int32)],
-                kv_ready, k_smem)
-            tma.async_copy_global_to_shared(
-                v_desc, [(v_off // v_ss).to(gl.int32) + n0, (v_off % v_ss).to(gl.int32)],
-                kv_ready, v_smem)
-            first_h = hk * GROUP
-            for g in range(GROUP):
-                qo = b * q_sb + (first_h + g) * q_sh
-                dqo = b * do_sb + (first_h + g) * do_sh
-                q_row, q_col = (qo // q_ss).to(gl.int32), (qo % q_ss).to(gl.int32)
-                do_row, do_col = (dqo // do_ss).to(gl.int32), (dqo % do_ss).to(gl.int32)
-                stat_base = (b * H_Q + first_h + g) * seq_len
-                for i in range(lo, n_q):
-                    slot = t % STAGES
-                    phase = ((t // STAGES) & 1) ^ 1
-                    mbarrier.wait(q_empty.index(slot), phase)
-                    # the block's LSE (base 2) and Δ into shared memory, where the
-                    # consumers read them when needed (as registers they would hold 32
-                    # of each thread's registers for the whole step)
-                    rows = stat_base + i * BM + stat_cols
-                    lse_smem.index(slot).store(gl.load(lse_ptr + rows) * 1.4426950408889634)
-                    delta_smem.index(slot).store(gl.load(delta_ptr + rows))
-                    _sync_warps()
-                    mbarrier.arrive(q_ready.index(slot), count=1)
-                    mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(q_desc, [q_row + i * BM, q_col],
-                                                    q_ready.index(slot), q_smem.index(slot))
-                    mbarrier.wait(do_empty.index(slot), phase)
-                    mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(do_desc, [do_row + i * BM, do_col],
-                                                    do_ready.index(slot),
-                                                    do_smem.index(slot))
-                    t += 1
-            it += 1
+        for g in range(GROUP):
+            qo = q_off + g * q_sh
+            dqo = do_off + g * do_sh
+            q_row, q_col = (qo // q_ss).to(gl.int32), (qo % q_ss).to(gl.int32)
+            do_row, do_col = (dqo // do_ss).to(gl.int32), (dqo % do_ss).to(gl.int32)
+            stat_base = (bh0 + g) * seq_len
+            for i in range(lo, n_q):
+                slot = t % STAGES
+                phase = ((t // STAGES) & 1) ^ 1  # a fresh barrier: phase 1 is complete
+                mbarrier.wait(q_empty.index(slot), phase)
+                # the block's LSE (base 2) and Δ into shared memory, where the consumers
+                # read them when needed (as registers they would hold 32 of each
+                # thread's registers for the whole step)
+                rows = stat_base + i * BM + stat_cols
+                lse_smem.index(slot).store(gl.load(lse_ptr + rows) * 1.4426950408889634)
+                delta_smem.index(slot).store(gl.load(delta_ptr + rows))
+                _sync_warps()
+                mbarrier.arrive(q_ready.index(slot), count=1)
+                mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row + i * BM, q_col],
+                                                q_ready.index(slot), q_smem.index(slot))
+                mbarrier.wait(do_empty.index(slot), phase)
+                mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [do_row + i * BM, do_col],
+                                                do_ready.index(slot), do_smem.index(slot))
+                t += 1
 
     @gluon.jit
     def _attn_bwd_hopper_kernel(
@@ -345,17 +319,26 @@ if hopper.HAVE_GLUON:
         dk_ptr, dv_ptr,  # (B, Hkv, S, D), any strides, contiguous last dimension
         q_sb, q_sh, q_ss, do_sb, do_sh, do_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
         dk_sb, dk_sh, dk_ss, dv_sb, dv_sh, dv_ss,
-        H_Q, H_KV, seq_len, n_tiles, qk_scale, sm_scale,
+        H_Q, seq_len, qk_scale, sm_scale,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
-        """Persistent: program p takes tiles p, p + P, p + 2P, ... (P programs, at most
-        one per SM), so one tile's dK/dV stores overlap the next tile's loads."""
         BM: gl.constexpr = q_desc.block_type.shape[0]
         BN: gl.constexpr = k_desc.block_type.shape[0]
-        strides = (q_sb, q_sh, q_ss, do_sb, do_sh, do_ss, k_sb, k_sh, dk_sb, dk_sh, dk_ss,
-                   dv_sb, dv_sh, dv_ss, k_ss, v_sb, v_sh, v_ss)
-        dims = (H_Q, H_KV, seq_len, n_tiles)
+        n0 = gl.program_id(0) * BN  # causal: program 0 has the most query blocks
+        off_hkv = gl.program_id(1)
+        off_b = gl.program_id(2).to(gl.int64)
+        first_h = off_hkv * GROUP
+        k_off = off_b * k_sb + off_hkv.to(gl.int64) * k_sh
+        v_off = off_b * v_sb + off_hkv.to(gl.int64) * v_sh
+        heads = ((k_off // k_ss).to(gl.int32) + n0, (k_off % k_ss).to(gl.int32),
+                 (v_off // v_ss).to(gl.int32) + n0, (v_off % v_ss).to(gl.int32),
+                 off_b * H_Q + first_h,
+                 off_b * dk_sb + off_hkv.to(gl.int64) * dk_sh,
+                 off_b * dv_sb + off_hkv.to(gl.int64) * dv_sh)
+        strides = (dk_ss, dv_ss, q_ss, do_ss,
+                   off_b * q_sb + first_h.to(gl.int64) * q_sh,
+                   off_b * do_sb + first_h.to(gl.int64) * do_sh, q_sh, do_sh)
         ptrs = (lse_ptr, delta_ptr, dk_ptr, dv_ptr)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_DIM],
@@ -372,8 +355,7 @@ if hopper.HAVE_GLUON:
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_smem)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
                                             dq_desc.layout)  # one per consumer
-        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1],
                                              mbarrier.MBarrierLayout())
@@ -381,8 +363,7 @@ if hopper.HAVE_GLUON:
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1],
                                              mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_ready, count=1)
-        mbarrier.init(kv_empty, count=2)  # both consumers done with K and V
+        mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=2)  # the Q copy and the row statistics
             mbarrier.init(do_ready.index(i), count=1)
@@ -392,17 +373,15 @@ if hopper.HAVE_GLUON:
         mbarrier.init(ds_ready.index(1), count=2)
 
         smem = (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, dq_smem)
-        bars = (kv_ready, kv_empty, q_ready, do_ready, q_empty, do_empty, ds_ready)
+        bars = (kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready)
         descs = (q_desc, do_desc, k_desc, v_desc, dq_desc)
-        # (partitions share one signature; tuples are spelled out, since concatenating
-        # them would turn the constexprs into runtime values)
         gl.warp_specialize([
-            (_bwd_consumer, (smem, bars, descs, ptrs, strides, dims, qk_scale, sm_scale,
-                             0, GROUP, HEAD_DIM, CAUSAL, STAGES)),
-            (_bwd_consumer, (smem, bars, descs, ptrs, strides, dims, qk_scale, sm_scale,
-                             1, GROUP, HEAD_DIM, CAUSAL, STAGES)),
-            (_bwd_producer, (smem, bars, descs, ptrs, strides, dims, qk_scale, sm_scale,
-                             0, GROUP, HEAD_DIM, CAUSAL, STAGES))],
+            (_bwd_consumer, (smem, bars, descs, heads, ptrs, strides, seq_len, n0, qk_scale,
+                             sm_scale, 0, GROUP, HEAD_DIM, CAUSAL, STAGES)),
+            (_bwd_consumer, (smem, bars, descs, heads, ptrs, strides, seq_len, n0, qk_scale,
+                             sm_scale, 1, GROUP, HEAD_DIM, CAUSAL, STAGES)),
+            (_bwd_producer, (smem, bars, descs, heads, ptrs, strides, seq_len, n0, qk_scale,
+                             sm_scale, 0, GROUP, HEAD_DIM, CAUSAL, STAGES))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -442,12 +421,10 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dq = torch.zeros((b, hq, s, d), device=q.device, dtype=torch.float32)
     descs = (_descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N),
              _descriptor(v, BLOCK_N), dq_descriptor(dq))
-    n_tiles = s // BLOCK_N * hkv * b
-    grid = (min(n_tiles, hopper.sm_count(q.device)) if hopper.PERSISTENT else n_tiles,)
-    _attn_bwd_hopper_kernel[grid](
+    _attn_bwd_hopper_kernel[(s // BLOCK_N, hkv, b)](
         *descs, lse, delta, dk, dv, *q.stride()[:3], *do.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        hq, hkv, s, n_tiles, sm_scale * math.log2(math.e), sm_scale,
+        hq, s, sm_scale * math.log2(math.e), sm_scale,
         GROUP=hq // hkv, HEAD_DIM=d, CAUSAL=bool(causal), STAGES=STAGES,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return dq
