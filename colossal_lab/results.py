@@ -198,7 +198,8 @@ def load_partial(name: str, gpu: str | None = None) -> dict | None:
 
 
 def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved run",
-                 carry: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
+                 carry: tuple[str, ...] = (), grown: tuple[str, ...] = ()
+                 ) -> tuple[list[dict], dict]:
     """(rows kept, config) for an invocation that continues `recorded` (`--resume`):
     a results document (a dict with "config", "provenance" and "rows", as
     `save_partial` writes it) or a `Results`, or None when nothing was saved.
@@ -208,7 +209,9 @@ def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved
     The config is `config` with `resumed_from`, the provenance of every invocation
     before this one, and the entries named in `carry` (ones each invocation adds to)
     taken over from `recorded`. `error` (argparse's) refuses a missing `what` of `name`
-    or one measured with another configuration (compared as the file holds it)."""
+    or one measured with another configuration (compared as the file holds it), except
+    that a list entry named in `grown` may have gained items (providers added to a
+    sweep: the resuming run measures them where the recorded rows lack them)."""
     if recorded is None:
         error(f"--resume: no {what} of {name} is saved to continue from")
     if isinstance(recorded, Results):
@@ -218,6 +221,10 @@ def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved
     old = {k: v for k, v in recorded["config"].items() if k not in skip}
     want = json.loads(json.dumps({k: v for k, v in config.items() if k not in skip},
                                  default=_json_default))  # tuples read back as lists
+    for k in grown:
+        if isinstance(old.get(k), list) and isinstance(want.get(k), list) \
+                and set(map(str, old[k])) <= set(map(str, want[k])):
+            old[k] = want[k]
     if old != want:
         diff = sorted(k for k in set(old) | set(want) if old.get(k) != want.get(k))
         error(f"--resume: the {what} of {name} measured another configuration (differs "

@@ -353,3 +353,29 @@ def test_dry_run_resume_plans_what_a_gpu_file_lacks(tmp_path, monkeypatch, capsy
     assert len(mha) == 1  # what is left there: the memory rows
     chunks = bench_fa.plan_chunks(500.0, done=rows, scale=scale)
     assert all(c["s"] <= 500 for c in chunks)
+
+
+def test_resume_accepts_a_grown_provider_list_only():
+    """A sweep whose canonical extras gained a provider resumes (the new provider is
+    what the resuming run measures); one that lost a provider, or changed anything
+    else, is refused."""
+    from colossal_lab.results import resumed_rows
+
+    def error(msg):
+        raise SystemExit(msg)
+
+    recorded = {"config": {"canonical_extras": ["naive", "triton-atomic"], "tokens": 1},
+                "provenance": {"git_sha": "abc"}, "rows": [{"provider": "naive"}]}
+    grown = {"canonical_extras": ("naive", "triton-portable", "triton-atomic"), "tokens": 1}
+    kept, config = resumed_rows("fa", recorded, grown, error, grown=("canonical_extras",))
+    assert kept == [{"provider": "naive", "measured_at": "abc"}]
+    assert config["canonical_extras"] == grown["canonical_extras"]
+    assert config["resumed_from"] == [{"git_sha": "abc"}]
+    with pytest.raises(SystemExit, match="canonical_extras"):  # not grown without leave
+        resumed_rows("fa", recorded, grown, error)
+    with pytest.raises(SystemExit, match="canonical_extras"):  # shrunk
+        resumed_rows("fa", recorded, {"canonical_extras": ("naive",), "tokens": 1}, error,
+                     grown=("canonical_extras",))
+    with pytest.raises(SystemExit, match="tokens"):
+        resumed_rows("fa", recorded, {**grown, "tokens": 2}, error,
+                     grown=("canonical_extras",))

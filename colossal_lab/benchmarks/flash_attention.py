@@ -1,9 +1,11 @@
 """Switch 1's micro-benchmark: every attention backend side by side, in one process.
 
 Providers: naive (materialised scores), PyTorch SDPA forced to its flash, memory-efficient
-and cuDNN kernels, our Triton FlashAttention-2 (`colossal_lab.kernels.flash_attention`;
-"triton" with its deterministic dQ kernel, "triton-atomic" with FA2's atomic dQ),
-FlexAttention under `torch.compile`, and `flash_attn` when it is installed. Each case
+and cuDNN kernels, ours (`colossal_lab.kernels.flash_attention`: "triton" as it ships,
+which on Hopper picks the Gluon kernels per pass where they are faster, and its variants
+`OUR_VARIANTS`: the portable FlashAttention-2 alone, with FA2's atomic dQ, and the Hopper
+kernels everywhere in each forward schedule), FlexAttention under `torch.compile`, and
+`flash_attn` when it is installed. Each case
 (batch, heads, kv heads, seq_len, head_dim, causal) is set up once and every provider
 runs on the same tensors, so the ratios are what to read; absolute numbers drift between
 machines.
@@ -13,7 +15,8 @@ H·D = 4096 (H = 32, 64, 16 at D = 128, 64, 256), S from 512 to 16384, causal an
 bf16, in three head layouts: MHA, GQA-4 (Hkv = H/4) and GQA-8 (Hkv = H/8). At every
 point: ours ("triton"), cuDNN, SDPA-flash and FlexAttention (`SWEEP_PROVIDERS`); at the
 canonical point B=4, H=32, S=4096, D=128, causal (BASELINES.md's) also naive,
-SDPA-efficient, triton-atomic and flash_attn (`CANONICAL_EXTRAS`). A provider that cannot
+SDPA-efficient, our variants and flash_attn (`CANONICAL_EXTRAS`): the steps from the
+portable kernel to the one that ships, side by side. A provider that cannot
 run a point leaves a row that says why (`skipped` or `error`), never another backend's
 time. Memory rows: peak memory of one fwd+bwd at B=1, H=32, D=128. `targets` reads the
 issue's done-when off the rows.
@@ -72,12 +75,15 @@ LAYOUTS = {"mha": 1, "gqa4": 4, "gqa8": 8}
 CANONICAL = {"batch": 4, "heads": 32, "seq_len": 4096, "head_dim": 128, "causal": True}
 SWEEP_PROVIDERS = ("triton", "cudnn", "sdpa-flash", "flex")
 """The providers at every point of the sweep (issue #14)."""
-OUR_VARIANTS = {"triton-atomic": {"dq_mode": "atomic"}, "triton-hopper": {"kernel": "hopper"},
+OUR_VARIANTS = {"triton-portable": {"kernel": "portable"},
+                "triton-atomic": {"kernel": "portable", "dq_mode": "atomic"},
+                "triton-hopper": {"kernel": "hopper"},
                 "triton-hopper-overlap": {"kernel": "hopper-overlap"},
                 "triton-hopper-pingpong": {"kernel": "hopper-pingpong"}}
 """Our kernel with one choice changed (`flash_attention`'s keyword arguments)."""
 HOPPER_VARIANTS = ("triton-hopper", "triton-hopper-overlap", "triton-hopper-pingpong")
-CANONICAL_EXTRAS = ("naive", "sdpa-efficient", "triton-atomic", *HOPPER_VARIANTS,
+CANONICAL_EXTRAS = ("naive", "sdpa-efficient", "triton-portable", "triton-atomic",
+                    *HOPPER_VARIANTS,
                     "flash_attn", "flex-static")
 """Extra providers at the canonical (S, D, causal), in every layout: the chapter's table,
 and "flex-static", which checks the dynamic-shape compile of "flex" against a compile
@@ -93,8 +99,9 @@ PROVIDERS = ("naive", "sdpa-flash", "sdpa-efficient", "cudnn", "triton", *OUR_VA
              "flex", "flex-static", "flash_attn")
 """Every provider `--providers` takes. `triton` is our attention as it ships
 (`flash_attention.DEFAULT_KERNEL`, "auto": per pass the Hopper or the portable kernel,
-as `AUTO_HOPPER` rules; each row's `kernels` says which ran); `triton-atomic` the
-portable kernels with FA2's atomic dQ (`dq_mode="atomic"`); `triton-hopper` both Gluon
+as `AUTO_HOPPER` rules; each row's `kernels` says which ran); `triton-portable` the
+portable FlashAttention-2 kernels alone (what runs on an A100), `triton-atomic` the same
+with FA2's atomic dQ (`dq_mode="atomic"`); `triton-hopper` both Gluon
 kernels for Hopper (`kernels/flash_attention_hopper*.py`) at every shape they take,
 `-overlap` and `-pingpong` the same with the forward's other schedules
 (`OUR_VARIANTS`)."""
@@ -248,12 +255,14 @@ def pending(cases: list[Case], done_rows: Iterable[dict]) -> list[Case]:
 # ------------------------------------------------------------------- a cost estimate
 
 RATE_TFLOPS = {"naive": 25, "sdpa-efficient": 150, "sdpa-flash": 300, "flash_attn": 300,
-               "flex": 350, "flex-static": 350, "triton": 400, "triton-atomic": 400,
+               "flex": 350, "flex-static": 350, "triton": 450, "triton-portable": 400,
+               "triton-atomic": 400,
                "triton-hopper": 450, "triton-hopper-overlap": 450,
                "triton-hopper-pingpong": 450, "cudnn": 500}
 """Assumed fwd TFLOP/s per provider on an H200 (near the recorded canonical-point figures;
 fwd+bwd taken 15 % slower): only for `estimate_s`."""
-SETUP_S = {"flex": 6.0, "flex-static": 30.0, "triton": 8.0, "triton-atomic": 4.0,
+SETUP_S = {"flex": 6.0, "flex-static": 30.0, "triton": 8.0, "triton-portable": 4.0,
+           "triton-atomic": 4.0,
            "triton-hopper": 4.0, "triton-hopper-overlap": 4.0, "triton-hopper-pingpong": 4.0}
 """Assumed seconds to set a provider up at one case before it is timed (others 1 s):
 "flex-static" compiles FlexAttention's forward and backward for every shape, "flex" once
@@ -1017,7 +1026,7 @@ def main(argv=None) -> None:
         except FileNotFoundError:
             recorded = None
         kept, config = resumed_rows(name, recorded, config, p.error, what="results file",
-                                    carry=("triton_tiles",))
+                                    carry=("triton_tiles",), grown=("canonical_extras",))
         cases = pending(cases, kept)
         print(f"[flash_attention] resuming: {len(kept)} rows kept, "
               f"{sum(len(c.providers) for c in cases)} provider runs to go", flush=True)
