@@ -91,6 +91,21 @@ PRODUCER_REGS = 24
 
 if HAVE_GLUON:
 
+    @gluon.constexpr_function
+    def wgmma_layout(n):
+        """The register layout of a 64 x n wgmma accumulator of one 4-warp warpgroup."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                         instr_shape=[16, n, 16])
+
+    @gluon.jit
+    def ring_load(desc, row, col, ready, empty, phase, dst):
+        """Producer side of a ring slot: wait until the consumers have released it
+        (`empty` completes `phase`), then TMA-copy the (row, col) block of desc into
+        dst; `ready` completes when the bytes have landed."""
+        mbarrier.wait(empty, phase)
+        mbarrier.expect(ready, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, col], ready, dst)
+
     @gluon.jit
     def _softmax_step(s, m_i, l_i, rows, j, qk_scale, s_layout: gl.constexpr,
                       BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
@@ -188,10 +203,8 @@ if HAVE_GLUON:
         H_Q, seq_len, n_tiles = dims
         HALF: gl.constexpr = q_smem.shape[1]
         BLOCK_M: gl.constexpr = 2 * HALF
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+        o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
                                                      k_width=2)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -294,14 +307,10 @@ if HAVE_GLUON:
             for j in range(n_blocks):
                 slot = c % STAGES
                 phase = ((c // STAGES) & 1) ^ 1
-                mbarrier.wait(k_empty.index(slot), phase)
-                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col],
-                                                k_ready.index(slot), k_smem.index(slot))
-                mbarrier.wait(v_empty.index(slot), phase)
-                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col],
-                                                v_ready.index(slot), v_smem.index(slot))
+                ring_load(k_desc, k_row + j * BLOCK_N, k_col, k_ready.index(slot),
+                          k_empty.index(slot), phase, k_smem.index(slot))
+                ring_load(v_desc, v_row + j * BLOCK_N, v_col, v_ready.index(slot),
+                          v_empty.index(slot), phase, v_smem.index(slot))
                 c += 1
             it += 1
 

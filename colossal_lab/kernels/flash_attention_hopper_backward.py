@@ -207,12 +207,9 @@ if hopper.HAVE_GLUON:
         DQ_SPLIT: gl.constexpr = HEAD_DIM == 128
         DQ_N: gl.constexpr = HEAD_DIM // 2 if DQ_SPLIT else HEAD_DIM
         DQ_COL0: gl.constexpr = WG * DQ_N if DQ_SPLIT else 0
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_N, 16])
+        s_layout: gl.constexpr = hopper.wgmma_layout(BM)
+        kv_layout: gl.constexpr = hopper.wgmma_layout(HEAD_DIM)
+        dq_layout: gl.constexpr = hopper.wgmma_layout(DQ_N)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout,
                                                      k_width=2)
         k_h = k_smem.slice(WG * HALF, HALF, dim=0)
@@ -305,10 +302,8 @@ if hopper.HAVE_GLUON:
                 mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_row + i * BM, q_col],
                                                 q_ready.index(slot), q_smem.index(slot))
-                mbarrier.wait(do_empty.index(slot), phase)
-                mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(do_desc, [do_row + i * BM, do_col],
-                                                do_ready.index(slot), do_smem.index(slot))
+                hopper.ring_load(do_desc, do_row + i * BM, do_col, do_ready.index(slot),
+                                 do_empty.index(slot), phase, do_smem.index(slot))
                 t += 1
 
     @gluon.jit
