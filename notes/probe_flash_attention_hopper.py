@@ -1,0 +1,116 @@
+"""Probe the Hopper attention kernels against the portable ones and cuDNN, same process.
+
+    python notes/probe_flash_attention_hopper.py [--shapes N] [--out probe.json]
+
+A working tool for choosing `flash_attention.AUTO_HOPPER` and the forward's schedule and
+persistence, not a results file: CUDA events around eager calls (median and p10-p90 of
+30), no L2 flush, so read ratios within one run only. The sweep
+(`python -m colossal_lab bench flash_attention`) is what the book records. Per shape it
+prints forward TFLOP/s for cuDNN, the portable forward and each Hopper schedule, one
+program per tile and persistent, and fwd+bwd TFLOP/s for cuDNN, the portable kernels,
+the Hopper kernels and "auto"; and the largest gradient differences against cuDNN's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from colossal_lab.kernels import flash_attention as fa
+from colossal_lab.kernels import flash_attention_hopper as hopper
+
+SHAPES = [  # batch, query heads, kv heads, S, D, causal: B·S = 16k tokens, H·D = 4096
+    (16, 32, 32, 1024, 128, True), (16, 32, 32, 1024, 128, False),
+    (8, 32, 4, 2048, 128, True), (4, 32, 32, 4096, 128, True),
+    (4, 32, 32, 4096, 128, False), (32, 32, 32, 512, 128, False),
+    (4, 64, 64, 4096, 64, True), (1, 32, 32, 16384, 128, True),
+]
+
+
+def timed(fn, n: int = 30) -> tuple[float, float, float]:
+    """(median, p10, p90) milliseconds of n event-timed calls after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        ms.append(start.elapsed_time(end))
+    ms.sort()
+    return ms[n // 2], ms[n // 10], ms[(9 * n) // 10 - 1]
+
+
+def cudnn(q, k, v, causal):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
+    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    do = torch.randn_like(q)
+    flop = 4 * b * hq * s * s * d * (0.5 if causal else 1.0)
+    o, lse = torch.empty_like(q), torch.empty(b, hq, s, device="cuda")
+    fwd = {"cudnn": lambda: cudnn(q, k, v, causal),
+           "portable": lambda: fa.flash_attention_forward(q, k, v, causal,
+                                                          kernel="portable")}
+    if hopper.unsupported(q, k, v) is None:
+        for schedule in hopper.SCHEDULES:
+            for persistent in (False, True):
+                fwd[f"{schedule}{'-persistent' if persistent else ''}"] = (
+                    lambda sch=schedule, p=persistent: hopper.forward(
+                        q, k, v, causal, d ** -0.5, o, lse, schedule=sch, persistent=p))
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def fwd_bwd(f):
+        return lambda: torch.autograd.grad(f(qg, kg, vg), (qg, kg, vg), do)
+
+    both = {"cudnn": fwd_bwd(lambda q, k, v: cudnn(q, k, v, causal))}
+    for kernel in ("portable", "hopper", "auto"):
+        if kernel != "hopper" or hopper.unsupported(q, k, v) is None:
+            both[kernel] = fwd_bwd(lambda q, k, v, kern=kernel: fa.flash_attention(
+                q, k, v, causal, kernel=kern))
+    ref = both["cudnn"]()
+    row = {"shape": f"B{b} H{hq}/{hkv} S{s} D{d} {'causal' if causal else 'full'}",
+           "auto": fa.kernel_plan(q, k, v), "fwd": {}, "fwd_bwd": {}, "grad_err": {}}
+    for name, f in both.items():
+        row["grad_err"][name] = [round((g.float() - r.float()).abs().max().item(), 4)
+                                 for g, r in zip(f(), ref)]
+    for key, fns, scale in (("fwd", fwd, 1.0), ("fwd_bwd", both, 3.5)):
+        for name, f in fns.items():
+            ms, p10, p90 = timed(f)
+            row[key][name] = {"tflops": round(scale * flop / ms / 1e9, 1),
+                              "ms": round(ms, 4), "p10_p90_ms": [round(p10, 4),
+                                                                 round(p90, 4)]}
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes")
+    p.add_argument("--out", default="probe_flash_attention_hopper.json")
+    a = p.parse_args()
+    rows = []
+    for shape in SHAPES[:a.shapes]:
+        rows.append(probe(*shape))
+        with open(a.out, "w") as f:  # after every shape: a cut run keeps what it has
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        r = rows[-1]
+        print(r["shape"], f"(auto: {r['auto']})", flush=True)
+        for key in ("fwd", "fwd_bwd"):
+            print(f"  {key:8s}", "  ".join(f"{n} {v['tflops']:.0f}"
+                                          for n, v in r[key].items()), flush=True)
+        print("  max |grad - cuDNN's|", r["grad_err"], flush=True)
+
+
+if __name__ == "__main__":
+    main()
