@@ -6,9 +6,10 @@ A working tool for choosing `flash_attention.AUTO_HOPPER` and the forward's sche
 persistence, not a results file: CUDA events around eager calls (median and p10-p90 of
 30), no L2 flush, so read ratios within one run only. The sweep
 (`python -m colossal_lab bench flash_attention`) is what the book records. Per shape it
-prints forward TFLOP/s for cuDNN, the portable forward and each Hopper schedule, one
-program per tile and persistent, and fwd+bwd TFLOP/s for cuDNN, the portable kernels,
-the Hopper kernels and "auto"; and the largest gradient differences against cuDNN's.
+prints forward TFLOP/s for cuDNN, the portable forward and each Hopper schedule under
+each scheduler (`flash_attention_hopper.SCHEDULERS`), and fwd+bwd TFLOP/s for cuDNN,
+the portable kernels, the Hopper kernels and "auto"; and the largest gradient
+differences against cuDNN's.
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
                                                           kernel="portable")}
     if hopper.unsupported(q, k, v) is None:
         for schedule in hopper.SCHEDULES:
-            for persistent in (False, True):
-                fwd[f"{schedule}{'-persistent' if persistent else ''}"] = (
-                    lambda sch=schedule, p=persistent: hopper.forward(
-                        q, k, v, causal, d ** -0.5, o, lse, schedule=sch, persistent=p))
+            for scheduler in hopper.SCHEDULERS:
+                fwd[f"{schedule}-{scheduler}"] = (
+                    lambda sch=schedule, sc=scheduler: hopper.forward(
+                        q, k, v, causal, d ** -0.5, o, lse, schedule=sch, scheduler=sc))
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
     def fwd_bwd(f):

@@ -86,6 +86,10 @@ def test_forward_kernel_choice_and_errors():
     assert fa.kernel_plan(q, q, q, "hopper") == "fwd error, bwd error"
     with pytest.raises(ValueError, match="schedule="):
         hopper.forward(q, q, q, True, 0.125, q, q, schedule="fast")
+    with pytest.raises(ValueError, match="scheduler="):
+        hopper.forward(q, q, q, True, 0.125, q, q, scheduler="lpt")
+    assert hopper.default_scheduler(True) == "grid"
+    assert hopper.default_scheduler(False) == "static"
     with pytest.raises(ValueError, match="contiguous last dimension"):
         hopper.forward(q, q, q, True, 0.125, q.transpose(2, 3), torch.empty(1, 2, 128))
 
@@ -95,6 +99,8 @@ SM90_BUILDS = {  # name -> (module, aot_arguments(...), most spill bytes ptxas m
     "fwd-d64-full-overlap": ("hopper", (64, False, "overlap"), 0),
     "fwd-d128-causal-serial": ("hopper", (128, True, "serial"), 160),
     "fwd-d128-full-pingpong": ("hopper", (128, False, "pingpong"), 0),
+    "fwd-d128-causal-serial-dynamic": ("hopper", (128, True, "serial", True), 160),
+    "fwd-d64-causal-pingpong-dynamic": ("hopper", (64, True, "pingpong", True), 0),
     "bwd-d128-causal": ("hopper_bwd", (128, True), 64),
     "bwd-d128-full": ("hopper_bwd", (128, False), 32),
     "bwd-d64-causal": ("hopper_bwd", (64, True), 0),
@@ -283,8 +289,9 @@ def test_hopper_backward_layouts():
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_hopper_persistent_forward_takes_many_tiles(causal):
     """More tiles than SMs, so each persistent program takes several (ring positions,
-    barrier phases and ping-pong turns carried from tile to tile): every schedule's
-    output and LSE equal those of one program per tile bit for bit, and the backward at
+    barrier phases and ping-pong turns carried from tile to tile; with the "dynamic"
+    scheduler, tile ids passed from the load warp): every schedule's output and LSE under
+    every scheduler equal those of one program per tile bit for bit, and the backward at
     this many tiles matches the reference as the other tests bound it."""
     b, s, hq, hkv, d = 8, 1024, 16, 4, 128
     q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
@@ -292,14 +299,15 @@ def test_hopper_persistent_forward_takes_many_tiles(causal):
     v = torch.randn_like(k)
     assert b * hq * s // hopper.BLOCK_M > 2 * hopper.sm_count(q.device)
     for schedule in hopper.SCHEDULES:
-        outs = []
-        for persistent in (True, False):
+        outs = {}
+        for scheduler in hopper.SCHEDULERS:
             o, lse = torch.empty_like(q), torch.empty(b, hq, s, device="cuda")
             hopper.forward(q, k, v, causal, d ** -0.5, o, lse, schedule=schedule,
-                           persistent=persistent)
-            outs.append((o, lse))
-        assert torch.equal(outs[0][0], outs[1][0]), schedule
-        assert torch.equal(outs[0][1], outs[1][1]), schedule
+                           scheduler=scheduler)
+            outs[scheduler] = (o, lse)
+        for scheduler, (o, lse) in outs.items():
+            assert torch.equal(o, outs["grid"][0]), (schedule, scheduler)
+            assert torch.equal(lse, outs["grid"][1]), (schedule, scheduler)
     _check_hopper_grads(q, k, v, torch.randn_like(q), causal)
 
 

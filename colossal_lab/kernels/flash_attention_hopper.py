@@ -28,7 +28,10 @@ block, head, batch) tiles p, p + P, p + 2P, ..., so one tile's epilogue and the 
 tile's first loads overlap (+13% at S = 2048 and 4096 on the H200). Under the mask the
 tiles' lengths differ, static shares balance badly (0.91x at S = 16384), and one
 program per tile, which the hardware hands to whichever SM frees first, is faster
-(`forward(..., persistent=)` chooses; notes/flash_attention.md has the measurements).
+(`SCHEDULERS`, `forward(..., scheduler=)`; notes/flash_attention.md has the
+measurements). A third, "dynamic", keeps the program per SM but hands tiles out in
+order as programs ask for them, through a global counter: the hardware's balance with
+the persistent kernel's overlap (written for short causal sequences; not yet measured).
 
 The online softmax, the LSE it saves for the backward and the causal schedule (unmasked
 tiles first, the diagonal tile masked, longest query blocks first) are the portable
@@ -90,8 +93,25 @@ schedules are level within the p10-p90 spread (about 10%). The two warpgroups se
 interleave their softmax and matmuls well enough without being told."""
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
+SCHEDULERS = ("grid", "static", "dynamic")
+"""Which program takes which (row block, head, batch) tile: "grid", one program per
+tile, handed out by the hardware as SMs free up; "static", persistent, one program per
+SM taking tiles p, p + P, ...; "dynamic", persistent, each program asking a global
+counter for the next tile when it starts one (its load warp asks, and passes the id to
+the consumers through shared memory). NOT yet run on a GPU: "dynamic"."""
+
+
+def default_scheduler(causal: bool) -> str:
+    """Measured on the H200 (notes/flash_attention.md): "static" without the causal mask
+    (+13% over "grid" at S 2048 and 4096), "grid" with it (static shares of unequal
+    tiles balance badly: 0.91x at S 16384)."""
+    return "grid" if causal else "static"
 
 if HAVE_GLUON:
+
+    # a barrier among the warps of one partition: `thread_barrier` in Triton 3.6,
+    # renamed `barrier` in 3.7
+    sync_partition = getattr(gl, "barrier", None) or gl.thread_barrier
 
     @gluon.constexpr_function
     def wgmma_layout(n):
@@ -193,17 +213,16 @@ if HAVE_GLUON:
         return m0, bh % H_Q, (bh // H_Q).to(gl.int64), n_unmasked, n_blocks
 
     @gluon.jit
-    def _consumer(smem, bars, descs, ptrs, strides, dims, qk_scale, WG: gl.constexpr,
-                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr):
-        """One consumer warpgroup: rows [m0 + 64·WG, m0 + 64·WG + 64) of each tile."""
-        q_smem, k_smem, v_smem = smem
-        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
-        kv_bars = (k_ready, v_ready, k_empty, v_empty, turn)
-        o_ptr, lse_ptr = ptrs
-        o_sb, o_sh, o_ss = strides[9], strides[10], strides[11]
-        H_Q, seq_len, n_tiles = dims
-        HALF: gl.constexpr = q_smem.shape[1]
+    def _consume_tile(tile, c0, tn, it, q, k_smem, v_smem, q_ready, q_empty, kv_bars,
+                      o_ptr, lse_ptr, o_sb, o_sh, o_ss, H_Q, seq_len, qk_scale,
+                      WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                      SCHEDULE: gl.constexpr):
+        """One consumer warpgroup's share of one tile: rows [m0 + 64·WG, m0 + 64·WG + 64).
+        c0: the K/V ring position of its first key tile, tn: the turns taken so far, it:
+        the tiles taken so far (Q's barrier phase). Returns the new (c0, tn)."""
+        k_ready, v_ready, k_empty, v_empty, turn = kv_bars
+        HALF: gl.constexpr = q.shape[0]
         BLOCK_M: gl.constexpr = 2 * HALF
         s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
         o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
@@ -211,124 +230,202 @@ if HAVE_GLUON:
                                                      k_width=2)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        q = q_smem.index(WG)
-        n_m = seq_len // BLOCK_M
-        c0 = 0  # K/V ring position of the tile's first key tile
-        tn = 0  # turns taken (SCHEDULE 2)
-        it = 0  # tiles taken
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            m0, h, b, n_unmasked, n_blocks = _fwd_tile(tile, n_m, H_Q, GROUP, CAUSAL,
-                                                       BLOCK_M, BLOCK_N, seq_len)
-            rows = m0 + WG * HALF + gl.arange(0, HALF, layout=s_rows)
-            m_i = gl.full([HALF], float("-inf"), gl.float32, s_rows)
-            l_i = gl.zeros([HALF], gl.float32, s_rows)
-            acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
-            mbarrier.wait(q_ready, it & 1)
-            # key tile 0 alone: its product S_0 has no P V before it to overlap with
-            mbarrier.wait(k_ready.index(c0 % STAGES), (c0 // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(c0 % STAGES).permute((1, 0)),
-                              gl.zeros([HALF, BLOCK_N], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            mbarrier.arrive(k_empty.index(c0 % STAGES), count=1)
-            if CAUSAL:
-                if n_unmasked == 0:  # the first query block: tile 0 is its diagonal
-                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale,
-                                                       s_layout, BLOCK_N, True)
-                else:
-                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale,
-                                                       s_layout, BLOCK_N, False)
+        m0, h, b, n_unmasked, n_blocks = _fwd_tile(tile, seq_len // BLOCK_M, H_Q, GROUP,
+                                                   CAUSAL, BLOCK_M, BLOCK_N, seq_len)
+        rows = m0 + WG * HALF + gl.arange(0, HALF, layout=s_rows)
+        m_i = gl.full([HALF], float("-inf"), gl.float32, s_rows)
+        l_i = gl.zeros([HALF], gl.float32, s_rows)
+        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+        mbarrier.wait(q_ready, it & 1)
+        # key tile 0 alone: its product S_0 has no P V before it to overlap with
+        mbarrier.wait(k_ready.index(c0 % STAGES), (c0 // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(c0 % STAGES).permute((1, 0)),
+                          gl.zeros([HALF, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(c0 % STAGES), count=1)
+        if CAUSAL:
+            if n_unmasked == 0:  # the first query block: tile 0 is its diagonal
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale,
+                                                   s_layout, BLOCK_N, True)
             else:
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale,
                                                    s_layout, BLOCK_N, False)
+        else:
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, qk_scale, s_layout,
+                                               BLOCK_N, False)
+        acc, p, l_i, m_i = _consume(q, k_smem, v_smem, kv_bars, acc, p, l_i, m_i, rows, 1,
+                                    n_unmasked, c0, tn, qk_scale, s_layout, p_layout,
+                                    o_rows, BLOCK_N, STAGES, False, SCHEDULE, WG)
+        if CAUSAL:
             acc, p, l_i, m_i = _consume(q, k_smem, v_smem, kv_bars, acc, p, l_i, m_i, rows,
-                                        1, n_unmasked, c0, tn, qk_scale, s_layout,
-                                        p_layout,
-                                        o_rows, BLOCK_N, STAGES, False, SCHEDULE, WG)
-            if CAUSAL:
-                acc, p, l_i, m_i = _consume(q, k_smem, v_smem, kv_bars, acc, p, l_i, m_i,
-                                            rows, gl.maximum(n_unmasked, 1), n_blocks, c0,
-                                            tn, qk_scale, s_layout, p_layout, o_rows, BLOCK_N,
-                                            STAGES, True, SCHEDULE, WG)
-            mbarrier.arrive(q_empty, count=1)  # every S of this tile is done: Q is free
-            # the last P V
-            last = c0 + n_blocks - 1
-            p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-            o_tok = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
-            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-            c0 += n_blocks
-            tn += n_blocks - 1  # steps 1 .. n_blocks - 1 each took one turn
+                                        gl.maximum(n_unmasked, 1), n_blocks, c0, tn,
+                                        qk_scale, s_layout, p_layout, o_rows, BLOCK_N,
+                                        STAGES, True, SCHEDULE, WG)
+        mbarrier.arrive(q_empty, count=1)  # every S of this tile is done: Q is free
+        # the last P V
+        last = c0 + n_blocks - 1
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
 
-            lse_base = (b * H_Q + h) * seq_len
-            gl.store(lse_ptr + lse_base + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
-            acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-            o_r = m0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
-            o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            o_base = b * o_sb + h.to(gl.int64) * o_sh
-            o_ptrs = (o_ptr + o_base + gl.expand_dims(o_r.to(gl.int64) * o_ss, 1)
-                      + gl.expand_dims(o_d, 0))
-            gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty))
-            it += 1
+        lse_base = (b * H_Q + h) * seq_len
+        gl.store(lse_ptr + lse_base + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+        acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+        o_r = m0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
+        o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_base = b * o_sb + h.to(gl.int64) * o_sh
+        o_ptrs = (o_ptr + o_base + gl.expand_dims(o_r.to(gl.int64) * o_ss, 1)
+                  + gl.expand_dims(o_d, 0))
+        gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty))
+        return c0 + n_blocks, tn + n_blocks - 1  # steps 1 .. n_blocks - 1 took a turn each
+
+    @gluon.jit
+    def _receive_tile(tile_smem, tile_ready, tile_empty, it):
+        """(DYNAMIC) The tile id the load warp published for this program's tile `it`."""
+        slot = it % 2
+        mbarrier.wait(tile_ready.index(slot), (it // 2) & 1)
+        tile = gl.max(tile_smem.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+        sync_partition()  # every warp has read the slot before it is handed back
+        mbarrier.arrive(tile_empty.index(slot), count=1)
+        return tile
+
+    @gluon.jit
+    def _publish_tile(tile_smem, tile_ready, tile_empty, it, tile):
+        """(DYNAMIC) Hand the consumers the id of this program's tile `it` (n_tiles:
+        no more)."""
+        slot = it % 2
+        mbarrier.wait(tile_empty.index(slot), ((it // 2) & 1) ^ 1)
+        tile_smem.index(slot).store(gl.full([1], tile, gl.int32,
+                                            gl.BlockedLayout([1], [32], [1], [0])))
+        sync_partition()
+        mbarrier.arrive(tile_ready.index(slot), count=1)
+
+    @gluon.jit
+    def _consumer(smem, bars, descs, ptrs, strides, dims, qk_scale, WG: gl.constexpr,
+                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
+                  DYNAMIC: gl.constexpr):
+        """One consumer warpgroup: its 64 rows of each tile the program takes."""
+        q_smem, k_smem, v_smem, tile_smem = smem
+        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, tile_ready, \
+            tile_empty = bars
+        kv_bars = (k_ready, v_ready, k_empty, v_empty, turn)
+        o_ptr, lse_ptr, counter_ptr = ptrs
+        o_sb, o_sh, o_ss = strides[9], strides[10], strides[11]
+        H_Q, seq_len, n_tiles = dims
+        q = q_smem.index(WG)
+        c0 = 0  # K/V ring position of the tile's first key tile
+        tn = 0  # turns taken (SCHEDULE 2)
+        it = 0  # tiles taken
+        if DYNAMIC:
+            tile = _receive_tile(tile_smem, tile_ready, tile_empty, it)
+            while tile < n_tiles:
+                c0, tn = _consume_tile(tile, c0, tn, it, q, k_smem, v_smem, q_ready,
+                                       q_empty, kv_bars, o_ptr, lse_ptr, o_sb, o_sh, o_ss,
+                                       H_Q, seq_len, qk_scale, WG, GROUP, HEAD_DIM,
+                                       BLOCK_N, STAGES, CAUSAL, SCHEDULE)
+                it += 1
+                tile = _receive_tile(tile_smem, tile_ready, tile_empty, it)
+        else:
+            for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                c0, tn = _consume_tile(tile, c0, tn, it, q, k_smem, v_smem, q_ready,
+                                       q_empty, kv_bars, o_ptr, lse_ptr, o_sb, o_sh, o_ss,
+                                       H_Q, seq_len, qk_scale, WG, GROUP, HEAD_DIM,
+                                       BLOCK_N, STAGES, CAUSAL, SCHEDULE)
+                it += 1
+
+    @gluon.jit
+    def _produce_tile(tile, c, it, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                      q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, q_sb, q_sh,
+                      q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, H_Q, seq_len,
+                      GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr):
+        """The load warp's part of one tile: Q's two halves once the consumers are done
+        with the last tile's, then K and V tile by tile, each into its ring slot as soon
+        as the consumers have released it. c: the K/V ring position; returns the new."""
+        HALF: gl.constexpr = q_smem.shape[1]
+        BLOCK_M: gl.constexpr = 2 * HALF
+        m0, h, b, n_unmasked, n_blocks = _fwd_tile(tile, seq_len // BLOCK_M, H_Q, GROUP,
+                                                   CAUSAL, BLOCK_M, BLOCK_N, seq_len)
+        hkv = (h // GROUP).to(gl.int64)
+        q_off = b * q_sb + h.to(gl.int64) * q_sh
+        k_off = b * k_sb + hkv * k_sh
+        v_off = b * v_sb + hkv * v_sh
+        q_row, q_col = (q_off // q_ss).to(gl.int32) + m0, (q_off % q_ss).to(gl.int32)
+        k_row, k_col = (k_off // k_ss).to(gl.int32), (k_off % k_ss).to(gl.int32)
+        v_row, v_col = (v_off // v_ss).to(gl.int32), (v_off % v_ss).to(gl.int32)
+        mbarrier.wait(q_empty, (it & 1) ^ 1)  # a fresh barrier: phase 1 is complete
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row + HALF, q_col], q_ready,
+                                        q_smem.index(1))
+        for j in range(n_blocks):
+            slot = c % STAGES
+            phase = ((c // STAGES) & 1) ^ 1
+            ring_load(k_desc, k_row + j * BLOCK_N, k_col, k_ready.index(slot),
+                      k_empty.index(slot), phase, k_smem.index(slot))
+            ring_load(v_desc, v_row + j * BLOCK_N, v_col, v_ready.index(slot),
+                      v_empty.index(slot), phase, v_smem.index(slot))
+            c += 1
+        return c
 
     @gluon.jit
     def _producer(smem, bars, descs, ptrs, strides, dims, qk_scale, WG: gl.constexpr,
                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr):
-        """The load warp: per tile, Q's two halves once the consumers are done with the
-        last tile's, then K and V tile by tile, each into its ring slot as soon as the
-        consumers have released it (the consumers' signature)."""
-        q_smem, k_smem, v_smem = smem
-        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
+                  DYNAMIC: gl.constexpr):
+        """The load warp (the consumers' signature). With DYNAMIC it also fetches the
+        program's next tile from a global counter (the next tile nobody has taken) and
+        publishes each tile's id to the consumers; otherwise tiles p, p + P, ..."""
+        q_smem, k_smem, v_smem, tile_smem = smem
+        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, tile_ready, \
+            tile_empty = bars
         q_desc, k_desc, v_desc = descs
+        counter_ptr = ptrs[2]
         q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss = (
             strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
             strides[6], strides[7], strides[8])
         H_Q, seq_len, n_tiles = dims
-        HALF: gl.constexpr = q_smem.shape[1]
-        BLOCK_M: gl.constexpr = 2 * HALF
-        n_m = seq_len // BLOCK_M
         c = 0  # K/V ring position
         it = 0
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            m0, h, b, n_unmasked, n_blocks = _fwd_tile(tile, n_m, H_Q, GROUP, CAUSAL,
-                                                       BLOCK_M, BLOCK_N, seq_len)
-            hkv = (h // GROUP).to(gl.int64)
-            q_off = b * q_sb + h.to(gl.int64) * q_sh
-            k_off = b * k_sb + hkv * k_sh
-            v_off = b * v_sb + hkv * v_sh
-            q_row, q_col = (q_off // q_ss).to(gl.int32) + m0, (q_off % q_ss).to(gl.int32)
-            k_row, k_col = (k_off // k_ss).to(gl.int32), (k_off % k_ss).to(gl.int32)
-            v_row, v_col = (v_off // v_ss).to(gl.int32), (v_off % v_ss).to(gl.int32)
-            mbarrier.wait(q_empty, (it & 1) ^ 1)  # a fresh barrier: phase 1 is complete
-            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
-            tma.async_copy_global_to_shared(q_desc, [q_row + HALF, q_col], q_ready,
-                                            q_smem.index(1))
-            for j in range(n_blocks):
-                slot = c % STAGES
-                phase = ((c // STAGES) & 1) ^ 1
-                ring_load(k_desc, k_row + j * BLOCK_N, k_col, k_ready.index(slot),
-                          k_empty.index(slot), phase, k_smem.index(slot))
-                ring_load(v_desc, v_row + j * BLOCK_N, v_col, v_ready.index(slot),
-                          v_empty.index(slot), phase, v_smem.index(slot))
-                c += 1
-            it += 1
+        if DYNAMIC:
+            tile = gl.program_id(0)  # the first P tiles go one to each program
+            while tile < n_tiles:
+                _publish_tile(tile_smem, tile_ready, tile_empty, it, tile)
+                nxt = gl.atomic_add(counter_ptr, 1) + gl.num_programs(0)
+                c = _produce_tile(tile, c, it, q_desc, k_desc, v_desc, q_smem, k_smem,
+                                  v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                  v_empty, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh,
+                                  v_ss, H_Q, seq_len, GROUP, BLOCK_N, STAGES, CAUSAL)
+                tile = nxt
+                it += 1
+            _publish_tile(tile_smem, tile_ready, tile_empty, it, n_tiles)  # no more
+        else:
+            for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                c = _produce_tile(tile, c, it, q_desc, k_desc, v_desc, q_smem, k_smem,
+                                  v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                  v_empty, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh,
+                                  v_ss, H_Q, seq_len, GROUP, BLOCK_N, STAGES, CAUSAL)
+                it += 1
 
     @gluon.jit
     def _attn_fwd_hopper_kernel(
         q_desc, k_desc, v_desc,  # 2-D TMA views (`rows_view`): blocks (64, D), (128, D)
         o_ptr, lse_ptr,  # O (B, Hq, S, D) any strides; LSE (B, Hq, S) fp32 contiguous
+        counter_ptr,  # (DYNAMIC) one int32, zero: how many tiles have been handed out
         q_sb, q_sh, q_ss,  # strides of q (elements): its rows live at (off // q_ss, off % q_ss)
         k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss,
         H_Q, seq_len, n_tiles, qk_scale,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCHEDULE: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        DYNAMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
-        """Persistent: program p takes tiles p, p + P, p + 2P, ... (P programs, at most
-        one per SM), so one tile's epilogue overlaps the next tile's loads."""
+        """Program p takes tiles p, p + P, p + 2P, ... of the n_tiles (one each when the
+        grid has n_tiles programs; a persistent share when it has one per SM), or, with
+        DYNAMIC, p first and then whichever tile is next when it asks (`SCHEDULERS`)."""
         HALF: gl.constexpr = q_desc.block_type.shape[0]
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
@@ -342,6 +439,14 @@ if HAVE_GLUON:
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1],
+                                              gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        if DYNAMIC:
+            for i in gl.static_range(2):
+                mbarrier.init(tile_ready.index(i), count=1)
+                mbarrier.init(tile_empty.index(i), count=2)  # both consumers read it
         mbarrier.init(q_ready, count=1)
         mbarrier.init(q_empty, count=2)  # both consumers done with Q
         mbarrier.init(turn.index(0), count=1)  # (SCHEDULE 2) warpgroup 0 may issue
@@ -352,21 +457,22 @@ if HAVE_GLUON:
             mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
             mbarrier.init(v_empty.index(i), count=2)
 
-        smem = (q_smem, k_smem, v_smem)
-        bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn)
+        smem = (q_smem, k_smem, v_smem, tile_smem)
+        bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, tile_ready,
+                tile_empty)
         descs = (q_desc, k_desc, v_desc)
-        ptrs = (o_ptr, lse_ptr)
+        ptrs = (o_ptr, lse_ptr, counter_ptr)
         strides = (q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss)
         dims = (H_Q, seq_len, n_tiles)
         # (worker partitions share one signature; tuples are spelled out, since
         # concatenating them would turn the constexprs into runtime values)
         gl.warp_specialize([
             (_consumer, (smem, bars, descs, ptrs, strides, dims, qk_scale, 0, GROUP,
-                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE)),
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC)),
             (_consumer, (smem, bars, descs, ptrs, strides, dims, qk_scale, 1, GROUP,
-                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE)),
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC)),
             (_producer, (smem, bars, descs, ptrs, strides, dims, qk_scale, 0, GROUP,
-                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE))],
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -426,14 +532,16 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             sm_scale: float, o: torch.Tensor, lse: torch.Tensor, *,
-            schedule: str = DEFAULT_SCHEDULE, persistent: bool | None = None) -> None:
+            schedule: str = DEFAULT_SCHEDULE, scheduler: str | None = None) -> None:
     """Fill o (B, Hq, S, D), any strides but a contiguous last dimension, and lse
     (B, Hq, S, fp32, contiguous) for inputs that `unsupported` accepted, with one of
-    `SCHEDULES` (what each step buys is measured by running them side by side).
-    persistent: one program per SM over strided tiles (default: without the causal
-    mask) or one program per tile."""
+    `SCHEDULES` (what each step buys is measured by running them side by side) and one
+    of `SCHEDULERS` (default `default_scheduler(causal)`)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; choose from {SCHEDULES}")
+    scheduler = scheduler or default_scheduler(causal)
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler={scheduler!r}; choose from {SCHEDULERS}")
     if o.shape != q.shape or o.stride(3) != 1 or not lse.is_contiguous():
         raise ValueError("o must have q's shape and a contiguous last dimension, lse "
                          "must be contiguous")
@@ -446,19 +554,20 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         descs.append(TensorDescriptor(view, list(view.shape), [stride, 1], [block, d],
                                       layout))
     n_tiles = s // BLOCK_M * hq * b
-    if persistent is None:
-        persistent = not causal
-    grid = (min(n_tiles, sm_count(q.device)) if persistent else n_tiles,)
+    grid = (n_tiles if scheduler == "grid" else min(n_tiles, sm_count(q.device)),)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) \
+        if scheduler == "dynamic" else lse  # (unused: any pointer)
     _attn_fwd_hopper_kernel[grid](
-        *descs, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        hq, s, n_tiles, sm_scale * math.log2(math.e),
+        *descs, o, lse, counter, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *o.stride()[:3], hq, s, n_tiles, sm_scale * math.log2(math.e),
         GROUP=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_N=BLOCK_N,
-        STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule), CONSUMER_REGS=CONSUMER_REGS,
+        STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule),
+        DYNAMIC=scheduler == "dynamic", CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
 
 
-def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE
-                  ) -> tuple:
+def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
+                  dynamic: bool = False) -> tuple:
     """(kernel, signature, constexprs) to compile the forward for sm_90 without a GPU
     (`sm90_compile.compile_sm90`), for bf16 inputs of one head dim."""
     from triton.runtime.jit import mangle_type
@@ -471,11 +580,11 @@ def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE
         layout = gl.NVMMASharedLayout.get_default_for([block, head_dim], gl.bfloat16)
         sig[name] = mangle_type(TensorDescriptor(view, list(view.shape), [ss, 1],
                                                  [block, head_dim], layout))
-    sig.update(o_ptr="*bf16", lse_ptr="*fp32")
-    for name in kern.arg_names[5:21]:
+    sig.update(o_ptr="*bf16", lse_ptr="*fp32", counter_ptr="*i32")
+    for name in kern.arg_names[6:22]:
         sig[name] = "i64" if name.endswith(("sb", "sh", "ss")) else "i32"
     sig["qk_scale"] = "fp32"
     consts = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=BLOCK_N,
-                  STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule),
+                  STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule), DYNAMIC=dynamic,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
     return kern, sig, consts

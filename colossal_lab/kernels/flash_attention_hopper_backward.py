@@ -75,9 +75,7 @@ if hopper.HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    # a barrier among the warps of one partition: `thread_barrier` in Triton 3.6,
-    # renamed `barrier` in 3.7
-    _sync_warps = getattr(gl, "barrier", None) or gl.thread_barrier
+    _sync_warps = hopper.sync_partition
 
     @_builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
