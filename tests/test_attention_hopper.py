@@ -107,9 +107,9 @@ SM90_BUILDS = {  # name -> (module, aot_arguments(...), most spill bytes ptxas m
     "bwd-d128-gqa4": ("hopper_bwd", (128, True, 4), 128),
 }
 """What the compile test builds, with the spills it may have (measured with Triton 3.7.1;
-the bounds catch a change that makes them worse). The serial schedule (kept only as the
-ablation's first step; the default schedule since it measured fastest) spills 128 B at
-head dim 128 with the causal mask. The backward holds dK, dV (64 registers each), Sᵀ and
+the bounds catch a change that makes them worse). The serial schedule (the default: it
+measured fastest or level) spills 128 B at head dim 128 with the causal mask, 100 B with
+the dynamic scheduler. The backward holds dK, dV (64 registers each), Sᵀ and
 dPᵀ (32 each) and dQ (32) per consumer thread of a 240-register budget: 36 B at head dim
 128 with the mask, 16 B without, 100 B with the grouped-query loop."""
 
@@ -122,7 +122,6 @@ def test_compiles_for_sm90_without_a_gpu():
     code = r"""
 import json, sys
 from colossal_lab.kernels import flash_attention_hopper as hopper
-from colossal_lab.kernels import flash_attention_hopper_backward as hopper_bwd
 from colossal_lab.kernels import flash_attention_hopper_backward as hopper_bwd
 from colossal_lab.kernels.sm90_compile import compile_sm90
 out = {}
@@ -216,7 +215,10 @@ def test_hopper_forward_layouts_and_schedules(layout, schedule):
 @pytest.mark.gpu
 @on_hopper
 def test_auto_takes_the_portable_kernel_where_hopper_cannot():
-    q = torch.randn(1, 2, 200, 128, device="cuda", dtype=torch.bfloat16)  # S % 128 != 0
+    """At a length long enough for `AUTO_HOPPER` to want the Hopper kernels in both
+    passes, but not a multiple of 128: "auto" runs the portable ones, "hopper" refuses."""
+    q = torch.randn(1, 2, 2112, 128, device="cuda", dtype=torch.bfloat16)  # S % 128 = 64
+    assert q.shape[2] >= max(r["min_seq_len"] for r in fa.AUTO_HOPPER.values())
     assert "multiple of 128" in hopper.unsupported(q, q, q)
     o, lse = fa.flash_attention_forward(q, q, q, True, kernel="auto")
     ref, _ = fa.flash_attention_forward(q, q, q, True, kernel="portable")

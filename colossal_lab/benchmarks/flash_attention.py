@@ -934,9 +934,12 @@ def _triton_config() -> dict:
     from colossal_lab.kernels import flash_attention as fa
     from colossal_lab.kernels import flash_attention_hopper as hopper
 
+    scheduler = {causal: hopper.default_scheduler(causal) for causal in (True, False)}
+    # (worded as the recorded files have it while the choice is the measured one)
+    persistent = "forward without the causal mask" if scheduler == \
+        {True: "grid", False: "static"} else f"forward scheduler {scheduler}"
     return {"kernel": fa.DEFAULT_KERNEL, "auto_hopper": fa.AUTO_HOPPER,
-            "hopper_schedule": hopper.DEFAULT_SCHEDULE,
-            "hopper_persistent": "forward without the causal mask"}
+            "hopper_schedule": hopper.DEFAULT_SCHEDULE, "hopper_persistent": persistent}
 
 
 def merged(kept: list[dict], new: list[dict]) -> list[dict]:

@@ -693,6 +693,12 @@ def _why_not_hopper(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return why
 
 
+def _schedule_of(kernel: str) -> str:
+    """The Hopper forward's schedule a kernel name asks for: "hopper-serial" -> "serial";
+    "hopper" and "auto" -> `flash_attention_hopper.DEFAULT_SCHEDULE`."""
+    return kernel.partition("-")[2] or hopper.DEFAULT_SCHEDULE
+
+
 def _check_kernel(kernel: str | None) -> str:
     kernel = kernel or DEFAULT_KERNEL
     if kernel not in KERNELS:
@@ -711,8 +717,8 @@ def kernel_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if kernel != "portable":
             try:
                 if _why_not_hopper(kernel, q, k, v, which) is None:
-                    schedule = kernel.partition("-")[2] or hopper.DEFAULT_SCHEDULE
-                    name = f"hopper-{schedule}" if which == "forward" else "hopper"
+                    name = f"hopper-{_schedule_of(kernel)}" if which == "forward" \
+                        else "hopper"
             except ValueError:  # an explicit "hopper" that cannot run: it would raise
                 name = "error"
         names.append(("fwd " if which == "forward" else "bwd ") + name)
@@ -744,9 +750,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if s == 0 or b == 0:
         return o, lse
     if kernel != "portable" and _why_not_hopper(kernel, q, k, v) is None:
-        # "hopper-serial" -> "serial"; "hopper" and "auto" -> the default schedule
-        schedule = kernel.partition("-")[2] or hopper.DEFAULT_SCHEDULE
-        hopper.forward(q, k, v, causal, sm_scale, o, lse, schedule=schedule)
+        hopper.forward(q, k, v, causal, sm_scale, o, lse, schedule=_schedule_of(kernel))
         return o, lse
 
     def grid(meta):

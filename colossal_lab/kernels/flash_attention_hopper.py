@@ -15,11 +15,11 @@ warp partitions) lets us write that schedule ourselves:
   128. Per key tile: S = Q Kᵀ with an asynchronous wgmma from shared memory, the online
   softmax in the wgmma accumulator's own register layout (exp2, the scale folded in),
   P converted to bf16 in registers, and O += P V with P as the register operand. Step j
-  issues S_j and O += P_{j-1} V_{j-1} back to back and computes the softmax of S_j while
-  the second product still runs (FA3's intra-warpgroup overlap); with the "pingpong"
-  schedule the two warpgroups also take turns issuing their products, so one's matmuls
-  run under the other's softmax (FA3's inter-warpgroup ping-pong). `SCHEDULES` lists
-  the variants, which are measured side by side;
+  issues S_j and O += P_{j-1} V_{j-1} back to back. Three schedules (`SCHEDULES`,
+  measured side by side): "serial" waits for each product at once; "overlap" computes
+  the softmax of S_j while the second product still runs (FA3's intra-warpgroup
+  overlap); "pingpong" also makes the two warpgroups take turns issuing their products,
+  so one's matmuls run under the other's softmax (FA3's inter-warpgroup ping-pong);
 - registers are re-balanced between partitions (`worker_num_regs`): the producer needs
   24 per thread, the consumers take the rest.
 
@@ -106,6 +106,7 @@ def default_scheduler(causal: bool) -> str:
     (+13% over "grid" at S 2048 and 4096), "grid" with it (static shares of unequal
     tiles balance badly: 0.91x at S 16384)."""
     return "grid" if causal else "static"
+
 
 if HAVE_GLUON:
 

@@ -75,7 +75,6 @@ if hopper.HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    _sync_warps = hopper.sync_partition
 
     @_builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -106,10 +105,10 @@ if hopper.HAVE_GLUON:
     def _add_dq(dq, dq_desc, dq_buf, row, col):
         """dQ[row:row+64, col:col+n] += dq through shared memory and a TMA reduction."""
         tma.store_wait(0)  # the previous reduction has read the buffer (issuing thread)
-        _sync_warps()  # ... and everyone knows it
+        hopper.sync_partition()  # ... and everyone knows it
         dq_buf.store(dq)
         fence_async_shared()
-        _sync_warps()
+        hopper.sync_partition()
         _tma_reduce_add(dq_desc, [row, col], dq_buf)
 
     @gluon.jit
@@ -159,7 +158,7 @@ if hopper.HAVE_GLUON:
             ds_slot = ds_smem.index(t % 2)
             ds_slot.slice(WG * HALF, HALF, dim=0).store(ds)
             fence_async_shared()
-            _sync_warps()
+            hopper.sync_partition()
             mbarrier.arrive(ds_ready.index(t % 2), count=1)
             if DQ_SPLIT:  # each warpgroup forms half of dQ's columns
                 mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
@@ -295,7 +294,7 @@ if hopper.HAVE_GLUON:
                 rows = stat_base + i * BM + stat_cols
                 lse_smem.index(slot).store(gl.load(lse_ptr + rows) * 1.4426950408889634)
                 delta_smem.index(slot).store(gl.load(delta_ptr + rows))
-                _sync_warps()
+                hopper.sync_partition()
                 mbarrier.arrive(q_ready.index(slot), count=1)
                 mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_row + i * BM, q_col],
