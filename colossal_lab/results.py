@@ -197,6 +197,12 @@ def load_partial(name: str, gpu: str | None = None) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def fell_back(row: dict) -> bool:
+    """Whether `row` was timed by a fallback (its `timing` says the CUDA-graph capture
+    failed and events timed it instead): a failed measurement, to be taken again."""
+    return "capture failed" in str(row.get("timing", ""))
+
+
 def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved run",
                  carry: tuple[str, ...] = (), grown: tuple[str, ...] = ()
                  ) -> tuple[list[dict], dict]:
@@ -204,7 +210,8 @@ def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved
     a results document (a dict with "config", "provenance" and "rows", as
     `save_partial` writes it) or a `Results`, or None when nothing was saved.
 
-    The rows kept are the finished ones (a row with an `error` runs again), each with
+    The rows kept are the finished ones (a row with an `error`, or one whose timing
+    fell back to another method, `fell_back`, runs again), each with
     `measured_at`, the commit it was measured at (the resuming run's rows have none).
     The config is `config` with `resumed_from`, the provenance of every invocation
     before this one, and the entries named in `carry` (ones each invocation adds to)
@@ -231,7 +238,7 @@ def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved
               f"in {', '.join(diff)}): {old}, not {want}")
     prov = recorded["provenance"]
     kept = [dict(r, measured_at=r.get("measured_at") or prov.get("git_sha"))
-            for r in recorded["rows"] if "error" not in r]
+            for r in recorded["rows"] if "error" not in r and not fell_back(r)]
     earlier = recorded["config"].get("resumed_from", [])
     carried = {k: recorded["config"][k] for k in carry if k in recorded["config"]}
     return kept, {**config, **carried, "resumed_from": [*earlier, prov]}

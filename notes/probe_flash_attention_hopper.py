@@ -32,6 +32,9 @@ SHAPES = [  # batch, query heads, kv heads, S, D, causal: B·S = 16k tokens, H·
 ]
 
 
+SCHEDULERS = tuple(hopper.SCHEDULERS)  # --schedulers narrows it
+
+
 def timed(fn, n: int = 30) -> tuple[float, float, float]:
     """(median, p10, p90) milliseconds of n event-timed calls after 3 warm-ups."""
     for _ in range(3):
@@ -66,7 +69,7 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
                                                           kernel="portable")}
     if hopper.unsupported(q, k, v) is None:
         for schedule in hopper.SCHEDULES:
-            for scheduler in hopper.SCHEDULERS:
+            for scheduler in SCHEDULERS:
                 fwd[f"{schedule}-{scheduler}"] = (
                     lambda sch=schedule, sc=scheduler: hopper.forward(
                         q, k, v, causal, d ** -0.5, o, lse, schedule=sch, scheduler=sc))
@@ -99,7 +102,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes")
     p.add_argument("--out", default="probe_flash_attention_hopper.json")
+    p.add_argument("--schedulers", nargs="+", choices=tuple(hopper.SCHEDULERS),
+                   help="the Hopper forward's schedulers to time (default: all)")
     a = p.parse_args()
+    global SCHEDULERS
+    SCHEDULERS = tuple(a.schedulers or SCHEDULERS)
     rows = []
     for shape in SHAPES[:a.shapes]:
         rows.append(probe(*shape))
