@@ -101,6 +101,13 @@ counter for the next tile when it starts one (its load warp asks, and passes the
 the consumers through shared memory). NOT yet run on a GPU: "dynamic"."""
 
 
+def q_buffers(scheduler: str) -> int:
+    """Q tiles in shared memory: two for a persistent program (the load warp fetches
+    the next tile's Q while the consumers finish this one: 32 KiB more, 192 KiB in all
+    at D = 128), one where each program takes one tile."""
+    return 1 if scheduler == "grid" else 2
+
+
 def default_scheduler(causal: bool) -> str:
     """Measured on the H200 (notes/flash_attention.md): "static" without the causal mask
     (+13% over "grid" at S 2048 and 4096), "grid" with it (static shares of unequal
@@ -214,16 +221,20 @@ if HAVE_GLUON:
         return m0, bh % H_Q, (bh // H_Q).to(gl.int64), n_unmasked, n_blocks
 
     @gluon.jit
-    def _consume_tile(tile, c0, tn, it, q, k_smem, v_smem, q_ready, q_empty, kv_bars,
+    def _consume_tile(tile, c0, tn, it, q_smem, k_smem, v_smem, q_ready, q_empty, kv_bars,
                       o_ptr, lse_ptr, o_sb, o_sh, o_ss, H_Q, seq_len, qk_scale,
                       WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                       SCHEDULE: gl.constexpr):
         """One consumer warpgroup's share of one tile: rows [m0 + 64·WG, m0 + 64·WG + 64).
         c0: the K/V ring position of its first key tile, tn: the turns taken so far, it:
-        the tiles taken so far (Q's barrier phase). Returns the new (c0, tn)."""
+        the tiles taken so far (which Q buffer, and its barrier phase). Returns the new
+        (c0, tn)."""
         k_ready, v_ready, k_empty, v_empty, turn = kv_bars
-        HALF: gl.constexpr = q.shape[0]
+        Q_BUFS: gl.constexpr = q_ready.shape[0]
+        qb = it % Q_BUFS
+        q = q_smem.index(qb * 2 + WG)
+        HALF: gl.constexpr = q_smem.shape[1]
         BLOCK_M: gl.constexpr = 2 * HALF
         s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
         o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
@@ -237,7 +248,7 @@ if HAVE_GLUON:
         m_i = gl.full([HALF], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([HALF], gl.float32, s_rows)
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
-        mbarrier.wait(q_ready, it & 1)
+        mbarrier.wait(q_ready.index(qb), (it // Q_BUFS) & 1)
         # key tile 0 alone: its product S_0 has no P V before it to overlap with
         mbarrier.wait(k_ready.index(c0 % STAGES), (c0 // STAGES) & 1)
         s = warpgroup_mma(q, k_smem.index(c0 % STAGES).permute((1, 0)),
@@ -263,7 +274,7 @@ if HAVE_GLUON:
                                         gl.maximum(n_unmasked, 1), n_blocks, c0, tn,
                                         qk_scale, s_layout, p_layout, o_rows, BLOCK_N,
                                         STAGES, True, SCHEDULE, WG)
-        mbarrier.arrive(q_empty, count=1)  # every S of this tile is done: Q is free
+        mbarrier.arrive(q_empty.index(qb), count=1)  # every S of the tile done: Q free
         # the last P V
         last = c0 + n_blocks - 1
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
@@ -317,14 +328,13 @@ if HAVE_GLUON:
         o_ptr, lse_ptr, counter_ptr = ptrs
         o_sb, o_sh, o_ss = strides[9], strides[10], strides[11]
         H_Q, seq_len, n_tiles = dims
-        q = q_smem.index(WG)
         c0 = 0  # K/V ring position of the tile's first key tile
         tn = 0  # turns taken (SCHEDULE 2)
         it = 0  # tiles taken
         if DYNAMIC:
             tile = _receive_tile(tile_smem, tile_ready, tile_empty, it)
             while tile < n_tiles:
-                c0, tn = _consume_tile(tile, c0, tn, it, q, k_smem, v_smem, q_ready,
+                c0, tn = _consume_tile(tile, c0, tn, it, q_smem, k_smem, v_smem, q_ready,
                                        q_empty, kv_bars, o_ptr, lse_ptr, o_sb, o_sh, o_ss,
                                        H_Q, seq_len, qk_scale, WG, GROUP, HEAD_DIM,
                                        BLOCK_N, STAGES, CAUSAL, SCHEDULE)
@@ -332,7 +342,7 @@ if HAVE_GLUON:
                 tile = _receive_tile(tile_smem, tile_ready, tile_empty, it)
         else:
             for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-                c0, tn = _consume_tile(tile, c0, tn, it, q, k_smem, v_smem, q_ready,
+                c0, tn = _consume_tile(tile, c0, tn, it, q_smem, k_smem, v_smem, q_ready,
                                        q_empty, kv_bars, o_ptr, lse_ptr, o_sb, o_sh, o_ss,
                                        H_Q, seq_len, qk_scale, WG, GROUP, HEAD_DIM,
                                        BLOCK_N, STAGES, CAUSAL, SCHEDULE)
@@ -344,11 +354,13 @@ if HAVE_GLUON:
                       q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, H_Q, seq_len,
                       GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr):
-        """The load warp's part of one tile: Q's two halves once the consumers are done
-        with the last tile's, then K and V tile by tile, each into its ring slot as soon
-        as the consumers have released it. c: the K/V ring position; returns the new."""
+        """The load warp's part of one tile: Q's two halves, into the Q buffer the
+        consumers finished with Q_BUFS tiles ago, then K and V tile by tile, each into
+        its ring slot as soon as the consumers have released it. c: the K/V ring
+        position; returns the new."""
         HALF: gl.constexpr = q_smem.shape[1]
         BLOCK_M: gl.constexpr = 2 * HALF
+        Q_BUFS: gl.constexpr = q_ready.shape[0]
         m0, h, b, n_unmasked, n_blocks = _fwd_tile(tile, seq_len // BLOCK_M, H_Q, GROUP,
                                                    CAUSAL, BLOCK_M, BLOCK_N, seq_len)
         hkv = (h // GROUP).to(gl.int64)
@@ -358,11 +370,14 @@ if HAVE_GLUON:
         q_row, q_col = (q_off // q_ss).to(gl.int32) + m0, (q_off % q_ss).to(gl.int32)
         k_row, k_col = (k_off // k_ss).to(gl.int32), (k_off % k_ss).to(gl.int32)
         v_row, v_col = (v_off // v_ss).to(gl.int32), (v_off % v_ss).to(gl.int32)
-        mbarrier.wait(q_empty, (it & 1) ^ 1)  # a fresh barrier: phase 1 is complete
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_row + HALF, q_col], q_ready,
-                                        q_smem.index(1))
+        qb = it % Q_BUFS
+        # a fresh barrier: phase 1 counts as complete
+        mbarrier.wait(q_empty.index(qb), ((it // Q_BUFS) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready.index(qb),
+                                        q_smem.index(2 * qb))
+        tma.async_copy_global_to_shared(q_desc, [q_row + HALF, q_col], q_ready.index(qb),
+                                        q_smem.index(2 * qb + 1))
         for j in range(n_blocks):
             slot = c % STAGES
             phase = ((c // STAGES) & 1) ^ 1
@@ -423,18 +438,20 @@ if HAVE_GLUON:
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCHEDULE: gl.constexpr,
         DYNAMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        Q_BUFS: gl.constexpr,
     ):
         """Program p takes tiles p, p + P, p + 2P, ... of the n_tiles (one each when the
         grid has n_tiles programs; a persistent share when it has one per SM), or, with
         DYNAMIC, p first and then whichever tile is next when it asks (`SCHEDULERS`)."""
         HALF: gl.constexpr = q_desc.block_type.shape[0]
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFS, HALF, HEAD_DIM],
+                                           q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
                                            k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
                                            v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -448,8 +465,9 @@ if HAVE_GLUON:
             for i in gl.static_range(2):
                 mbarrier.init(tile_ready.index(i), count=1)
                 mbarrier.init(tile_empty.index(i), count=2)  # both consumers read it
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(q_empty, count=2)  # both consumers done with Q
+        for i in gl.static_range(Q_BUFS):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both consumers done with it
         mbarrier.init(turn.index(0), count=1)  # (SCHEDULE 2) warpgroup 0 may issue
         mbarrier.init(turn.index(1), count=1)  # ... warpgroup 1 may issue
         for i in gl.static_range(STAGES):
@@ -564,7 +582,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         GROUP=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_N=BLOCK_N,
         STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule),
         DYNAMIC=scheduler == "dynamic", CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        PRODUCER_REGS=PRODUCER_REGS, Q_BUFS=q_buffers(scheduler), num_warps=4)
 
 
 def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
@@ -587,5 +605,6 @@ def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
     sig["qk_scale"] = "fp32"
     consts = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=BLOCK_N,
                   STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule), DYNAMIC=dynamic,
-                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                  Q_BUFS=q_buffers("dynamic" if dynamic else "grid"))
     return kern, sig, consts
