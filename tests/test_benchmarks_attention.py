@@ -154,6 +154,23 @@ def test_pending_keeps_what_is_measured():
     assert left.seq_len == 2048 and left.providers == ("cudnn", "sdpa-flash")
 
 
+def test_a_provider_that_cannot_take_the_case_is_not_pending():
+    """PyTorch's memory-efficient kernel has no grouped-query heads: its error row at a
+    GQA point is not run again on resume (a fresh run records it as skipped)."""
+    (gqa,) = bench_fa.sweep_cases(seq_lens=(4096,), head_dims=(128,), layouts=("gqa4",),
+                                  causal="causal", memory=False)
+    gqa = bench_fa.Case(**{**gqa.__dict__, "providers": ("sdpa-efficient", "cudnn")})
+    assert "grouped-query" in bench_fa._static_skip("sdpa-efficient", gqa)
+    mha = bench_fa.Case(**{**gqa.__dict__, "kv_heads": gqa.heads})
+    assert bench_fa._static_skip("sdpa-efficient", mha) is None
+    err = {"kind": "speed", "provider": "sdpa-efficient", "batch": gqa.batch,
+           "heads": gqa.heads, "kv_heads": gqa.kv_heads, "seq_len": gqa.seq_len,
+           "head_dim": gqa.head_dim, "causal": gqa.causal, "dtype": "bfloat16",
+           "error": "RuntimeError: No available kernel."}
+    (left,) = bench_fa.pending([gqa], [err])
+    assert left.providers == ("cudnn",)
+
+
 def test_chunks_cover_the_sweep_once_within_budget():
     chunks = bench_fa.plan_chunks(500.0)
     assert all(c["s"] <= 500 for c in chunks)
