@@ -204,8 +204,8 @@ def fell_back(row: dict) -> bool:
 
 
 def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved run",
-                 carry: tuple[str, ...] = (), grown: tuple[str, ...] = ()
-                 ) -> tuple[list[dict], dict]:
+                 carry: tuple[str, ...] = (), grown: tuple[str, ...] = (),
+                 may_change: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
     """(rows kept, config) for an invocation that continues `recorded` (`--resume`):
     a results document (a dict with "config", "provenance" and "rows", as
     `save_partial` writes it) or a `Results`, or None when nothing was saved.
@@ -218,7 +218,11 @@ def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved
     taken over from `recorded`. `error` (argparse's) refuses a missing `what` of `name`
     or one measured with another configuration (compared as the file holds it), except
     that a list entry named in `grown` may have gained items (providers added to a
-    sweep: the resuming run measures them where the recorded rows lack them)."""
+    sweep: the resuming run measures them where the recorded rows lack them), and an
+    entry named in `may_change` may differ (the config then holds the new value, and
+    the earlier invocations' entry in `resumed_from` keeps the old one under
+    "config_then": e.g. a kernel-choice rule changed before some points are measured
+    again, each row saying which kernels ran)."""
     if recorded is None:
         error(f"--resume: no {what} of {name} is saved to continue from")
     if isinstance(recorded, Results):
@@ -228,6 +232,10 @@ def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved
     old = {k: v for k, v in recorded["config"].items() if k not in skip}
     want = json.loads(json.dumps({k: v for k, v in config.items() if k not in skip},
                                  default=_json_default))  # tuples read back as lists
+    then = {k: old[k] for k in may_change if k in old and old[k] != want.get(k)}
+    for k in may_change:
+        old.pop(k, None)
+        want.pop(k, None)
     for k in grown:
         if isinstance(old.get(k), list) and isinstance(want.get(k), list) \
                 and set(map(str, old[k])) <= set(map(str, want[k])):
@@ -241,6 +249,7 @@ def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved
             for r in recorded["rows"] if "error" not in r and not fell_back(r)]
     earlier = recorded["config"].get("resumed_from", [])
     carried = {k: recorded["config"][k] for k in carry if k in recorded["config"]}
+    prov = {**prov, "config_then": then} if then else prov
     return kept, {**config, **carried, "resumed_from": [*earlier, prov]}
 
 

@@ -154,6 +154,49 @@ def test_pending_keeps_what_is_measured():
     assert left.seq_len == 2048 and left.providers == ("cudnn", "sdpa-flash")
 
 
+def test_redo_replaces_the_selected_points_and_keeps_the_rule_it_replaced(capsys):
+    """--redo: the selected points' rows go (measured again, all their providers side by
+    side); the rest stay; a changed kernel rule is accepted only with may_change, and
+    the earlier rule is kept in resumed_from."""
+    from colossal_lab.results import resumed_rows
+
+    c1024, c2048 = bench_fa.sweep_cases(seq_lens=(1024, 2048), head_dims=(128,),
+                                        layouts=("mha",), causal="full", memory=False)
+
+    def row(case, provider):
+        return {"kind": "speed", "provider": provider, "batch": case.batch,
+                "heads": case.heads, "kv_heads": case.kv_heads, "seq_len": case.seq_len,
+                "head_dim": case.head_dim, "causal": case.causal, "dtype": "bfloat16"}
+
+    rows = [row(c, p) for c in (c1024, c2048) for p in ("triton", "cudnn")]
+    rows.append({"kind": "ceiling"})
+    left = bench_fa.redone([c1024], rows)
+    assert [r.get("seq_len") for r in left] == [2048, 2048, None]
+    (todo,) = bench_fa.pending([c1024], left)
+    assert set(todo.providers) == set(c1024.providers)
+
+    def error(msg):
+        raise SystemExit(msg)
+
+    recorded = {"config": {"triton": {"min_seq_len": 2048}, "tokens": 1},
+                "provenance": {"git_sha": "abc"}, "rows": rows}
+    now = {"triton": {"min_seq_len": 1024}, "tokens": 1}
+    with pytest.raises(SystemExit, match="triton"):
+        resumed_rows("fa", recorded, now, error)
+    kept, config = resumed_rows("fa", recorded, now, error, may_change=("triton",))
+    assert len(kept) == len(rows) and config["triton"] == {"min_seq_len": 1024}
+    assert config["resumed_from"] == [{"git_sha": "abc",
+                                       "config_then": {"triton": {"min_seq_len": 2048}}}]
+    with pytest.raises(SystemExit, match="tokens"):  # only the named entry may change
+        resumed_rows("fa", recorded, {**now, "tokens": 2}, error, may_change=("triton",))
+    _, same = resumed_rows("fa", recorded, recorded["config"], error,
+                           may_change=("triton",))
+    assert same["resumed_from"] == [{"git_sha": "abc"}]  # unchanged: nothing to keep
+    with pytest.raises(SystemExit):
+        bench_fa.main(["--redo", "--dry-run"])
+    assert "use it with --resume" in capsys.readouterr().err
+
+
 def test_a_provider_that_cannot_take_the_case_is_not_pending():
     """PyTorch's memory-efficient kernel has no grouped-query heads: its error row at a
     GQA point is not run again on resume (a fresh run records it as skipped)."""

@@ -254,6 +254,12 @@ def pending(cases: list[Case], done_rows: Iterable[dict]) -> list[Case]:
     return out
 
 
+def redone(cases: list[Case], rows: list[dict]) -> list[dict]:
+    """`rows` less those of `cases`' providers (`--redo`: they are measured again)."""
+    again = {case.key(p) for case in cases for p in case.providers}
+    return [r for r in rows if "provider" not in r or row_key(r) not in again]
+
+
 # ------------------------------------------------------------------- a cost estimate
 
 RATE_TFLOPS = {"naive": 25, "sdpa-efficient": 150, "sdpa-flash": 300, "flash_attn": 300,
@@ -1000,6 +1006,11 @@ def main(argv=None) -> None:
     p.add_argument("--resume", action="store_true",
                    help="keep the results file's rows and measure only what it lacks "
                         "(rows with an error run again)")
+    p.add_argument("--redo", action="store_true",
+                   help="with --resume: measure the selected points again (--head-dims, "
+                        "--seq-lens, --layouts, --causal, --providers choose them), "
+                        "replacing their rows; our kernel's rule (config 'triton') may "
+                        "have changed since, the earlier one kept in resumed_from")
     p.add_argument("--dry-run", action="store_true",
                    help="print the cases and an estimate of their time; run nothing")
     p.add_argument("--chunk-s", type=float,
@@ -1014,6 +1025,8 @@ def main(argv=None) -> None:
         p.error("--resume continues a saved file; --quick saves only with --out-name")
     if (a.chunk_s or a.gpu) and not a.dry_run:
         p.error("--chunk-s and --gpu plan for --dry-run")
+    if a.redo and not a.resume:
+        p.error("--redo replaces rows of a saved file: use it with --resume")
     command = f"python -m colossal_lab bench flash_attention {shlex.join(argv)}".strip()
     config = config_of(a.quick, a.timing)
     filters = dict(seq_lens=a.seq_lens, head_dims=a.head_dims, layouts=a.layouts,
@@ -1036,7 +1049,10 @@ def main(argv=None) -> None:
         except FileNotFoundError:
             recorded = None
         kept, config = resumed_rows(name, recorded, config, p.error, what="results file",
-                                    carry=("triton_tiles",), grown=("canonical_extras",))
+                                    carry=("triton_tiles",), grown=("canonical_extras",),
+                                    may_change=("triton",) if a.redo else ())
+        if a.redo:
+            kept = redone(cases, kept)
         cases = pending(cases, kept)
         print(f"[flash_attention] resuming: {len(kept)} rows kept, "
               f"{sum(len(c.providers) for c in cases)} provider runs to go", flush=True)
