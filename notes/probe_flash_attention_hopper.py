@@ -29,6 +29,7 @@ SHAPES = [  # batch, query heads, kv heads, S, D, causal: B·S = 16k tokens, H·
     (8, 32, 4, 2048, 128, True), (4, 32, 32, 4096, 128, True),
     (4, 32, 32, 4096, 128, False), (32, 32, 32, 512, 128, False),
     (4, 64, 64, 4096, 64, True), (1, 32, 32, 16384, 128, True),
+    (4, 16, 16, 4096, 256, True), (4, 16, 16, 4096, 256, False),  # the forward only
 ]
 
 
@@ -80,7 +81,7 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
 
     both = {"cudnn": fwd_bwd(lambda q, k, v: cudnn(q, k, v, causal))}
     for kernel in ("portable", "hopper", "auto"):
-        if kernel != "hopper" or hopper.unsupported(q, k, v) is None:
+        if kernel != "hopper" or hopper.unsupported(q, k, v, "backward") is None:
             both[kernel] = fwd_bwd(lambda q, k, v, kern=kernel: fa.flash_attention(
                 q, k, v, causal, kernel=kern))
     ref = both["cudnn"]()

@@ -101,6 +101,8 @@ SM90_BUILDS = {  # name -> (module, aot_arguments(...), most spill bytes ptxas m
     "fwd-d128-full-pingpong": ("hopper", (128, False, "pingpong"), 0),
     "fwd-d128-causal-serial-dynamic": ("hopper", (128, True, "serial", True), 160),
     "fwd-d64-causal-pingpong-dynamic": ("hopper", (64, True, "pingpong", True), 0),
+    "fwd-d256-causal-serial": ("hopper", (256, True, "serial"), 80),
+    "fwd-d256-full-pingpong-dynamic": ("hopper", (256, False, "pingpong", True), 12),
     "bwd-d128-causal": ("hopper_bwd", (128, True), 64),
     "bwd-d128-full": ("hopper_bwd", (128, False), 32),
     "bwd-d64-causal": ("hopper_bwd", (64, True), 0),
@@ -111,7 +113,11 @@ the bounds catch a change that makes them worse). The serial schedule (the defau
 measured fastest or level) spills 128 B at head dim 128 with the causal mask, 100 B with
 the dynamic scheduler. The backward holds dK, dV (64 registers each), Sᵀ and
 dPᵀ (32 each) and dQ (32) per consumer thread of a 240-register budget: 36 B at head dim
-128 with the mask, 16 B without, 100 B with the grouped-query loop."""
+128 with the mask, 16 B without, 100 B with the grouped-query loop. At head dim 256 the
+forward (64 keys per step, the O accumulator 128 registers per thread) spills 80 B with
+the mask. Every build fits the 227 KiB of shared memory an sm_90 block may use: the
+forward takes about 193 KiB at D 128 with two Q buffers and at D 256 with one."""
+MAX_SHARED = 227 * 1024
 
 
 @pytest.mark.skipif(not hopper.HAVE_GLUON, reason="this Triton has no Gluon")
@@ -127,7 +133,8 @@ from colossal_lab.kernels.sm90_compile import compile_sm90
 out = {}
 for name, (module, args) in json.loads(sys.argv[1]).items():
     info = compile_sm90(*globals()[module].aot_arguments(*args))
-    out[name] = {k: info[k] for k in ("num_warps", "spill_bytes", "registers")}
+    out[name] = {k: info[k] for k in ("num_warps", "spill_bytes", "registers",
+                                      "shared_bytes")}
 print(json.dumps(out))
 """
     import json
@@ -142,6 +149,7 @@ print(json.dumps(out))
         info = report[name]
         assert info["num_warps"] == 12, (name, info)
         assert info["spill_bytes"] <= max_spill, (name, info)
+        assert info["shared_bytes"] <= MAX_SHARED, (name, info)
 
 
 def _reference(q, k, v, causal):
@@ -161,7 +169,8 @@ def _reference(q, k, v, causal):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("b,hq,hkv,s,d", [(2, 4, 4, 128, 128), (2, 8, 2, 384, 64),
-                                          (1, 4, 1, 640, 128), (3, 2, 2, 1152, 64)])
+                                          (1, 4, 1, 640, 128), (3, 2, 2, 1152, 64),
+                                          (1, 4, 2, 384, 256)])
 def test_hopper_forward_matches_reference(b, hq, hkv, s, d, causal, dtype):
     """The Gluon forward against fp32 attention: its error within 2 x the portable
     kernel's (plus a floor) and the LSE to 1e-4."""
@@ -311,6 +320,41 @@ def test_hopper_persistent_forward_takes_many_tiles(causal):
             assert torch.equal(o, outs["grid"][0]), (schedule, scheduler)
             assert torch.equal(lse, outs["grid"][1]), (schedule, scheduler)
     _check_hopper_grads(q, k, v, torch.randn_like(q), causal)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_hopper_forward_at_head_dim_256_under_every_scheduler(causal):
+    """Head dim 256 (64 keys per step, one Q buffer): every schedule under every
+    scheduler bit-equal to one program per tile, at more tiles than SMs, and close to
+    the portable forward. The Hopper backward does not take it: asking for the Hopper
+    kernels with gradients refuses at the call, not in the backward."""
+    b, s, hq, hkv, d = 4, 1024, 16, 4, 256
+    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    assert b * hq * s // hopper.BLOCK_M > 2 * hopper.sm_count(q.device)
+    assert hopper.unsupported(q, k, v) is None
+    assert "backward" in hopper.unsupported(q, k, v, "backward")
+    ref, ref_lse = fa.flash_attention_forward(q, k, v, causal, kernel="portable")
+    for schedule in hopper.SCHEDULES:
+        outs = {}
+        for scheduler in hopper.SCHEDULERS:
+            o, lse = torch.empty_like(q), torch.empty(b, hq, s, device="cuda")
+            hopper.forward(q, k, v, causal, d ** -0.5, o, lse, schedule=schedule,
+                           scheduler=scheduler)
+            outs[scheduler] = (o, lse)
+        for scheduler, (o, lse) in outs.items():
+            assert torch.equal(o, outs["grid"][0]), (schedule, scheduler)
+            assert torch.equal(lse, outs["grid"][1]), (schedule, scheduler)
+        torch.testing.assert_close(outs["grid"][0].float(), ref.float(), atol=2e-2, rtol=0)
+        torch.testing.assert_close(outs["grid"][1], ref_lse, atol=1e-4, rtol=0)
+    qg = q.detach().requires_grad_()
+    with pytest.raises(ValueError, match="Hopper backward"):
+        fa.flash_attention(qg, k, v, causal, kernel="hopper")
+    assert fa.kernel_plan(q, k, v, "hopper") == "fwd hopper-serial, bwd error"
+    assert fa.kernel_plan(q, k, v) == "fwd portable, bwd portable"  # no rule takes it
 
 
 @pytest.mark.gpu

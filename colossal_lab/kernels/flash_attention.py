@@ -686,7 +686,7 @@ def _why_not_hopper(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     elif torch.compiler.is_compiling():
         why = "torch.compile is tracing (it traces the portable kernel)"
     else:
-        why = hopper.unsupported(q, k, v)
+        why = hopper.unsupported(q, k, v, which)
     if why is not None and kernel != "auto":
         raise ValueError(f"the Hopper kernels cannot take these inputs: {why} "
                          "(kernel='auto' falls back to the portable kernel)")
@@ -873,4 +873,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         raise ValueError(f"dq_mode={dq_mode!r}; choose from {DQ_MODES}")
     if kernel is not None:
         _check_kernel(kernel)
+    if kernel not in (None, "auto", "portable") and torch.is_grad_enabled() \
+            and any(t.requires_grad for t in (q, k, v)):
+        _why_not_hopper(kernel, q, k, v, "backward")  # raises now, not in the backward
     return FlashAttentionFunction.apply(q, k, v, bool(causal), sm_scale, dq_mode, kernel)

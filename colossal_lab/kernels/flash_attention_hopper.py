@@ -78,10 +78,16 @@ HALF_M = 64
 """Query rows per consumer warpgroup; a program owns two of them (BLOCK_M = 128)."""
 BLOCK_M = 2 * HALF_M
 BLOCK_N = 128
-"""Key rows per step."""
+"""Key rows per step (`block_n`: 64 at head dim 256)."""
 STAGES = 2
 """K/V tiles in flight (shared memory: 2 x 2 x 128 x 128 x 2 B = 128 KiB at D = 128)."""
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+"""Head dims of the forward. At 256 it steps 64 keys at a time (`block_n`; one Q buffer,
+192 KiB of shared memory in all); compiled for sm_90a with 80 B of spills, and chosen
+by no rule until the H200 says it beats the portable forward."""
+BACKWARD_HEAD_DIMS = (64, 128)
+"""Head dims of the backward (`flash_attention_hopper_backward`): at 256 its dK and dV
+accumulators would not fit one warpgroup's registers with its tiling."""
 SCHEDULES = ("serial", "overlap", "pingpong")
 """How a consumer warpgroup orders its work (`_consume`): "serial" waits for each
 matmul at once; "overlap" computes the softmax of S_j while P_{j-1} V_{j-1} runs;
@@ -101,11 +107,17 @@ counter for the next tile when it starts one (its load warp asks, and passes the
 the consumers through shared memory). NOT yet run on a GPU: "dynamic"."""
 
 
-def q_buffers(scheduler: str) -> int:
+def q_buffers(scheduler: str, head_dim: int = 128) -> int:
     """Q tiles in shared memory: two for a persistent program (the load warp fetches
     the next tile's Q while the consumers finish this one: 32 KiB more, 192 KiB in all
-    at D = 128), one where each program takes one tile."""
-    return 1 if scheduler == "grid" else 2
+    at D = 128), one where each program takes one tile, and at D = 256 (no room)."""
+    return 1 if scheduler == "grid" or head_dim > 128 else 2
+
+
+def block_n(head_dim: int) -> int:
+    """Key rows per step: `BLOCK_N`, halved at head dim 256 (the O accumulator takes
+    128 registers per thread there, and K/V tiles twice the shared memory)."""
+    return BLOCK_N if head_dim <= 128 else BLOCK_N // 2
 
 
 def default_scheduler(causal: bool) -> str:
@@ -528,9 +540,12 @@ def rows_view(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         return None
 
 
-def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why this kernel cannot take (q, k, v), or None when it can. (The caller has
-    already checked what every backend checks: `flash_attention.check_shapes`.)"""
+def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                which: str = "forward") -> str | None:
+    """Why the Hopper kernel of pass `which` ("forward" or "backward") cannot take
+    (q, k, v), or None when it can. (The caller has already checked what every backend
+    checks: `flash_attention.check_shapes`.)"""
+    dims = HEAD_DIMS if which == "forward" else BACKWARD_HEAD_DIMS
     if not HAVE_GLUON:
         return "this Triton has no Gluon"
     if q.device.type != "cuda":
@@ -539,8 +554,8 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None
         return "not a Hopper GPU (compute capability 9.x)"
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype:
         return f"dtype {q.dtype}: bf16 or fp16 only"
-    if q.shape[3] not in HEAD_DIMS:
-        return f"head_dim {q.shape[3]} not in {HEAD_DIMS}"
+    if q.shape[3] not in dims:
+        return f"head_dim {q.shape[3]} not in {dims} (the Hopper {which})"
     if q.shape[2] % BLOCK_M or k.shape[2] != q.shape[2]:
         return f"S={q.shape[2]} is not a multiple of {BLOCK_M}"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -566,8 +581,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                          "must be contiguous")
     b, hq, s, d = q.shape
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    descs = []
-    for t, block in ((q, HALF_M), (k, BLOCK_N), (v, BLOCK_N)):
+    descs, bn = [], block_n(d)
+    for t, block in ((q, HALF_M), (k, bn), (v, bn)):
         view, stride = rows_view(t)
         layout = gl.NVMMASharedLayout.get_default_for([block, d], gl_dtype)
         descs.append(TensorDescriptor(view, list(view.shape), [stride, 1], [block, d],
@@ -579,10 +594,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     _attn_fwd_hopper_kernel[grid](
         *descs, o, lse, counter, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *o.stride()[:3], hq, s, n_tiles, sm_scale * math.log2(math.e),
-        GROUP=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_N=BLOCK_N,
+        GROUP=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_N=bn,
         STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule),
         DYNAMIC=scheduler == "dynamic", CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, Q_BUFS=q_buffers(scheduler), num_warps=4)
+        PRODUCER_REGS=PRODUCER_REGS, Q_BUFS=q_buffers(scheduler, d), num_warps=4)
 
 
 def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
@@ -594,7 +609,8 @@ def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
     q = torch.empty(1, 2, 2 * BLOCK_M, head_dim, dtype=torch.bfloat16)
     kern = _attn_fwd_hopper_kernel
     sig = {}
-    for name, block in zip(kern.arg_names[:3], (HALF_M, BLOCK_N, BLOCK_N)):
+    bn = block_n(head_dim)
+    for name, block in zip(kern.arg_names[:3], (HALF_M, bn, bn)):
         view, ss = rows_view(q)
         layout = gl.NVMMASharedLayout.get_default_for([block, head_dim], gl.bfloat16)
         sig[name] = mangle_type(TensorDescriptor(view, list(view.shape), [ss, 1],
@@ -603,8 +619,8 @@ def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
     for name in kern.arg_names[6:22]:
         sig[name] = "i64" if name.endswith(("sb", "sh", "ss")) else "i32"
     sig["qk_scale"] = "fp32"
-    consts = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=BLOCK_N,
+    consts = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=bn,
                   STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule), DYNAMIC=dynamic,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                  Q_BUFS=q_buffers("dynamic" if dynamic else "grid"))
+                  Q_BUFS=q_buffers("dynamic" if dynamic else "grid", head_dim))
     return kern, sig, consts
