@@ -200,7 +200,9 @@ def load_partial(name: str, gpu: str | None = None) -> dict | None:
 def fell_back(row: dict) -> bool:
     """Whether `row` was timed by a fallback (its `timing` says the CUDA-graph capture
     failed and events timed it instead): a failed measurement, to be taken again."""
-    return "capture failed" in str(row.get("timing", ""))
+    from colossal_lab.timing import CAPTURE_FAILED
+
+    return CAPTURE_FAILED in str(row.get("timing", ""))
 
 
 def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved run",

@@ -871,9 +871,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     _check_inputs(q, k, v)
     if dq_mode is not None and dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode={dq_mode!r}; choose from {DQ_MODES}")
-    if kernel is not None:
-        _check_kernel(kernel)
-    if kernel not in (None, "auto", "portable") and torch.is_grad_enabled() \
+    if _check_kernel(kernel) not in ("auto", "portable") and torch.is_grad_enabled() \
             and any(t.requires_grad for t in (q, k, v)):
         _why_not_hopper(kernel, q, k, v, "backward")  # raises now, not in the backward
     return FlashAttentionFunction.apply(q, k, v, bool(causal), sm_scale, dq_mode, kernel)
