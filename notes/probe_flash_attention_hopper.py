@@ -1,6 +1,7 @@
 """Probe the Hopper attention kernels against the portable ones and cuDNN, same process.
 
-    python notes/probe_flash_attention_hopper.py [--shapes N] [--out probe.json]
+    python notes/probe_flash_attention_hopper.py [--shapes N] [--head-dims D ...]
+                                                 [--out probe.json]
 
 A working tool for choosing `flash_attention.AUTO_HOPPER` and the forward's schedule and
 persistence, not a results file: CUDA events around eager calls (median and p10-p90 of
@@ -86,7 +87,8 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
                 q, k, v, causal, kernel=kern))
     ref = both["cudnn"]()
     row = {"shape": f"B{b} H{hq}/{hkv} S{s} D{d} {'causal' if causal else 'full'}",
-           "auto": fa.kernel_plan(q, k, v), "fwd": {}, "fwd_bwd": {}, "grad_err": {}}
+           "auto": fa.kernel_plan(q, k, v, causal=causal), "fwd": {}, "fwd_bwd": {},
+           "grad_err": {}}
     for name, f in both.items():
         row["grad_err"][name] = [round((g.float() - r.float()).abs().max().item(), 4)
                                  for g, r in zip(f(), ref)]
@@ -102,6 +104,7 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes")
+    p.add_argument("--head-dims", type=int, nargs="+", help="only shapes of these")
     p.add_argument("--out", default="probe_flash_attention_hopper.json")
     p.add_argument("--schedulers", nargs="+", choices=tuple(hopper.SCHEDULERS),
                    help="the Hopper forward's schedulers to time (default: all)")
@@ -109,7 +112,7 @@ def main() -> None:
     global SCHEDULERS
     SCHEDULERS = tuple(a.schedulers or SCHEDULERS)
     rows = []
-    for shape in SHAPES[:a.shapes]:
+    for shape in [s for s in SHAPES if not a.head_dims or s[4] in a.head_dims][:a.shapes]:
         rows.append(probe(*shape))
         with open(a.out, "w") as f:  # after every shape: a cut run keeps what it has
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

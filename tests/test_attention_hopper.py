@@ -94,6 +94,28 @@ def test_forward_kernel_choice_and_errors():
         hopper.forward(q, q, q, True, 0.125, q.transpose(2, 3), torch.empty(1, 2, 128))
 
 
+def test_auto_forward_plans_every_length():
+    """`AUTO_FORWARD` gives every (mask, length) a plan, in order of length; "auto"
+    leaves the rows that say portable to the portable forward, "hopper" runs the
+    default schedule there, a named schedule keeps its name under the default
+    scheduler."""
+    for causal in (True, False):
+        rows = [longest for c, longest, _ in fa.AUTO_FORWARD if c == causal]
+        assert rows[-1] is None and rows[:-1] == sorted(rows[:-1])
+        for s in (128, 1024, 1152, 2048, 4096, 1 << 20):
+            plan = fa._forward_plan("auto", s, causal)
+            assert plan is None or (plan[0] in hopper.SCHEDULES
+                                    and plan[1] in hopper.SCHEDULERS)
+            assert fa._forward_plan("hopper", s, causal) == (
+                plan or (hopper.DEFAULT_SCHEDULE, hopper.default_scheduler(causal)))
+            assert fa._forward_plan("hopper-pingpong", s, causal) == (
+                "pingpong", hopper.default_scheduler(causal))
+    assert fa._forward_plan("auto", 1024, True) is None
+    assert fa._forward_plan("auto", 1024, False) == ("pingpong", "static")
+    assert fa._forward_plan("auto", 2048, True) == ("overlap", "dynamic")
+    assert fa._forward_plan("auto", 4096, True) == ("serial", "grid")
+
+
 SM90_BUILDS = {  # name -> (module, aot_arguments(...), most spill bytes ptxas may report)
     "fwd-d128-causal-overlap": ("hopper", (128, True, "overlap"), 0),
     "fwd-d64-full-overlap": ("hopper", (64, False, "overlap"), 0),
@@ -353,7 +375,7 @@ def test_hopper_forward_at_head_dim_256_under_every_scheduler(causal):
     qg = q.detach().requires_grad_()
     with pytest.raises(ValueError, match="Hopper backward"):
         fa.flash_attention(qg, k, v, causal, kernel="hopper")
-    assert fa.kernel_plan(q, k, v, "hopper") == "fwd hopper-serial, bwd error"
+    assert fa.kernel_plan(q, k, v, "hopper") == "fwd hopper-serial-grid, bwd error"
     assert fa.kernel_plan(q, k, v) == "fwd portable, bwd portable"  # no rule takes it
 
 
@@ -361,8 +383,9 @@ def test_hopper_forward_at_head_dim_256_under_every_scheduler(causal):
 @on_hopper
 def test_auto_picks_each_pass_by_its_rule():
     """kernel="auto" (the default) runs each pass's Hopper kernel exactly where
-    `AUTO_HOPPER` says: at S = 1024, D = 128 the portable forward and the Hopper
-    backward; at S = 2048 both Hopper kernels."""
+    `AUTO_HOPPER` and `AUTO_FORWARD` say: at S = 1024, D = 128 with the mask the
+    portable forward and the Hopper backward; at S = 2048 both Hopper kernels, the
+    forward overlapped under the dynamic scheduler."""
     for s, fwd_hopper in ((1024, False), (2048, True)):
         q, k, v, do = (torch.randn(1, 4, s, 128, device="cuda", dtype=torch.bfloat16)
                        for _ in range(4))
@@ -370,8 +393,8 @@ def test_auto_picks_each_pass_by_its_rule():
         o_h, lse_h = fa.flash_attention_forward(q, k, v, True, kernel="hopper")
         o_p, lse_p = fa.flash_attention_forward(q, k, v, True, kernel="portable")
         assert torch.equal(o, o_h if fwd_hopper else o_p)
-        fwd = "hopper-serial" if fwd_hopper else "portable"
-        assert fa.kernel_plan(q, k, v) == f"fwd {fwd}, bwd hopper"
+        fwd = "hopper-overlap-dynamic" if fwd_hopper else "portable"
+        assert fa.kernel_plan(q, k, v, causal=True) == f"fwd {fwd}, bwd hopper"
         g = fa.flash_attention_backward(do, q, k, v, o_p, lse_p, True)
         g_p = fa.flash_attention_backward(do, q, k, v, o_p, lse_p, True, kernel="portable")
         assert torch.equal(g[1], fa.flash_attention_backward(

@@ -627,7 +627,7 @@ def measure_case(batch: int, heads: int, seq_len: int, head_dim: int, causal: bo
                     from colossal_lab.kernels.flash_attention import kernel_plan
 
                     row["kernels"] = kernel_plan(
-                        q, k, v, OUR_VARIANTS.get(provider, {}).get("kernel"))
+                        q, k, v, OUR_VARIANTS.get(provider, {}).get("kernel"), causal)
                 out = _first_call(fwd)  # compile / autotune outside the timed region
                 # the error column: against naive attention in fp32 on the same (upcast)
                 # inputs, over the last `ref_rows` query rows (the causal rows that see
@@ -953,6 +953,9 @@ def _triton_config() -> dict:
     persistent = "forward without the causal mask" if scheduler == \
         {True: "grid", False: "static"} else f"forward scheduler {scheduler}"
     return {"kernel": fa.DEFAULT_KERNEL, "auto_hopper": fa.AUTO_HOPPER,
+            "auto_forward": [{"causal": causal, "max_seq_len": longest,
+                              "plan": "-".join(plan) if plan else "portable"}
+                             for causal, longest, plan in fa.AUTO_FORWARD],
             "hopper_schedule": hopper.DEFAULT_SCHEDULE, "hopper_persistent": persistent}
 
 

@@ -88,17 +88,36 @@ DEFAULT_KERNEL = "auto"
 "hopper" (the Gluon kernels for sm_90: `flash_attention_hopper`'s forward and
 `flash_attention_hopper_backward`'s one-pass backward; an error where they cannot run),
 "hopper-serial" / "-overlap" / "-pingpong" (the same with one of the forward's
-`SCHEDULES`; "hopper" takes `flash_attention_hopper.DEFAULT_SCHEDULE`) or "auto": each
-pass takes the Hopper kernel where `flash_attention_hopper.unsupported` accepts the
-inputs, torch.compile is not tracing and the pass's rule (`AUTO_HOPPER`) says it is the
-faster one, the portable kernel elsewhere (A100s, CPUs, fp32, odd shapes)."""
-AUTO_HOPPER = {"forward": {"head_dims": (128,), "min_seq_len": 2048},
+`SCHEDULES` under `flash_attention_hopper.default_scheduler`; "hopper" takes the
+`AUTO_FORWARD` plan, or `flash_attention_hopper.DEFAULT_SCHEDULE` where none matches)
+or "auto": each pass takes the Hopper kernel where `flash_attention_hopper.unsupported`
+accepts the inputs, torch.compile is not tracing and the pass's rules (`AUTO_HOPPER`,
+`AUTO_FORWARD`) say it is the faster one, the portable kernel elsewhere (A100s, CPUs,
+fp32, odd shapes)."""
+AUTO_HOPPER = {"forward": {"head_dims": (128,), "min_seq_len": 1024},
                "backward": {"head_dims": (64, 128), "min_seq_len": 1024}}
-"""Where "auto" takes the Hopper kernel over the portable one, per pass: from the H200
+"""Where "auto" may take the Hopper kernel over the portable one, per pass: from the H200
 probes of notes/flash_attention.md (same process, bf16, 30 timed calls each). The Hopper
-forward lost to the portable one at S <= 1024 (0.87x at 1024, 0.74x at 512) and at
-head dim 64 (0.94x); its backward lost only at S = 512 (0.87x). The sweep
-(`bench flash_attention`) records both next to cuDNN at every point."""
+forward lost to the portable one at S = 512 (0.74x) and at head dim 64 (0.94x); its
+backward lost only at S = 512 (0.87x). Inside these bounds the forward also needs a row
+of `AUTO_FORWARD`. The sweep (`bench flash_attention`) records both next to cuDNN at
+every point."""
+AUTO_FORWARD = (
+    # (causal, longest S or None, (schedule, scheduler) or None for the portable
+    # forward): the first row that matches decides, inside `AUTO_HOPPER`'s bounds
+    (True, 1024, None),
+    (True, 2048, ("overlap", "dynamic")),
+    (True, None, ("serial", "grid")),
+    (False, 1024, ("pingpong", "static")),
+    (False, None, ("serial", "static")),
+)
+"""The Hopper forward's plan per mask and length, from two H200 probes at D = 128
+(notes/probes/). With the mask at S = 1024 no Hopper plan beat the portable forward
+(258-279 against 284-289 TFLOP/s); at S = 2048 (GQA-8) "overlap" under the dynamic
+scheduler ran 404-423 TFLOP/s against 335-394 for "serial" on the grid, which stays
+from 4096 on (level there, ahead at 16k). Without the mask at S = 1024 the persistent
+ping-pong forward ran at 0.87-0.89x cuDNN against the portable one's 0.62-0.73x;
+"serial" stays from 2048 on (level with ping-pong at 4096)."""
 DQ_MODES = ("separate", "atomic")
 DEFAULT_DQ_MODE = "separate"
 """How the backward computes dQ (see `flash_attention_backward`). "separate" is
@@ -673,13 +692,30 @@ def _scale(sm_scale: float | None, head_dim: int) -> float:
     return scale
 
 
+def _forward_plan(kernel: str, s: int, causal: bool) -> tuple[str, str] | None:
+    """(schedule, scheduler) of the Hopper forward that `kernel` asks for at length s:
+    "auto" and "hopper" take the `AUTO_FORWARD` row for (causal, s), "hopper" the
+    default plan where that row says portable (None for "auto"); the named schedules
+    ("hopper-serial", ...) take `default_scheduler(causal)`."""
+    schedule = kernel.partition("-")[2]
+    if schedule:
+        return schedule, hopper.default_scheduler(causal)
+    plan = next(plan for row_causal, longest, plan in AUTO_FORWARD
+                if row_causal == bool(causal) and (longest is None or s <= longest))
+    if plan is None and kernel != "auto":
+        return hopper.DEFAULT_SCHEDULE, hopper.default_scheduler(causal)
+    return plan
+
+
 def _why_not_hopper(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    which: str = "forward") -> str | None:
+                    which: str = "forward", causal: bool = True) -> str | None:
     """None where `kernel` (not "portable") runs the Hopper kernel of pass `which` on
     these inputs; otherwise why not, which is an error unless kernel is "auto"."""
     rule = AUTO_HOPPER[which]
     if kernel == "auto" and (q.shape[3] not in rule["head_dims"]
-                             or q.shape[2] < rule["min_seq_len"]):
+                             or q.shape[2] < rule["min_seq_len"]
+                             or which == "forward"
+                             and _forward_plan(kernel, q.shape[2], causal) is None):
         return f"the portable {which} is faster here (AUTO_HOPPER)"
     if INTERPRET:
         why = "Gluon has no interpreter"
@@ -693,12 +729,6 @@ def _why_not_hopper(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return why
 
 
-def _schedule_of(kernel: str) -> str:
-    """The Hopper forward's schedule a kernel name asks for: "hopper-serial" -> "serial";
-    "hopper" and "auto" -> `flash_attention_hopper.DEFAULT_SCHEDULE`."""
-    return kernel.partition("-")[2] or hopper.DEFAULT_SCHEDULE
-
-
 def _check_kernel(kernel: str | None) -> str:
     kernel = kernel or DEFAULT_KERNEL
     if kernel not in KERNELS:
@@ -707,18 +737,19 @@ def _check_kernel(kernel: str | None) -> str:
 
 
 def kernel_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kernel: str | None = None) -> str:
-    """Which kernel each pass runs for these inputs, e.g. "fwd hopper-serial, bwd
-    hopper" or "fwd portable, bwd portable" (for the benchmark's rows)."""
+                kernel: str | None = None, causal: bool = True) -> str:
+    """Which kernel each pass runs for these inputs, e.g. "fwd hopper-overlap-dynamic,
+    bwd hopper" (the forward's schedule and scheduler) or "fwd portable, bwd portable"
+    (for the benchmark's rows)."""
     kernel = _check_kernel(kernel)
     names = []
     for which in ("forward", "backward"):
         name = "portable"
         if kernel != "portable":
             try:
-                if _why_not_hopper(kernel, q, k, v, which) is None:
-                    name = f"hopper-{_schedule_of(kernel)}" if which == "forward" \
-                        else "hopper"
+                if _why_not_hopper(kernel, q, k, v, which, causal) is None:
+                    name = "hopper-" + "-".join(_forward_plan(kernel, q.shape[2], causal)) \
+                        if which == "forward" else "hopper"
             except ValueError:  # an explicit "hopper" that cannot run: it would raise
                 name = "error"
         names.append(("fwd " if which == "forward" else "bwd ") + name)
@@ -749,8 +780,10 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = torch.empty((b, hq, s), device=q.device, dtype=torch.float32)
     if s == 0 or b == 0:
         return o, lse
-    if kernel != "portable" and _why_not_hopper(kernel, q, k, v) is None:
-        hopper.forward(q, k, v, causal, sm_scale, o, lse, schedule=_schedule_of(kernel))
+    if kernel != "portable" and _why_not_hopper(kernel, q, k, v, causal=causal) is None:
+        schedule, scheduler = _forward_plan(kernel, s, causal)
+        hopper.forward(q, k, v, causal, sm_scale, o, lse, schedule=schedule,
+                       scheduler=scheduler)
         return o, lse
 
     def grid(meta):
