@@ -129,6 +129,8 @@ SM90_BUILDS = {  # name -> (module, aot_arguments(...), most spill bytes ptxas m
     "bwd-d128-full": ("hopper_bwd", (128, False), 32),
     "bwd-d64-causal": ("hopper_bwd", (64, True), 0),
     "bwd-d128-gqa4": ("hopper_bwd", (128, True, 4), 128),
+    "bwd-d256-causal": ("hopper_bwd", (256, True), 32),
+    "bwd-d256-gqa4": ("hopper_bwd", (256, True, 4), 128),
 }
 """What the compile test builds, with the spills it may have (measured with Triton 3.7.1;
 the bounds catch a change that makes them worse). The serial schedule (the default: it
@@ -137,8 +139,10 @@ the dynamic scheduler. The backward holds dK, dV (64 registers each), Sᵀ and
 dPᵀ (32 each) and dQ (32) per consumer thread of a 240-register budget: 36 B at head dim
 128 with the mask, 16 B without, 100 B with the grouped-query loop. At head dim 256 the
 forward (64 keys per step, the O accumulator 128 registers per thread) spills 80 B with
-the mask. Every build fits the 227 KiB of shared memory an sm_90 block may use: the
-forward takes about 193 KiB at D 128 with two Q buffers and at D 256 with one."""
+the mask; the backward (its warpgroups split dK's and dV's columns) 20 B, 92 B with the
+grouped-query loop. Every build fits the 227 KiB of shared memory an sm_90 block may
+use: the forward takes about 193 KiB at D 128 with two Q buffers and at D 256 with one,
+the backward about 226 KiB at D 256 (one dO slot)."""
 MAX_SHARED = 227 * 1024
 
 
@@ -290,11 +294,13 @@ def _check_hopper_grads(q, k, v, do, causal):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("b,hq,hkv,s,d", [(2, 4, 4, 128, 128), (1, 8, 2, 384, 128),
-                                          (2, 4, 1, 640, 64), (1, 2, 2, 1152, 128)])
+                                          (2, 4, 1, 640, 64), (1, 2, 2, 1152, 128),
+                                          (2, 4, 4, 128, 256), (1, 4, 2, 384, 256)])
 def test_hopper_backward_matches_reference(b, hq, hkv, s, d, causal, dtype):
     """dQ, dK, dV of the one-pass Gluon backward against fp32 attention: each error within
     2 x the portable backward's (plus a floor), at one and several query heads per
-    key/value head, both head dims, one and several key blocks per program's row."""
+    key/value head, every head dim (256: the warpgroups split the columns), one and
+    several key blocks per program's row."""
     q = torch.randn(b, hq, s, d, device="cuda", dtype=dtype)
     k = torch.randn(b, hkv, s, d, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
@@ -360,23 +366,23 @@ def _every_scheduler_agrees(q, k, v, causal) -> dict:
 def test_hopper_forward_at_head_dim_256_under_every_scheduler(causal):
     """Head dim 256 (64 keys per step, one Q buffer): every schedule under every
     scheduler bit-equal to one program per tile, at more tiles than SMs, and close to
-    the portable forward. The Hopper backward does not take it: asking for the Hopper
-    kernels with gradients refuses at the call, not in the backward."""
+    the portable forward; the Hopper backward at this many programs matches the
+    reference as the other tests bound it."""
     b, s, hq, hkv, d = 4, 1024, 16, 4, 256
     q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     assert hopper.unsupported(q, k, v) is None
-    assert "backward" in hopper.unsupported(q, k, v, "backward")
+    assert hopper.unsupported(q, k, v, "backward") is None
     ref, ref_lse = fa.flash_attention_forward(q, k, v, causal, kernel="portable")
     for o, lse in _every_scheduler_agrees(q, k, v, causal).values():
         torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=0)
         torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
-    qg = q.detach().requires_grad_()
-    with pytest.raises(ValueError, match="Hopper backward"):
-        fa.flash_attention(qg, k, v, causal, kernel="hopper")
-    assert fa.kernel_plan(q, k, v, "hopper") == "fwd hopper-serial-grid, bwd error"
-    assert fa.kernel_plan(q, k, v) == "fwd portable, bwd portable"  # no rule takes it
+    _check_hopper_grads(q, k, v, torch.randn_like(q), causal)
+    assert fa.kernel_plan(q, k, v, "hopper", causal) == (
+        f"fwd hopper-{'serial-grid' if causal else 'pingpong-static'}, bwd hopper")
+    assert fa.kernel_plan(q, k, v, causal=causal) == (  # "auto" (the rules)
+        f"fwd {'portable' if causal else 'hopper-pingpong-static'}, bwd hopper")
 
 
 @pytest.mark.gpu

@@ -94,14 +94,14 @@ or "auto": each pass takes the Hopper kernel where `flash_attention_hopper.unsup
 accepts the inputs, torch.compile is not tracing and the pass's rules (`AUTO_HOPPER`,
 `AUTO_FORWARD`) say it is the faster one, the portable kernel elsewhere (A100s, CPUs,
 fp32, odd shapes)."""
-AUTO_HOPPER = {"forward": {"head_dims": (128,), "min_seq_len": 1024},
-               "backward": {"head_dims": (64, 128), "min_seq_len": 1024}}
+AUTO_HOPPER = {"forward": {"head_dims": (128, 256), "min_seq_len": 1024},
+               "backward": {"head_dims": (64, 128, 256), "min_seq_len": 1024}}
 """Where "auto" may take the Hopper kernel over the portable one, per pass: from the H200
 probes of notes/flash_attention.md (same process, bf16, 30 timed calls each). The Hopper
-forward lost to the portable one at S = 512 (0.74x) and at head dim 64 (0.94x); its
-backward lost only at S = 512 (0.87x). Inside these bounds the forward also needs a row
-of `AUTO_FORWARD`. The sweep (`bench flash_attention`) records both next to cuDNN at
-every point."""
+forward lost to the portable one at S = 512 (0.74x) and at head dim 64 (0.94x), and won
+at 256 (1.3x with the mask, 1.5x without, S = 4096); its backward lost only at S = 512
+(0.87x). Inside these bounds the forward also needs a row of `AUTO_FORWARD`. The sweep
+(`bench flash_attention`) records both next to cuDNN at every point."""
 AUTO_FORWARD = (
     # (causal, longest S or None, (schedule, scheduler) or None for the portable
     # forward): the first row that matches decides, inside `AUTO_HOPPER`'s bounds

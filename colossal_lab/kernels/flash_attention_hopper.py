@@ -39,7 +39,7 @@ kernel's; read its docstring first. The backward for Hopper is
 `flash_attention_hopper_backward`; the portable backward takes (O, LSE) from either
 forward too.
 
-Scope: compute capability 9.x, bf16 or fp16, head dim 64 or 128, S a multiple of 128,
+Scope: compute capability 9.x, bf16 or fp16, head dim 64, 128 or 256, S a multiple of 128,
 and q, k, v whose rows can be addressed as one 2-D TMA view (`rows_view`: (B, H, S, D)
 contiguous, the (B, S, H, D) transpose, or slices of a packed QKV). Anything else runs
 the portable kernel (`unsupported` says why), which is also the teaching version.
@@ -85,9 +85,9 @@ HEAD_DIMS = (64, 128, 256)
 """Head dims of the forward. At 256 it steps 64 keys at a time (`block_n`; one Q buffer,
 192 KiB of shared memory in all); compiled for sm_90a with 80 B of spills, and chosen
 by no rule until the H200 says it beats the portable forward."""
-BACKWARD_HEAD_DIMS = (64, 128)
-"""Head dims of the backward (`flash_attention_hopper_backward`): at 256 its dK and dV
-accumulators would not fit one warpgroup's registers with its tiling."""
+BACKWARD_HEAD_DIMS = (64, 128, 256)
+"""Head dims of the backward (`flash_attention_hopper_backward`; at 256 its warpgroups
+split the head dim instead of the keys)."""
 SCHEDULES = ("serial", "overlap", "pingpong")
 """How a consumer warpgroup orders its work (`_consume`): "serial" waits for each
 matmul at once; "overlap" computes the softmax of S_j while P_{j-1} V_{j-1} runs;

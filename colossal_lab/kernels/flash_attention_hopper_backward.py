@@ -45,6 +45,12 @@ producer needs 24 (`worker_num_regs` re-balances them). Shared memory at head di
 K and V 64 KiB, Q and dO 2 x 2 x 16 KiB, dSᵀ 2 x 16 KiB, the dQ tiles on their way out
 2 x 16 KiB: 194 KiB, so one program per SM.
 
+At head dim 256 dK and dV would take 128 registers each per consumer thread, so there
+a program owns 64 keys and the warpgroups split the head dim instead: one forms Sᵀ and
+Pᵀ, the other dPᵀ and dSᵀ, each hands its tile to the other through shared memory, and
+each accumulates its 128 columns of dK and dV and adds its columns of dQ
+(`_bwd256_steps`; FlashAttention-3 also takes 64 x 64 tiles and one dO slot there).
+
 Scope: as the Hopper forward (`flash_attention_hopper.unsupported`), and dO with a TMA
 view (the launcher copies it otherwise). Δ = rowsum(dO ∘ O) comes from the portable
 kernel's pre-processing.
@@ -257,8 +263,10 @@ if hopper.HAVE_GLUON:
                       HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
         """The load warp: K and V once, then Q and dO block by block, each into its slot
         as soon as both consumers have released it (the consumers' signature)."""
-        q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, dq_smem = smem
-        kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready = bars
+        q_smem, do_smem, k_smem, v_smem = smem[0], smem[1], smem[2], smem[3]
+        lse_smem, delta_smem = smem[5], smem[6]
+        kv_bar, q_ready, do_ready, q_empty, do_empty = bars[0], bars[1], bars[2], \
+            bars[3], bars[4]
         q_desc, do_desc, k_desc, v_desc, dq_desc = descs
         lse_ptr, delta_ptr = ptrs[0], ptrs[1]
         bh0 = heads[4]
@@ -267,6 +275,8 @@ if hopper.HAVE_GLUON:
         q_off, do_off = strides[4], strides[5]  # element offset of head (b, first_h)
         q_sh, do_sh = strides[6], strides[7]
         BM: gl.constexpr = q_smem.shape[1]
+        Q_STAGES: gl.constexpr = q_smem.shape[0]
+        DO_STAGES: gl.constexpr = do_smem.shape[0]  # one at head dim 256 (no room)
         stat_layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
         stat_cols = gl.arange(0, BM, layout=stat_layout)
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -285,8 +295,8 @@ if hopper.HAVE_GLUON:
             do_row, do_col = (dqo // do_ss).to(gl.int32), (dqo % do_ss).to(gl.int32)
             stat_base = (bh0 + g) * seq_len
             for i in range(lo, n_q):
-                slot = t % STAGES
-                phase = ((t // STAGES) & 1) ^ 1  # a fresh barrier: phase 1 is complete
+                slot = t % Q_STAGES
+                phase = ((t // Q_STAGES) & 1) ^ 1  # a fresh barrier: phase 1 is complete
                 mbarrier.wait(q_empty.index(slot), phase)
                 # the block's LSE (base 2) and Δ into shared memory, where the consumers
                 # read them when needed (as registers they would hold 32 of each
@@ -299,9 +309,150 @@ if hopper.HAVE_GLUON:
                 mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_row + i * BM, q_col],
                                                 q_ready.index(slot), q_smem.index(slot))
-                hopper.ring_load(do_desc, do_row + i * BM, do_col, do_ready.index(slot),
-                                 do_empty.index(slot), phase, do_smem.index(slot))
+                do_slot = t % DO_STAGES
+                hopper.ring_load(do_desc, do_row + i * BM, do_col, do_ready.index(do_slot),
+                                 do_empty.index(do_slot), ((t // DO_STAGES) & 1) ^ 1,
+                                 do_smem.index(do_slot))
                 t += 1
+
+    # ---------------------------------------------------------------- head dim 256
+    # dK and dV of 64 keys at head dim 256 are 64 x 256 fp32 each: 128 registers per
+    # thread apiece in one warpgroup, too many for both. So at 256 a program owns 64
+    # keys and the two consumer warpgroups split the head dim instead of the keys:
+    # warpgroup w holds dK and dV's columns [128 w, 128 w + 128) (64 + 64 registers).
+    # The two products that need every column split by kind: warpgroup 0 forms
+    # Sᵀ = K Qᵀ and Pᵀ, warpgroup 1 dPᵀ = V dOᵀ and, with Pᵀ from shared memory,
+    # dSᵀ; both hand their result over in shared memory, and each then adds its
+    # columns of dV += Pᵀ dO, dK += dSᵀ Q and dQ += dS K (dQ 64 columns at a time).
+    # Shared memory: K, V 64 KiB; Q 2 x 32 KiB; dO one slot of 32 KiB; Pᵀ and dSᵀ
+    # 2 x 2 x 8 KiB; the dQ tiles on their way out 2 x 16 KiB: 224 KiB.
+
+    @gluon.jit
+    def _bwd256_steps(t, lo, hi, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem,
+                      lse_smem, delta_smem, bars, dk, dv, dq_desc, dq_buf, dq_row0, keys,
+                      qk_scale, sm_scale, s_layout: gl.constexpr, dq_layout: gl.constexpr,
+                      MASKED: gl.constexpr, WG: gl.constexpr):
+        """Query blocks [lo, hi) of one head for one warpgroup (see above); t counts
+        the steps taken so far (ring slots and barrier phases)."""
+        q_ready, do_ready, q_empty, do_empty, p_ready, ds_ready = bars
+        Q_STAGES: gl.constexpr = q_smem.shape[0]
+        BM: gl.constexpr = q_smem.shape[1]
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
+        BN: gl.constexpr = k_smem.shape[0]
+        COLS: gl.constexpr = HEAD_DIM // 2  # this warpgroup's columns of dK, dV, dQ
+        DQ_N: gl.constexpr = dq_buf.shape[1]
+        s_zero = gl.zeros([BN, BM], gl.float32, s_layout)
+        dq_zero = gl.zeros([BM, DQ_N], gl.float32, dq_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        for i in range(lo, hi):
+            slot = t % Q_STAGES
+            q = q_smem.index(slot)
+            do = do_smem.index(0)
+            buf = t % 2
+            p_buf = p_smem.index(buf)
+            ds_buf = ds_smem.index(buf)
+            mbarrier.wait(q_ready.index(slot), (t // Q_STAGES) & 1)
+            if WG == 0:  # Sᵀ, Pᵀ -> shared memory
+                s_tok = warpgroup_mma(k_smem, q.permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s_tok,))
+                lse2 = lse_smem.index(slot).load(col_layout)
+                if MASKED:  # the diagonal block: queries before the key get P = 0
+                    cols = i * BM + gl.arange(0, BM, layout=col_layout)
+                    keep = gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1)
+                    s = gl.where(keep, s * qk_scale - gl.expand_dims(lse2, 0),
+                                 float("-inf"))
+                else:
+                    s = s * qk_scale - gl.expand_dims(lse2, 0)
+                p_buf.store(gl.exp2(s).to(q.dtype))
+                fence_async_shared()
+                hopper.sync_partition()
+                mbarrier.arrive(p_ready.index(buf), count=1)
+                mbarrier.wait(do_ready.index(0), t & 1)
+            else:  # dPᵀ; with Pᵀ, dSᵀ -> shared memory
+                mbarrier.wait(do_ready.index(0), t & 1)
+                dp_tok = warpgroup_mma(v_smem, do.permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+                delta = delta_smem.index(slot).load(col_layout)
+                mbarrier.wait(p_ready.index(buf), (t // 2) & 1)
+                p = p_buf.load(s_layout).to(gl.float32)
+                ds_buf.store((p * (dp - gl.expand_dims(delta, 0)) * sm_scale).to(q.dtype))
+                fence_async_shared()
+                hopper.sync_partition()
+                mbarrier.arrive(ds_ready.index(buf), count=1)
+            mbarrier.wait(p_ready.index(buf), (t // 2) & 1)
+            dv_tok = warpgroup_mma(p_buf, do.slice(WG * COLS, COLS, dim=1), dv,
+                                   is_async=True)
+            mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
+            dk_tok = warpgroup_mma(ds_buf, q.slice(WG * COLS, COLS, dim=1), dk,
+                                   is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+            mbarrier.arrive(do_empty.index(0), count=1)
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            for c in gl.static_range(COLS // DQ_N):  # dQ's columns, DQ_N at a time
+                dq_tok = warpgroup_mma(ds_buf.permute((1, 0)),
+                                       k_smem.slice(WG * COLS + c * DQ_N, DQ_N, dim=1),
+                                       dq_zero, use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+                _add_dq(dq, dq_desc, dq_buf, dq_row0 + i * BM, WG * COLS + c * DQ_N)
+            t += 1
+        return t, dk, dv
+
+    @gluon.jit
+    def _bwd256_consumer(smem, bars, descs, heads, ptrs, strides, seq_len, n0, qk_scale,
+                         sm_scale, WG: gl.constexpr, GROUP: gl.constexpr,
+                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                         STAGES: gl.constexpr):
+        """One consumer warpgroup at head dim 256: columns [128·WG, 128·WG + 128) of
+        the program's 64 keys."""
+        q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, dq_smem, \
+            p_smem = smem
+        kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready, p_ready = bars
+        step_bars = (q_ready, do_ready, q_empty, do_empty, p_ready, ds_ready)
+        dq_desc = descs[4]
+        dq_buf = dq_smem.index(WG)
+        dk_ptr, dv_ptr = ptrs[2], ptrs[3]
+        dk_ss, dv_ss = strides[0], strides[1]
+        bh0, dk_base, dv_base = heads[4], heads[5], heads[6]
+        BM: gl.constexpr = q_smem.shape[1]
+        BN: gl.constexpr = k_smem.shape[0]
+        COLS: gl.constexpr = HEAD_DIM // 2
+        s_layout: gl.constexpr = hopper.wgmma_layout(BM)
+        kv_layout: gl.constexpr = hopper.wgmma_layout(COLS)
+        dq_layout: gl.constexpr = hopper.wgmma_layout(dq_buf.shape[1])
+        keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+        dk = gl.zeros([BN, COLS], gl.float32, kv_layout)
+        dv = gl.zeros([BN, COLS], gl.float32, kv_layout)
+        n_q = seq_len // BM
+        if CAUSAL:
+            lo = n0 // BM
+            n_diag = BN // BM  # query blocks that cross the diagonal
+        else:
+            lo = 0
+            n_diag = 0
+        mbarrier.wait(kv_bar, 0)
+        t = 0
+        for g in range(GROUP):
+            dq_row0 = ((bh0 + g) * seq_len).to(gl.int32)
+            if CAUSAL:
+                t, dk, dv = _bwd256_steps(t, lo, lo + n_diag, k_smem, v_smem, q_smem,
+                                          do_smem, p_smem, ds_smem, lse_smem, delta_smem,
+                                          step_bars, dk, dv, dq_desc, dq_buf, dq_row0,
+                                          keys, qk_scale, sm_scale, s_layout, dq_layout,
+                                          True, WG)
+            t, dk, dv = _bwd256_steps(t, lo + n_diag, n_q, k_smem, v_smem, q_smem,
+                                      do_smem, p_smem, ds_smem, lse_smem, delta_smem,
+                                      step_bars, dk, dv, dq_desc, dq_buf, dq_row0, keys,
+                                      qk_scale, sm_scale, s_layout, dq_layout, False, WG)
+        rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout))
+        d = WG * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, kv_layout))
+        off = gl.expand_dims(rows.to(gl.int64), 1)
+        gl.store(dk_ptr + dk_base + off * dk_ss + gl.expand_dims(d, 0),
+                 dk.to(dk_ptr.dtype.element_ty))
+        gl.store(dv_ptr + dv_base + off * dv_ss + gl.expand_dims(d, 0),
+                 dv.to(dv_ptr.dtype.element_ty))
+        tma.store_wait(0)  # the last dQ reduction has read its buffer
 
     @gluon.jit
     def _attn_bwd_hopper_kernel(
@@ -333,9 +484,10 @@ if hopper.HAVE_GLUON:
                    off_b * do_sb + first_h.to(gl.int64) * do_sh, q_sh, do_sh)
         ptrs = (lse_ptr, delta_ptr, dk_ptr, dv_ptr)
 
+        DO_STAGES: gl.constexpr = 1 if HEAD_DIM == 256 else STAGES
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_DIM],
                                            q_desc.layout)
-        do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_DIM],
+        do_smem = gl.allocate_shared_memory(do_desc.dtype, [DO_STAGES, BM, HEAD_DIM],
                                             do_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [BN, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [BN, HEAD_DIM], v_desc.layout)
@@ -349,32 +501,54 @@ if hopper.HAVE_GLUON:
                                             dq_desc.layout)  # one per consumer
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1],
+        do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1],
                                              mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1],
+        do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1],
                                              mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=2)  # the Q copy and the row statistics
-            mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # both consumers release a slot
+        for i in gl.static_range(DO_STAGES):
+            mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(do_empty.index(i), count=2)
-        mbarrier.init(ds_ready.index(0), count=2)  # both halves of dSᵀ written
-        mbarrier.init(ds_ready.index(1), count=2)
-
-        smem = (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, dq_smem)
-        bars = (kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready)
         descs = (q_desc, do_desc, k_desc, v_desc, dq_desc)
-        gl.warp_specialize([
-            (_bwd_consumer, (smem, bars, descs, heads, ptrs, strides, seq_len, n0, qk_scale,
-                             sm_scale, 0, GROUP, HEAD_DIM, CAUSAL, STAGES)),
-            (_bwd_consumer, (smem, bars, descs, heads, ptrs, strides, seq_len, n0, qk_scale,
-                             sm_scale, 1, GROUP, HEAD_DIM, CAUSAL, STAGES)),
-            (_bwd_producer, (smem, bars, descs, heads, ptrs, strides, seq_len, n0, qk_scale,
-                             sm_scale, 0, GROUP, HEAD_DIM, CAUSAL, STAGES))],
-                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if HEAD_DIM == 256:  # warpgroups split the columns (see _bwd256_steps)
+            p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BN, BM], ds_layout)
+            p_ready = gl.allocate_shared_memory(gl.int64, [2, 1],
+                                                mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(p_ready.index(i), count=1)  # warpgroup 0 wrote Pᵀ
+                mbarrier.init(ds_ready.index(i), count=1)  # warpgroup 1 wrote dSᵀ
+            smem = (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem,
+                    dq_smem, p_smem)
+            bars = (kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready, p_ready)
+            gl.warp_specialize([
+                (_bwd256_consumer, (smem, bars, descs, heads, ptrs, strides, seq_len, n0,
+                                    qk_scale, sm_scale, 0, GROUP, HEAD_DIM, CAUSAL,
+                                    STAGES)),
+                (_bwd256_consumer, (smem, bars, descs, heads, ptrs, strides, seq_len, n0,
+                                    qk_scale, sm_scale, 1, GROUP, HEAD_DIM, CAUSAL,
+                                    STAGES)),
+                (_bwd_producer, (smem, bars, descs, heads, ptrs, strides, seq_len, n0,
+                                 qk_scale, sm_scale, 0, GROUP, HEAD_DIM, CAUSAL, STAGES))],
+                               [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            mbarrier.init(ds_ready.index(0), count=2)  # both halves of dSᵀ written
+            mbarrier.init(ds_ready.index(1), count=2)
+            smem = (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem,
+                    dq_smem)
+            bars = (kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready)
+            gl.warp_specialize([
+                (_bwd_consumer, (smem, bars, descs, heads, ptrs, strides, seq_len, n0,
+                                 qk_scale, sm_scale, 0, GROUP, HEAD_DIM, CAUSAL, STAGES)),
+                (_bwd_consumer, (smem, bars, descs, heads, ptrs, strides, seq_len, n0,
+                                 qk_scale, sm_scale, 1, GROUP, HEAD_DIM, CAUSAL, STAGES)),
+                (_bwd_producer, (smem, bars, descs, heads, ptrs, strides, seq_len, n0,
+                                 qk_scale, sm_scale, 0, GROUP, HEAD_DIM, CAUSAL, STAGES))],
+                               [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def _descriptor(t: torch.Tensor, block: int) -> TensorDescriptor:
@@ -385,11 +559,18 @@ def _descriptor(t: torch.Tensor, block: int) -> TensorDescriptor:
     return TensorDescriptor(view, list(view.shape), [stride, 1], [block, d], layout)
 
 
+def block_n(head_dim: int) -> int:
+    """Keys per program: `BLOCK_N`, 64 at head dim 256 (the warpgroups split the
+    columns there instead of the keys)."""
+    return BLOCK_N if head_dim <= 128 else BLOCK_N // 2
+
+
 def dq_descriptor(dq: torch.Tensor) -> TensorDescriptor:
     """The fp32 dQ accumulator (B, Hq, S, D) as rows (B·Hq·S, D); a consumer adds a
-    (64, D/2) tile at head dim 128 (each forms half the columns), (64, D) at 64."""
+    (64, D/2) tile at head dim 128 (each forms half the columns), (64, D) at 64, and
+    (64, 64) at 256 (each forms its half 64 columns at a time)."""
     d = dq.shape[-1]
-    block = [BLOCK_M, d // 2 if d == 128 else d]
+    block = [BLOCK_M, 64]
     view = dq.view(-1, d)
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
     return TensorDescriptor(view, list(view.shape), [d, 1], block, layout)
@@ -411,9 +592,10 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     b, hq, s, d = q.shape
     hkv = k.shape[1]
     dq = torch.zeros((b, hq, s, d), device=q.device, dtype=torch.float32)
-    descs = (_descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N),
-             _descriptor(v, BLOCK_N), dq_descriptor(dq))
-    _attn_bwd_hopper_kernel[(s // BLOCK_N, hkv, b)](
+    bn = block_n(d)
+    descs = (_descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, bn),
+             _descriptor(v, bn), dq_descriptor(dq))
+    _attn_bwd_hopper_kernel[(s // bn, hkv, b)](
         *descs, lse, delta, dk, dv, *q.stride()[:3], *do.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         hq, s, sm_scale * math.log2(math.e), sm_scale,
@@ -429,8 +611,9 @@ def aot_arguments(head_dim: int, causal: bool, group: int = 1) -> tuple:
 
     kern = _attn_bwd_hopper_kernel
     q = torch.empty(1, 2, 2 * BLOCK_N, head_dim, dtype=torch.bfloat16)
+    bn = block_n(head_dim)
     sig = {name: mangle_type(_descriptor(q, block)) for name, block in
-           zip(kern.arg_names[:4], (BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_N))}
+           zip(kern.arg_names[:4], (BLOCK_M, BLOCK_M, bn, bn))}
     sig["dq_desc"] = mangle_type(dq_descriptor(torch.empty(q.shape)))
     sig.update(lse_ptr="*fp32", delta_ptr="*fp32", dk_ptr="*bf16", dv_ptr="*bf16")
     consts = dict(GROUP=group, HEAD_DIM=head_dim, CAUSAL=causal, STAGES=STAGES,
