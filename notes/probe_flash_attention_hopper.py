@@ -1,7 +1,7 @@
 """Probe the Hopper attention kernels against the portable ones and cuDNN, same process.
 
     python notes/probe_flash_attention_hopper.py [--shapes N] [--head-dims D ...]
-                                                 [--out probe.json]
+                                                 [--seq-lens S ...] [--out probe.json]
 
 A working tool for choosing `flash_attention.AUTO_HOPPER` and the forward's schedule and
 persistence, not a results file: CUDA events around eager calls (median and p10-p90 of
@@ -106,6 +106,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes")
     p.add_argument("--head-dims", type=int, nargs="+", help="only shapes of these")
+    p.add_argument("--seq-lens", type=int, nargs="+", help="only shapes of these")
     p.add_argument("--out", default="probe_flash_attention_hopper.json")
     p.add_argument("--schedulers", nargs="+", choices=tuple(hopper.SCHEDULERS),
                    help="the Hopper forward's schedulers to time (default: all)")
@@ -113,7 +114,9 @@ def main() -> None:
     global SCHEDULERS
     SCHEDULERS = tuple(a.schedulers or SCHEDULERS)
     rows = []
-    for shape in [s for s in SHAPES if not a.head_dims or s[4] in a.head_dims][:a.shapes]:
+    shapes = [s for s in SHAPES if (not a.head_dims or s[4] in a.head_dims)
+              and (not a.seq_lens or s[3] in a.seq_lens)]
+    for shape in shapes[:a.shapes]:
         rows.append(probe(*shape))
         with open(a.out, "w") as f:  # after every shape: a cut run keeps what it has
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
