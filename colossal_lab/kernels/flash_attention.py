@@ -716,7 +716,7 @@ def _why_not_hopper(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                              or q.shape[2] < rule["min_seq_len"]
                              or which == "forward"
                              and _forward_plan(kernel, q.shape[2], causal) is None):
-        return f"the portable {which} is faster here (AUTO_HOPPER)"
+        return f"the portable {which} is faster here (AUTO_HOPPER, AUTO_FORWARD)"
     if INTERPRET:
         why = "Gluon has no interpreter"
     elif torch.compiler.is_compiling():
