@@ -197,9 +197,11 @@ def test_redo_replaces_the_selected_points_and_keeps_the_rule_it_replaced(capsys
     assert "use it with --resume" in capsys.readouterr().err
 
 
-def test_a_provider_that_cannot_take_the_case_is_not_pending():
-    """PyTorch's memory-efficient kernel has no grouped-query heads: its error row at a
-    GQA point is not run again on resume (a fresh run records it as skipped)."""
+def test_a_provider_that_cannot_take_the_case_is_recorded_as_skipped():
+    """PyTorch's memory-efficient kernel has no grouped-query heads. An error row it left
+    at a GQA point (before the rule) is dropped on resume, as every error row is; the
+    provider stays pending, so the resumed run records it as skipped, with why, at no
+    cost and without running it; a skipped row is done."""
     (gqa,) = bench_fa.sweep_cases(seq_lens=(4096,), head_dims=(128,), layouts=("gqa4",),
                                   causal="causal", memory=False)
     gqa = bench_fa.Case(**{**gqa.__dict__, "providers": ("sdpa-efficient", "cudnn")})
@@ -211,7 +213,15 @@ def test_a_provider_that_cannot_take_the_case_is_not_pending():
            "head_dim": gqa.head_dim, "causal": gqa.causal, "dtype": "bfloat16",
            "error": "RuntimeError: No available kernel."}
     (left,) = bench_fa.pending([gqa], [err])
-    assert left.providers == ("cudnn",)
+    assert left.providers == ("sdpa-efficient", "cudnn")
+    assert bench_fa.provider_s("sdpa-efficient", gqa) == 0.0
+    small = bench_fa.Case(**{**gqa.__dict__, "batch": 1, "heads": 4, "kv_heads": 1,
+                             "seq_len": 64, "head_dim": 64,
+                             "providers": ("sdpa-efficient",)})
+    (row,) = bench_fa.run_cases([small])
+    assert row["skipped"] == bench_fa._static_skip("sdpa-efficient", gqa)
+    assert "fwd_ms" not in row and "error" not in row
+    assert bench_fa.pending([small], [row]) == []  # a skipped row is done
 
 
 def test_chunks_cover_the_sweep_once_within_budget():

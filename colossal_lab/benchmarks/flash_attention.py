@@ -241,14 +241,15 @@ def sweep_cases(quick: bool = False, *, seq_lens=None, head_dims=None, layouts=N
 
 def pending(cases: list[Case], done_rows: Iterable[dict]) -> list[Case]:
     """`cases` less the providers whose rows are already in `done_rows` without an
-    `error` (a skipped row counts as done: it would be skipped again; so does a provider
-    that `_static_skip` rules out at the case, whatever the row says); cases left with
-    no provider are dropped."""
+    `error` (a skipped row counts as done: it would be skipped again); cases left with
+    no provider are dropped. A provider that `_static_skip` rules out at the case and
+    has no such row stays: the run records its skip and why, at no cost (an error row
+    it left before the rule existed is dropped on resume, as every error row is, and
+    would otherwise leave no row at all)."""
     done = {row_key(r) for r in done_rows if "error" not in r and "provider" in r}
     out = []
     for case in cases:
-        todo = tuple(p for p in case.providers
-                     if case.key(p) not in done and not _static_skip(p, case))
+        todo = tuple(p for p in case.providers if case.key(p) not in done)
         if todo:
             out.append(Case(**{**case.__dict__, "providers": todo}))
     return out
