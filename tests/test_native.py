@@ -265,3 +265,13 @@ def test_native_path_is_the_default_and_its_plan_completes_outside_the_choice(mo
         torch.autograd.grad(y, (x2, w2), torch.randn_like(y))
     with native.forced():
         assert "RMSNormNative" in rk.rms_norm_triton(x2, w2).grad_fn.name()
+
+
+def test_a_build_lock_left_by_an_interrupted_build_is_removed(tmp_path):
+    """torch's lock file outlives a build that was killed; without this every later
+    process would wait for it forever."""
+    (tmp_path / "lock").write_text("")
+    with native._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        (tmp_path / "lock").write_text("")  # the live build's own lock stays
+    assert (tmp_path / "lock").exists()

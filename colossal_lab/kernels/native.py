@@ -122,12 +122,39 @@ def _build():
         if cuda:
             options.update(extra_cflags=["-O2", "-DCOLOSSAL_LAB_WITH_CUDA"],
                            extra_include_paths=[cuda], extra_ldflags=["-lc10_cuda"])
-        mod = cpp_extension.load(f"colossal_lab_rms_norm_native_{'cuda' if cuda else 'cpu'}",
-                                 [str(SOURCE)], build_directory=str(build_dir),
-                                 verbose=False, **options)
+        with _build_lock(build_dir):
+            mod = cpp_extension.load(
+                f"colossal_lab_rms_norm_native_{'cuda' if cuda else 'cpu'}", [str(SOURCE)],
+                build_directory=str(build_dir), verbose=False, **options)
         return mod, None
     except Exception as e:  # no compiler, no ninja, a header missing ...
         return None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold an OS lock on build_dir while torch builds or loads the extension there.
+
+    torch's own lock is a file that a builder creates and deletes; a build killed half
+    way (a timeout, Ctrl-C) leaves it behind, and every later process then waits for it
+    forever. The OS releases this lock when its holder dies, so whoever holds it knows
+    that no live process is building here, and a torch lock file left over is stale."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone
+        yield
+        return
+    with open(build_dir / "colossal_lab.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                print(f"colossal_lab: removing {stale}, left by a build that was "
+                      "interrupted", file=sys.stderr, flush=True)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _cuda_include() -> str | None:
