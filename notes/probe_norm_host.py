@@ -31,10 +31,9 @@ def main() -> None:
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for tokens, hidden in fn.HOST_SHAPES:
-            for provider in PROVIDERS:
-                r = fn.host_us("rms_norm", provider, tokens, hidden, dtype)
+            for r in fn.host_rows("rms_norm", PROVIDERS, tokens, hidden, dtype):
                 rows.append(r)
-                print(f"host {provider:14s}{tokens} x {hidden} {r['dtype']:9s}"
+                print(f"host {r['provider']:14s}{tokens} x {hidden} {r['dtype']:9s}"
                       f"{r.get('host_us', float('nan')):8.1f} us", flush=True)
     for tokens, hidden in ((16384, 1024), (1024, 1024)):
         for provider in PROVIDERS[:2]:

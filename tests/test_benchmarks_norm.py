@@ -1,6 +1,7 @@
 """The fused-norm benchmark runs end to end on a CPU (tiny shapes, Triton interpreter)
 and its rows carry every field the book reads. No speed is asserted here."""
 
+import gc
 import json
 
 import pytest
@@ -307,3 +308,59 @@ def test_host_parts_stubs_the_launches_and_puts_them_back():
     assert parts["launch_config"] > 0 and "F.rms_norm fwd+bwd" in parts
     assert (rms_norm._rms_norm_forward_kernel, rms_norm._rms_norm_backward_kernel,
             _norm_common._rms_norm_partials_sum_kernel) == kernels
+
+
+def test_host_rows_time_the_providers_in_turns_with_the_collector_paused(monkeypatch):
+    """Host time drifts within a process; the providers' loops alternate (order rotated
+    each round) so a drift shifts them alike, and no collection lands inside a loop."""
+    seen = []
+
+    def fake(op, provider):
+        def fn(x, w):
+            seen.append((provider, gc.isenabled()))
+            return x * w
+        return fn
+
+    monkeypatch.setattr(fused_norm, "_provider_fn", fake)
+    rows = fused_norm.host_rows("rms_norm", ("torch", "triton"), 4, 64, torch.float32,
+                                "cpu", calls=2, repeats=3)
+    assert [r["provider"] for r in rows] == ["torch", "triton"]
+    assert all(r["host_us"] > 0 and "interleaved" in r["host_timing"] for r in rows)
+    timed = seen[20:]  # after 10 warm-up calls each
+    assert all(not on for _, on in timed) and gc.isenabled()
+    loops = [p for i, (p, _) in enumerate(timed) if i % 2 == 0]
+    assert loops == ["torch", "triton", "triton", "torch", "torch", "triton"]
+
+
+def test_host_rows_keep_one_providers_error_to_its_row(monkeypatch):
+    real = fused_norm._provider_fn
+
+    def fake(op, provider):
+        if provider == "triton":
+            raise RuntimeError("no such kernel")
+        return real(op, provider)
+
+    monkeypatch.setattr(fused_norm, "_provider_fn", fake)
+    torch_row, bad = fused_norm.host_rows("rms_norm", ("torch", "triton"), 4, 64,
+                                          torch.float32, "cpu", calls=2, repeats=2)
+    assert torch_row["host_us"] > 0 and "error" not in torch_row
+    assert "no such kernel" in bad["error"] and "host_us" not in bad
+
+
+def test_redo_drops_the_selected_points_and_their_host_rows():
+    kept = [{"kind": "op", "op": "rms_norm", "provider": p, "tokens": t, "hidden": h,
+             "dtype": d} for p in ("torch", "triton") for t, h, d in
+            ((16384, 1024, "bfloat16"), (16384, 1024, "float32"), (1024, 1024, "bfloat16"))]
+    kept += [{"kind": "host", "op": "rms_norm", "provider": "torch", "tokens": 16,
+              "hidden": 2048, "dtype": d} for d in ("bfloat16", "float32")]
+    kept += [{"kind": "ceiling", "copy_gbps": 4000.0}]
+    left = fused_norm.redo_rows(kept, [("rms_norm", 16384, 1024, "bfloat16")])
+    assert {(r.get("kind"), r.get("tokens"), r.get("dtype")) for r in left} == {
+        ("op", 16384, "float32"), ("op", 1024, "bfloat16"), ("host", 16, "float32"),
+        ("ceiling", None, None)}
+
+
+def test_redo_needs_a_resumed_sweep(capsys):
+    with pytest.raises(SystemExit) as e:
+        fused_norm.main(["--redo", "--group", "rms_norm"])
+    assert e.value.code == 2 and "--resume" in capsys.readouterr().err

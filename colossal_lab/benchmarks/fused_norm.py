@@ -33,6 +33,7 @@ time per call (`host_us`), run in chunks under a per-command time limit:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import warnings
 from pathlib import Path
@@ -293,7 +294,8 @@ def measure(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat
     if eager:  # as most users call it: launches from Python, host time included
         for name, f in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
             try:
-                ms = time_fn(f, device=device, warmup_ms=10, rep_ms=50).median_ms
+                with gc_paused():
+                    ms = time_fn(f, device=device, warmup_ms=10, rep_ms=50).median_ms
             except Exception as e:
                 errors.append(f"eager {name}: {type(e).__name__}: {str(e)[:200]}")
                 ms = None
@@ -302,8 +304,8 @@ def measure(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat
             row[f"eager_{name}_gbps"] = gbps(nbytes, ms) if ms else None
         row["timed_as"] = {
             "fwd_ms/bwd_ms/fwd_bwd_ms": row["timing"],
-            "eager_fwd_ms/eager_fwd_bwd_ms": "do_bench" if device.type == "cuda"
-            else "perf_counter"}
+            "eager_fwd_ms/eager_fwd_bwd_ms": ("do_bench" if device.type == "cuda"
+                                              else "perf_counter") + ", gc paused"}
     # effective bandwidth = bytes an ideal kernel moves / time (see moved_bytes)
     for name, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes),
                          ("fwd_bwd", fwd_bytes + bwd_bytes)):
@@ -330,46 +332,88 @@ def _case_bytes(op: str, tokens: int, hidden: int, elem: int) -> int:
     return n_tensors * tokens * hidden * elem
 
 
-def host_us(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat16,
-            device=None, *, calls: int = 200, repeats: int = 5) -> dict:
-    """Host time of one eager forward+backward: `calls` of them enqueued back to back
-    with no synchronisation inside the loop, the loop's wall time / `calls`, median of
-    `repeats`. At few tokens the GPU finishes each call before the host has enqueued
-    the next, so the loop never waits on a full launch queue: it times the host work
-    (Python, autograd, allocations, launchers). On a CPU the ops also run: meaningless
+@contextlib.contextmanager
+def gc_paused():
+    """Python's garbage collector off inside the block, after one collection (what
+    `timeit` does): a collection inside a timed loop adds milliseconds to whichever
+    provider happens to be running, and more the more objects a long sweep process
+    holds."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+HOST_TIMING = ("perf_counter around {calls} fwd+bwd calls enqueued without synchronising, "
+               "/ calls; median of {repeats} loops, the providers' loops interleaved "
+               "(provider order rotated each round); garbage collector paused; "
+               "synchronised before and after each loop")
+
+
+def host_rows(op: str, providers, tokens: int, hidden: int, dtype=torch.bfloat16,
+              device=None, *, calls: int = 200, repeats: int = 5) -> list[dict]:
+    """Host time of one eager forward+backward per provider: `calls` of them enqueued
+    back to back with no synchronisation inside the loop, the loop's wall time /
+    `calls`, median of `repeats` loops. At few tokens the GPU finishes each call before
+    the host has enqueued the next, so the loop never waits on a full launch queue: it
+    times the host work (Python, autograd, allocations, launchers).
+
+    Host time drifts within a process and between processes (one op measured 95 us in
+    one process and 160 us in another), so the providers are timed in turns, loop by
+    loop, with the order rotated each round: a drift then shifts them alike and their
+    difference, which the target is about, holds. On a CPU the ops also run: meaningless
     as host time, kept as a smoke test (`device` says so)."""
     import time
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    row = {"kind": "host", "op": op, "provider": provider, "tokens": tokens,
-           "hidden": hidden, "dtype": str(dtype).replace("torch.", ""),
-           "device": device.type,
-           "host_timing": f"perf_counter around {calls} fwd+bwd calls enqueued without "
-                          f"synchronising, / calls; median of {repeats}; "
-                          "synchronised before and after each loop"}
-    try:
-        fn = _provider_fn(op, provider)
-        inputs, grads = _inputs(op, tokens, hidden, dtype, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows, calls_of, per_call = {}, {}, {}
+    for p in providers:
+        rows[p] = {"kind": "host", "op": op, "provider": p, "tokens": tokens,
+                   "hidden": hidden, "dtype": str(dtype).replace("torch.", ""),
+                   "device": device.type,
+                   "host_timing": HOST_TIMING.format(calls=calls, repeats=repeats)}
+        try:
+            fn = _provider_fn(op, p)
+            inputs, grads = _inputs(op, tokens, hidden, dtype, device)
 
-        def call():
-            return torch.autograd.grad(_as_tuple(fn(*inputs)), inputs, grads)
+            def call(fn=fn, inputs=inputs, grads=grads):
+                return torch.autograd.grad(_as_tuple(fn(*inputs)), inputs, grads)
 
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        for _ in range(10):
-            call()
-        per_call = []
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(calls):
+            for _ in range(10):
                 call()
-            per_call.append((time.perf_counter() - t0) / calls * 1e6)
-            sync()
-        per_call.sort()
-        row.update(host_us=per_call[len(per_call) // 2], host_us_min=per_call[0])
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    return row
+            calls_of[p], per_call[p] = call, []
+        except Exception as e:
+            rows[p]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    order = list(calls_of)
+    with gc_paused():
+        for r in range(repeats):
+            for p in order[r % len(order):] + order[:r % len(order)] if order else ():
+                try:
+                    sync()
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        calls_of[p]()
+                    per_call[p].append((time.perf_counter() - t0) / calls * 1e6)
+                    sync()
+                except Exception as e:
+                    rows[p]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    for p, times in per_call.items():
+        if times and "error" not in rows[p]:
+            times.sort()
+            rows[p].update(host_us=times[len(times) // 2], host_us_min=times[0])
+    return [rows[p] for p in providers]
+
+
+def host_us(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat16,
+            device=None, *, calls: int = 200, repeats: int = 5) -> dict:
+    """`host_rows` for one provider."""
+    return host_rows(op, (provider,), tokens, hidden, dtype, device, calls=calls,
+                     repeats=repeats)[0]
 
 
 class _NoLaunch:
@@ -638,17 +682,17 @@ def sweep(cases, providers=None, *, host: bool = True, on_row=None,
         if host:
             for op, d in dict.fromkeys((c[0], c[3]) for c in cases):
                 for t, h in host_shapes:
-                    for p in names(op):
-                        if ("host", op, p, t, h, d) in done:
-                            continue
-                        row = host_us(op, p, t, h, getattr(torch, d), device,
-                                      calls=host_calls,
-                                      repeats=5 if host_calls > 20 else 1)
-                        rows.append(row)
-                        print(f"  host {op:<13}{p:<9}{t:>6} x {h:<6}{d:<9}"
+                    todo = [p for p in names(op) if ("host", op, p, t, h, d) not in done]
+                    if not todo:
+                        continue
+                    new = host_rows(op, todo, t, h, getattr(torch, d), device,
+                                    calls=host_calls, repeats=5 if host_calls > 20 else 1)
+                    for row in new:
+                        print(f"  host {op:<13}{row['provider']:<14}{t:>6} x {h:<6}{d:<9}"
                               f"{row.get('host_us', float('nan')):8.1f} us", flush=True)
-                        if on_row is not None:  # saved row by row: a cut run keeps them
-                            on_row(rows)
+                    rows += new
+                    if on_row is not None:  # saved shape by shape: a cut run keeps them
+                        on_row(rows)
     return rows
 
 
@@ -1018,8 +1062,10 @@ def config_of(dtype="bf16", group: str | None = None) -> dict:
     if group is not None:  # the sweep: both timings in every row, host-time rows
         cfg.update(group=group, dtype="per row", weight_dtype="the input's",
                    eager_timing="do_bench of fwd and fwd+bwd launched from Python "
-                                "(eager_*_ms), next to the graph replays",
-                   host_timing="kind 'host' rows: see host_us()")
+                                "(eager_*_ms), next to the graph replays, the garbage "
+                                "collector paused (rows since 2026-12-03: their "
+                                "timed_as says so)",
+                   host_timing="kind 'host' rows: each row's host_timing (host_rows())")
     return cfg
 
 
@@ -1043,6 +1089,10 @@ def main(argv=None) -> None:
     p.add_argument("--resume", action="store_true",
                    help="keep the cases already in results/<gpu>/<name>.json (same "
                         "config), measure and append the rest")
+    p.add_argument("--redo", action="store_true",
+                   help="with --resume: measure the selected cases (--ops, --hidden, "
+                        "--tokens, --dtypes) again, and the host rows of their ops and "
+                        "dtypes, replacing the rows kept for them")
     p.add_argument("--host-parts", action="store_true",
                    help="host time of our RMSNorm's parts vs F.rms_norm (tiny shape)")
     p.add_argument("--dry-run", action="store_true",
@@ -1071,6 +1121,8 @@ def main(argv=None) -> None:
         path = save_tune(f"{a.name}_tune", rows, command)
         print(f"saved {path}")
         return
+    if a.redo and not (a.resume and a.group):
+        p.error("--redo replaces rows of a saved sweep: it goes with --group and --resume")
     if a.group is None:
         if a.resume or a.dry_run:
             p.error("--resume and --dry-run go with --group (the chunked sweep)")
@@ -1112,7 +1164,10 @@ def run_group(a, p, command: str) -> None:
         except FileNotFoundError:
             old = None  # the first chunk: nothing to keep
         if old is not None:
-            kept, config = resumed_rows(a.name, old, config, p.error, what="results file")
+            kept, config = resumed_rows(a.name, old, config, p.error, what="results file",
+                                        may_change=("eager_timing", "host_timing"))
+            if a.redo:
+                kept = redo_rows(kept, cases)
             print(f"[fused_norm] resuming: {len(kept)} rows kept", flush=True)
 
     def save(rows):
@@ -1125,6 +1180,20 @@ def run_group(a, p, command: str) -> None:
         for t in targets(kept + rows, ours=ours):
             print(f"  {ours}: {t['check']}: {t['ok']} (worst {t['worst']} at {t['at']})")
     print(f"saved {len(kept + rows)} rows")
+
+
+def redo_rows(kept: list[dict], cases) -> list[dict]:
+    """`kept` without the rows `--redo` measures again: the op rows of `cases` (every
+    provider) and the host rows of their (op, dtype) pairs."""
+    points = {(op, t, h, d) for op, t, h, d in cases}
+    pairs = {(op, d) for op, _, _, d in cases}
+
+    def again(r):
+        if r.get("kind") == "op":
+            return (r.get("op"), r.get("tokens"), r.get("hidden"), r.get("dtype")) in points
+        return r.get("kind") == "host" and (r.get("op"), r.get("dtype")) in pairs
+
+    return [r for r in kept if not again(r)]
 
 
 def _slug() -> str:
