@@ -36,6 +36,7 @@ SHAPES = [  # batch, query heads, kv heads, S, D, causal: B·S = 16k tokens, H·
 
 
 SCHEDULERS = tuple(hopper.SCHEDULERS)  # --schedulers narrows it
+EPILOGUES = (hopper.DEFAULT_EPILOGUE,)  # --epilogues widens it
 
 
 def timed(fn, n: int = 30) -> tuple[float, float, float]:
@@ -73,9 +74,12 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
     if hopper.unsupported(q, k, v) is None:
         for schedule in hopper.SCHEDULES:
             for scheduler in SCHEDULERS:
-                fwd[f"{schedule}-{scheduler}"] = (
-                    lambda sch=schedule, sc=scheduler: hopper.forward(
-                        q, k, v, causal, d ** -0.5, o, lse, schedule=sch, scheduler=sc))
+                for epilogue in EPILOGUES:
+                    name = f"{schedule}-{scheduler}" + (
+                        "" if epilogue == hopper.DEFAULT_EPILOGUE else f"-{epilogue}")
+                    fwd[name] = (lambda sch=schedule, sc=scheduler, ep=epilogue:
+                                 hopper.forward(q, k, v, causal, d ** -0.5, o, lse,
+                                                schedule=sch, scheduler=sc, epilogue=ep))
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
     def fwd_bwd(f):
@@ -110,9 +114,12 @@ def main() -> None:
     p.add_argument("--out", default="probe_flash_attention_hopper.json")
     p.add_argument("--schedulers", nargs="+", choices=tuple(hopper.SCHEDULERS),
                    help="the Hopper forward's schedulers to time (default: all)")
+    p.add_argument("--epilogues", nargs="+", choices=tuple(hopper.EPILOGUES),
+                   help="the Hopper forward's epilogues to time (default: the default)")
     a = p.parse_args()
-    global SCHEDULERS
+    global SCHEDULERS, EPILOGUES
     SCHEDULERS = tuple(a.schedulers or SCHEDULERS)
+    EPILOGUES = tuple(a.epilogues or EPILOGUES)
     rows = []
     shapes = [s for s in SHAPES if (not a.head_dims or s[4] in a.head_dims)
               and (not a.seq_lens or s[3] in a.seq_lens)]

@@ -65,6 +65,12 @@ def test_unsupported_says_why():
     assert why is not None and ("CUDA" in why or "Gluon" in why)
 
 
+def test_forward_refuses_an_unknown_epilogue():
+    q = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="epilogue='smem'"):
+        hopper.forward(q, q, q, True, 1.0, q, torch.zeros(1, 1, 128), epilogue="smem")
+
+
 def test_forward_kernel_choice_and_errors():
     """Where the Hopper kernel cannot run (here: fp32, and on a CPU the interpreter),
     "auto" runs the portable kernel and "hopper" says why; unknown names are refused."""
@@ -125,6 +131,9 @@ SM90_BUILDS = {  # name -> (module, aot_arguments(...), most spill bytes ptxas m
     "fwd-d64-causal-pingpong-dynamic": ("hopper", (64, True, "pingpong", True), 0),
     "fwd-d256-causal-serial": ("hopper", (256, True, "serial"), 80),
     "fwd-d256-full-pingpong-dynamic": ("hopper", (256, False, "pingpong", True), 12),
+    "fwd-d128-causal-serial-tma": ("hopper", (128, True, "serial", False, "tma"), 32),
+    "fwd-d128-causal-overlap-dynamic-tma": ("hopper", (128, True, "overlap", True, "tma"),
+                                            12),
     "bwd-d128-causal": ("hopper_bwd", (128, True), 64),
     "bwd-d128-full": ("hopper_bwd", (128, False), 32),
     "bwd-d64-causal": ("hopper_bwd", (64, True), 0),
@@ -239,12 +248,18 @@ def test_hopper_forward_layouts_and_schedules(layout, schedule):
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
                    .transpose(1, 2) for h in (hq, hkv, hkv))
     assert hopper.unsupported(q, k, v) is None
-    o = torch.empty_like(q)
-    lse = torch.empty(b, hq, s, device="cuda")
-    hopper.forward(q, k, v, True, d ** -0.5, o, lse, schedule=schedule)
     ref, ref_lse = fa.flash_attention_forward(q, k, v, True, kernel="portable")
-    torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=0)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
+    # O as q's layout (a TMA view), and O that TMA cannot address (rows 264 B apart)
+    # where the "tma" epilogue stores from registers instead
+    for o in (torch.empty_like(q), torch.empty(b, hq, s, d + 4, device="cuda",
+                                                dtype=q.dtype)[..., :d]):
+        for epilogue in hopper.EPILOGUES:
+            lse = torch.empty(b, hq, s, device="cuda")
+            o.zero_()
+            hopper.forward(q, k, v, True, d ** -0.5, o, lse, schedule=schedule,
+                           epilogue=epilogue)
+            torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=0)
+            torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
 
 
 @pytest.mark.gpu
@@ -341,22 +356,25 @@ def test_hopper_persistent_forward_takes_many_tiles(causal):
 
 
 def _every_scheduler_agrees(q, k, v, causal) -> dict:
-    """Each schedule under each scheduler, at more tiles than SMs: output and LSE bit-equal
-    to one program per tile's. Returns {schedule: (o, lse)} of the "grid" runs."""
+    """Each schedule under each scheduler, with each epilogue, at more tiles than SMs:
+    output and LSE bit-equal to one program per tile's with O stored from registers.
+    Returns {schedule: (o, lse)} of those runs."""
     b, hq, s, d = q.shape
     assert b * hq * s // hopper.BLOCK_M > 2 * hopper.sm_count(q.device)
     grid = {}
     for schedule in hopper.SCHEDULES:
         outs = {}
         for scheduler in hopper.SCHEDULERS:
-            o, lse = torch.empty_like(q), torch.empty(b, hq, s, device="cuda")
-            hopper.forward(q, k, v, causal, d ** -0.5, o, lse, schedule=schedule,
-                           scheduler=scheduler)
-            outs[scheduler] = (o, lse)
-        for scheduler, (o, lse) in outs.items():
-            assert torch.equal(o, outs["grid"][0]), (schedule, scheduler)
-            assert torch.equal(lse, outs["grid"][1]), (schedule, scheduler)
-        grid[schedule] = outs["grid"]
+            for epilogue in hopper.EPILOGUES:
+                o, lse = torch.empty_like(q), torch.empty(b, hq, s, device="cuda")
+                hopper.forward(q, k, v, causal, d ** -0.5, o, lse, schedule=schedule,
+                               scheduler=scheduler, epilogue=epilogue)
+                outs[scheduler, epilogue] = (o, lse)
+        first = outs["grid", "registers"]
+        for how, (o, lse) in outs.items():
+            assert torch.equal(o, first[0]), (schedule, how)
+            assert torch.equal(lse, first[1]), (schedule, how)
+        grid[schedule] = first
     return grid
 
 

@@ -63,6 +63,7 @@ try:  # Gluon ships with Triton >= 3.5; an older Triton keeps the portable kerne
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -97,6 +98,16 @@ DEFAULT_SCHEDULE = "serial"
 notes/flash_attention.md); in the sweep's graph replay at the canonical point the three
 schedules are level within the p10-p90 spread (about 10%). The two warpgroups seem to
 interleave their softmax and matmuls well enough without being told."""
+EPILOGUES = ("registers", "tma")
+"""How O leaves a consumer warpgroup: "registers", `gl.store` straight from the wgmma
+accumulator layout (each thread writes 4-byte pieces, so every 32-byte sector is
+half-filled: Nsight Compute counted 4.2 M excess sectors, 50% of the kernel's, at B16 H32
+S1024 D128 causal on the H200); or "tma", through the warpgroup's half of the Q buffer
+(Q is no longer needed once the tile's last S is done) and one TMA store per 64 rows,
+as FlashAttention-3 does. "tma" needs O with a 2-D TMA view (`rows_view`); the Q buffer
+is then released after the store instead of before the last P V."""
+DEFAULT_EPILOGUE = "registers"
+"""Until "tma" has run on a GPU (compiled for sm_90a, not yet measured)."""
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 SCHEDULERS = ("grid", "static", "dynamic")
@@ -236,14 +247,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consume_tile(tile, c0, tn, it, q_smem, k_smem, v_smem, q_ready, q_empty, kv_bars,
-                      o_ptr, lse_ptr, o_sb, o_sh, o_ss, H_Q, seq_len, qk_scale,
+                      o_ptr, o_desc, lse_ptr, o_sb, o_sh, o_ss, H_Q, seq_len, qk_scale,
                       WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      SCHEDULE: gl.constexpr):
+                      SCHEDULE: gl.constexpr, O_TMA: gl.constexpr):
         """One consumer warpgroup's share of one tile: rows [m0 + 64·WG, m0 + 64·WG + 64).
         c0: the K/V ring position of its first key tile, tn: the turns taken so far, it:
         the tiles taken so far (which Q buffer, and its barrier phase). Returns the new
-        (c0, tn)."""
+        (c0, tn). O leaves from registers (`gl.store`), or with O_TMA through the
+        warpgroup's half of the tile's Q buffer (free once the last S is done) and a TMA
+        store (`EPILOGUES`)."""
         k_ready, v_ready, k_empty, v_empty, turn = kv_bars
         Q_BUFS: gl.constexpr = q_ready.shape[0]
         qb = it % Q_BUFS
@@ -288,7 +301,8 @@ if HAVE_GLUON:
                                         gl.maximum(n_unmasked, 1), n_blocks, c0, tn,
                                         qk_scale, s_layout, p_layout, o_rows, BLOCK_N,
                                         STAGES, True, SCHEDULE, WG)
-        mbarrier.arrive(q_empty.index(qb), count=1)  # every S of the tile done: Q free
+        if not O_TMA:
+            mbarrier.arrive(q_empty.index(qb), count=1)  # every S of the tile done: Q free
         # the last P V
         last = c0 + n_blocks - 1
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
@@ -300,12 +314,23 @@ if HAVE_GLUON:
         lse_base = (b * H_Q + h) * seq_len
         gl.store(lse_ptr + lse_base + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
         acc = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-        o_r = m0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
-        o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         o_base = b * o_sb + h.to(gl.int64) * o_sh
-        o_ptrs = (o_ptr + o_base + gl.expand_dims(o_r.to(gl.int64) * o_ss, 1)
-                  + gl.expand_dims(o_d, 0))
-        gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty))
+        if O_TMA:  # stage O in this warpgroup's Q half, then one TMA store of 64 rows
+            q.store(acc.to(o_desc.dtype))
+            fence_async_shared()
+            sync_partition()  # every warp's part is in shared memory
+            tma.async_copy_shared_to_global(
+                o_desc, [(o_base // o_ss).to(gl.int32) + m0 + WG * HALF,
+                         (o_base % o_ss).to(gl.int32)], q)
+            tma.store_wait(0)  # (the issuing thread) the store has read the buffer
+            sync_partition()  # ... and the warp that arrives knows it
+            mbarrier.arrive(q_empty.index(qb), count=1)  # the Q buffer is free
+        else:
+            o_r = m0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
+            o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            o_ptrs = (o_ptr + o_base + gl.expand_dims(o_r.to(gl.int64) * o_ss, 1)
+                      + gl.expand_dims(o_d, 0))
+            gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty))
         return c0 + n_blocks, tn + n_blocks - 1  # steps 1 .. n_blocks - 1 took a turn each
 
     @gluon.jit
@@ -333,8 +358,9 @@ if HAVE_GLUON:
     def _consumer(smem, bars, descs, ptrs, strides, dims, qk_scale, WG: gl.constexpr,
                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
-                  DYNAMIC: gl.constexpr):
+                  DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
         """One consumer warpgroup: its 64 rows of each tile the program takes."""
+        o_desc = descs[3]
         q_smem, k_smem, v_smem, tile_smem = smem
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, tile_ready, \
             tile_empty = bars
@@ -349,17 +375,17 @@ if HAVE_GLUON:
             tile = _receive_tile(tile_smem, tile_ready, tile_empty, it)
             while tile < n_tiles:
                 c0, tn = _consume_tile(tile, c0, tn, it, q_smem, k_smem, v_smem, q_ready,
-                                       q_empty, kv_bars, o_ptr, lse_ptr, o_sb, o_sh, o_ss,
-                                       H_Q, seq_len, qk_scale, WG, GROUP, HEAD_DIM,
-                                       BLOCK_N, STAGES, CAUSAL, SCHEDULE)
+                                       q_empty, kv_bars, o_ptr, o_desc, lse_ptr, o_sb,
+                                       o_sh, o_ss, H_Q, seq_len, qk_scale, WG, GROUP,
+                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, O_TMA)
                 it += 1
                 tile = _receive_tile(tile_smem, tile_ready, tile_empty, it)
         else:
             for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
                 c0, tn = _consume_tile(tile, c0, tn, it, q_smem, k_smem, v_smem, q_ready,
-                                       q_empty, kv_bars, o_ptr, lse_ptr, o_sb, o_sh, o_ss,
-                                       H_Q, seq_len, qk_scale, WG, GROUP, HEAD_DIM,
-                                       BLOCK_N, STAGES, CAUSAL, SCHEDULE)
+                                       q_empty, kv_bars, o_ptr, o_desc, lse_ptr, o_sb,
+                                       o_sh, o_ss, H_Q, seq_len, qk_scale, WG, GROUP,
+                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, O_TMA)
                 it += 1
 
     @gluon.jit
@@ -406,14 +432,14 @@ if HAVE_GLUON:
     def _producer(smem, bars, descs, ptrs, strides, dims, qk_scale, WG: gl.constexpr,
                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
-                  DYNAMIC: gl.constexpr):
+                  DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
         """The load warp (the consumers' signature). With DYNAMIC it also fetches the
         program's next tile from a global counter (the next tile nobody has taken) and
         publishes each tile's id to the consumers; otherwise tiles p, p + P, ..."""
         q_smem, k_smem, v_smem, tile_smem = smem
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, tile_ready, \
             tile_empty = bars
-        q_desc, k_desc, v_desc = descs
+        q_desc, k_desc, v_desc = descs[0], descs[1], descs[2]
         counter_ptr = ptrs[2]
         q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss = (
             strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
@@ -444,6 +470,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _attn_fwd_hopper_kernel(
         q_desc, k_desc, v_desc,  # 2-D TMA views (`rows_view`): blocks (64, D), (128, D)
+        o_desc,  # (O_TMA) O's 2-D TMA view, blocks (64, D); otherwise unused (q_desc)
         o_ptr, lse_ptr,  # O (B, Hq, S, D) any strides; LSE (B, Hq, S) fp32 contiguous
         counter_ptr,  # (DYNAMIC) one int32, zero: how many tiles have been handed out
         q_sb, q_sh, q_ss,  # strides of q (elements): its rows live at (off // q_ss, off % q_ss)
@@ -452,7 +479,7 @@ if HAVE_GLUON:
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCHEDULE: gl.constexpr,
         DYNAMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        Q_BUFS: gl.constexpr,
+        Q_BUFS: gl.constexpr, O_TMA: gl.constexpr,
     ):
         """Program p takes tiles p, p + P, p + 2P, ... of the n_tiles (one each when the
         grid has n_tiles programs; a persistent share when it has one per SM), or, with
@@ -493,7 +520,7 @@ if HAVE_GLUON:
         smem = (q_smem, k_smem, v_smem, tile_smem)
         bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, tile_ready,
                 tile_empty)
-        descs = (q_desc, k_desc, v_desc)
+        descs = (q_desc, k_desc, v_desc, o_desc)
         ptrs = (o_ptr, lse_ptr, counter_ptr)
         strides = (q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss)
         dims = (H_Q, seq_len, n_tiles)
@@ -501,11 +528,11 @@ if HAVE_GLUON:
         # concatenating them would turn the constexprs into runtime values)
         gl.warp_specialize([
             (_consumer, (smem, bars, descs, ptrs, strides, dims, qk_scale, 0, GROUP,
-                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC)),
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC, O_TMA)),
             (_consumer, (smem, bars, descs, ptrs, strides, dims, qk_scale, 1, GROUP,
-                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC)),
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC, O_TMA)),
             (_producer, (smem, bars, descs, ptrs, strides, dims, qk_scale, 0, GROUP,
-                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC))],
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC, O_TMA))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -568,13 +595,17 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             sm_scale: float, o: torch.Tensor, lse: torch.Tensor, *,
-            schedule: str = DEFAULT_SCHEDULE, scheduler: str | None = None) -> None:
+            schedule: str = DEFAULT_SCHEDULE, scheduler: str | None = None,
+            epilogue: str = DEFAULT_EPILOGUE) -> None:
     """Fill o (B, Hq, S, D), any strides but a contiguous last dimension, and lse
     (B, Hq, S, fp32, contiguous) for inputs that `unsupported` accepted, with one of
     `SCHEDULES` (what each step buys is measured by running them side by side) and one
-    of `SCHEDULERS` (default `default_scheduler(causal)`)."""
+    of `SCHEDULERS` (default `default_scheduler(causal)`) and one of `EPILOGUES` ("tma"
+    where o has a 2-D TMA view, else "registers")."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; choose from {SCHEDULES}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r}; choose from {EPILOGUES}")
     scheduler = scheduler or default_scheduler(causal)
     if scheduler not in SCHEDULERS:
         raise ValueError(f"scheduler={scheduler!r}; choose from {SCHEDULERS}")
@@ -589,6 +620,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         layout = gl.NVMMASharedLayout.get_default_for([block, d], gl_dtype)
         descs.append(TensorDescriptor(view, list(view.shape), [stride, 1], [block, d],
                                       layout))
+    o_view = rows_view(o) if epilogue == "tma" else None
+    if o_view is not None:
+        view, stride = o_view
+        descs.append(TensorDescriptor(view, list(view.shape), [stride, 1], [HALF_M, d],
+                                      descs[0].layout))
+    else:
+        descs.append(descs[0])  # (unused)
     n_tiles = s // BLOCK_M * hq * b
     grid = (n_tiles if scheduler == "grid" else min(n_tiles, sm_count(q.device)),)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) \
@@ -599,11 +637,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         GROUP=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_N=bn,
         STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule),
         DYNAMIC=scheduler == "dynamic", CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, Q_BUFS=q_buffers(scheduler, d), num_warps=4)
+        PRODUCER_REGS=PRODUCER_REGS, Q_BUFS=q_buffers(scheduler, d),
+        O_TMA=o_view is not None, num_warps=4)
 
 
 def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
-                  dynamic: bool = False) -> tuple:
+                  dynamic: bool = False, epilogue: str = DEFAULT_EPILOGUE) -> tuple:
     """(kernel, signature, constexprs) to compile the forward for sm_90 without a GPU
     (`sm90_compile.compile_sm90`), for bf16 inputs of one head dim."""
     from triton.runtime.jit import mangle_type
@@ -612,17 +651,18 @@ def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
     kern = _attn_fwd_hopper_kernel
     sig = {}
     bn = block_n(head_dim)
-    for name, block in zip(kern.arg_names[:3], (HALF_M, bn, bn)):
+    for name, block in zip(kern.arg_names[:4], (HALF_M, bn, bn, HALF_M)):
         view, ss = rows_view(q)
         layout = gl.NVMMASharedLayout.get_default_for([block, head_dim], gl.bfloat16)
         sig[name] = mangle_type(TensorDescriptor(view, list(view.shape), [ss, 1],
                                                  [block, head_dim], layout))
     sig.update(o_ptr="*bf16", lse_ptr="*fp32", counter_ptr="*i32")
-    for name in kern.arg_names[6:22]:
+    for name in kern.arg_names[7:23]:
         sig[name] = "i64" if name.endswith(("sb", "sh", "ss")) else "i32"
     sig["qk_scale"] = "fp32"
     consts = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=bn,
                   STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule), DYNAMIC=dynamic,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                  Q_BUFS=q_buffers("dynamic" if dynamic else "grid", head_dim))
+                  Q_BUFS=q_buffers("dynamic" if dynamic else "grid", head_dim),
+                  O_TMA=epilogue == "tma")
     return kern, sig, consts
