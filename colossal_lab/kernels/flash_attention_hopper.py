@@ -601,7 +601,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     (B, Hq, S, fp32, contiguous) for inputs that `unsupported` accepted, with one of
     `SCHEDULES` (what each step buys is measured by running them side by side) and one
     of `SCHEDULERS` (default `default_scheduler(causal)`) and one of `EPILOGUES` ("tma"
-    where o has a 2-D TMA view, else "registers")."""
+    where o has q's dtype and a 2-D TMA view, else "registers")."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; choose from {SCHEDULES}")
     if epilogue not in EPILOGUES:
@@ -620,7 +620,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         layout = gl.NVMMASharedLayout.get_default_for([block, d], gl_dtype)
         descs.append(TensorDescriptor(view, list(view.shape), [stride, 1], [block, d],
                                       layout))
-    o_view = rows_view(o) if epilogue == "tma" else None
+    # (the staging buffer is Q's: same dtype and shared-memory layout)
+    o_view = rows_view(o) if epilogue == "tma" and o.dtype == q.dtype else None
     if o_view is not None:
         view, stride = o_view
         descs.append(TensorDescriptor(view, list(view.shape), [stride, 1], [HALF_M, d],
