@@ -219,6 +219,46 @@ print("ok", len(params))
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
 
 
+def _saved_shapes(fn):
+    """(shape, dtype) of every tensor autograd saves while `fn` runs."""
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+def test_native_path_saves_what_the_python_path_saves(mod):
+    """A checkpointed layer's first forward may run in Python (registering the plan) and
+    its recomputation in C++: torch.utils.checkpoint compares the tensors each saved."""
+    eps = 1e-6
+    x = torch.randn(2, 3, 72, requires_grad=True)
+    w = torch.randn(72, requires_grad=True)
+    python = _saved_shapes(lambda: rk.TritonRMSNormFunction.apply(x, w, eps))
+    _register_from_python_path(mod, x, w, eps)
+    cpp = _saved_shapes(lambda: mod.rms_norm(x, w, eps))
+    assert cpp == python and len(python) == 3
+
+    calls = []
+
+    def layer(x):  # Python the first time, C++ when checkpoint recomputes it
+        calls.append("C++" if calls else "Python")  # (the recomputation stops early)
+        if len(calls) == 1:
+            return rk.TritonRMSNormFunction.apply(x, w, eps)
+        return mod.rms_norm(x, w, eps)
+
+    mod.set_dry_run(True)
+    y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    dx, = torch.autograd.grad(y, x, torch.randn_like(y))  # raised CheckpointError before
+    assert calls == ["Python", "C++"] and dx.shape == x.shape
+    # the recomputed forward launched from C++; the backward is the Python node's
+    assert [r[0] for r in mod.recorded()] == [1000]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_native_path_on_gpu_equals_the_python_path(monkeypatch):

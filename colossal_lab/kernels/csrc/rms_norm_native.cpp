@@ -137,7 +137,10 @@ struct RMSNormNative : public torch::autograd::Function<RMSNormNative> {
     at::Tensor y = at::empty_like(x);
     at::Tensor rstd = at::empty({n_rows}, x.options().dtype(at::kFloat));
     run(plan->forward, {x, w, y, rstd}, eps, x.device());
-    ctx->save_for_backward({x, w, rstd});
+    // Saved as the Python path saves them (x as (rows, H)): a checkpointed layer whose
+    // forward ran in Python and whose recomputation runs here (the plan registered in
+    // between) must save tensors of the same shapes, or torch.utils.checkpoint refuses.
+    ctx->save_for_backward({x.view({n_rows, x.size(-1)}), w, rstd});
     ctx->saved_data["plan"] = reinterpret_cast<int64_t>(plan);
     return y;
   }
@@ -154,7 +157,7 @@ struct RMSNormNative : public torch::autograd::Function<RMSNormNative> {
       dy = dy.clone();  // the plan's kernel was compiled for an aligned dy
     }
     const int64_t n_cols = x.size(-1);
-    at::Tensor dx = at::empty_like(x);
+    at::Tensor dx = at::empty(dy.sizes(), x.options());  // y's shape, which is x's
     at::Tensor partials = at::empty({1, plan->programs, n_cols}, x.options().dtype(at::kFloat));
     at::Tensor dw = at::empty({n_cols}, w.options());
     std::vector<at::Tensor> slots = {dy, x, w, rstd, dx, partials, dw};
