@@ -171,6 +171,20 @@ def error_line(error: str) -> str:
     return parts[i] + (f" [{' | '.join(rest)}]" if rest else "")
 
 
+def exception_tail(output: str, keep: int = 3) -> str:
+    """The part of a failed child process's output that says why, joined by " | ": the
+    last exception line of its traceback (``Name: message`` at the start of a line), the
+    frame line above it and up to `keep - 1` message lines after it, so that a message
+    spread over several lines (torch's CheckpointError) keeps its first line; the last
+    `keep` lines where no exception line is found."""
+    lines = [line.rstrip() for line in output.strip().splitlines() if line.strip()]
+    hits = [i for i, line in enumerate(lines) if not line[:1].isspace() and _EXC.match(line)]
+    if not hits:
+        return " | ".join(line.strip() for line in lines[-keep:])
+    i = hits[-1]
+    return " | ".join(line.strip() for line in lines[max(0, i - 1):i + keep])
+
+
 def partial_path(name: str, gpu: str | None = None) -> Path:
     """Where a benchmark keeps the rows of a run still going (`save_partial`)."""
     return results_dir() / (gpu or hardware.detect().slug) / "partial" / f"{name}.json"

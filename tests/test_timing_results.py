@@ -182,3 +182,30 @@ def test_error_line_puts_the_exception_first():
     for plain in ("out of memory", "ValueError: bad", "no exception | here",
                   "KeyError: first | then context"):
         assert error_line(plain) == plain
+
+
+def test_exception_tail_keeps_the_first_line_of_a_long_message():
+    """A child that died of an exception whose message spans lines (torch's
+    CheckpointError) is recorded by that exception and its first lines, not by the last
+    three lines of the message."""
+    from colossal_lab.results import error_line, exception_tail
+
+    output = "\n".join([
+        "[steps] ours-7b-bf16 ...", "Traceback (most recent call last):",
+        '  File "/x/checkpoint.py", line 902, in check_recomputed_tensors_match',
+        "    raise CheckpointError(",
+        "torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Recomputed "
+        "values for the following tensors have different metadata than during the "
+        "forward pass.", "tensor at position 0:",
+        "saved metadata: {'shape': torch.Size([8192, 4096])}", "",
+        "recomputed metadata: {'shape': torch.Size([2, 4096, 4096])}",
+        "enable checkpoint-debug mode globally."])
+    tail = exception_tail(output)
+    assert tail == ("raise CheckpointError( | torch.utils.checkpoint.CheckpointError: "
+                    "torch.utils.checkpoint: Recomputed values for the following tensors "
+                    "have different metadata than during the forward pass. | tensor at "
+                    "position 0: | saved metadata: {'shape': torch.Size([8192, 4096])}")
+    assert error_line(tail).startswith("torch.utils.checkpoint.CheckpointError: ")
+    # an indented line that merely mentions an error is not the exception line
+    assert exception_tail("a\n  raise ValueError(x)\nb\nc\nd") == "b | c | d"
+    assert exception_tail("") == ""

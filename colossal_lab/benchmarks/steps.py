@@ -31,7 +31,7 @@ import torch
 
 from colossal_lab import telemetry
 from colossal_lab.config import Switches, preset
-from colossal_lab.results import error_line
+from colossal_lab.results import error_line, exception_tail
 
 
 @dataclass(frozen=True)
@@ -326,10 +326,9 @@ def in_child(module: str, args: list[str]):
         if proc.returncode == 0 and os.path.exists(out):
             with open(out) as f:
                 return json.load(f), None
-    tail = [line for line in proc.stdout.strip().splitlines() if line.strip()][-3:]
     if "OutOfMemoryError" in proc.stdout:
         return None, "out of memory"
-    return None, error_line(" | ".join(tail))[:500]
+    return None, error_line(exception_tail(proc.stdout))[:500]
 
 
 def measure_isolated(setup: Setup, preset_name: str, seq_len: int, batch: int) -> dict:
