@@ -2,6 +2,8 @@
 
     python notes/probe_flash_attention_hopper.py [--shapes N] [--head-dims D ...]
                                                  [--seq-lens S ...] [--out probe.json]
+        [--shape B,HQ,HKV,S,D,causal|full ...] [--schedulers ...] [--epilogues ...]
+        [--stages 2 3]
 
 A working tool for choosing `flash_attention.AUTO_HOPPER` and the forward's schedule and
 persistence, not a results file: CUDA events around eager calls (median and p10-p90 of
@@ -37,6 +39,22 @@ SHAPES = [  # batch, query heads, kv heads, S, D, causal: B·S = 16k tokens, H·
 
 SCHEDULERS = tuple(hopper.SCHEDULERS)  # --schedulers narrows it
 EPILOGUES = (hopper.DEFAULT_EPILOGUE,)  # --epilogues widens it
+STAGES = (hopper.STAGES,)  # --stages widens it (3: head dims up to 128 only)
+
+
+def variant_name(schedule: str, scheduler: str, epilogue: str, stages: int) -> str:
+    """e.g. "pingpong-dynamic-tma-s3"; the defaults add nothing."""
+    return (f"{schedule}-{scheduler}"
+            + ("" if epilogue == hopper.DEFAULT_EPILOGUE else f"-{epilogue}")
+            + ("" if stages == hopper.STAGES else f"-s{stages}"))
+
+
+def parse_shape(text: str) -> tuple:
+    """"4,16,4,4096,256,causal" -> (4, 16, 4, 4096, 256, True)."""
+    *ints, mask = text.split(",")
+    if len(ints) != 5 or mask not in ("causal", "full"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected B,HQ,HKV,S,D,causal|full")
+    return (*map(int, ints), mask == "causal")
 
 
 def timed(fn, n: int = 30) -> tuple[float, float, float]:
@@ -75,11 +93,12 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
         for schedule in hopper.SCHEDULES:
             for scheduler in SCHEDULERS:
                 for epilogue in EPILOGUES:
-                    name = f"{schedule}-{scheduler}" + (
-                        "" if epilogue == hopper.DEFAULT_EPILOGUE else f"-{epilogue}")
-                    fwd[name] = (lambda sch=schedule, sc=scheduler, ep=epilogue:
-                                 hopper.forward(q, k, v, causal, d ** -0.5, o, lse,
-                                                schedule=sch, scheduler=sc, epilogue=ep))
+                    for stages in (st for st in STAGES if st == hopper.STAGES or d <= 128):
+                        name = variant_name(schedule, scheduler, epilogue, stages)
+                        fwd[name] = (lambda sch=schedule, sc=scheduler, ep=epilogue,
+                                     st=stages: hopper.forward(
+                                         q, k, v, causal, d ** -0.5, o, lse, schedule=sch,
+                                         scheduler=sc, epilogue=ep, stages=st))
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
     def fwd_bwd(f):
@@ -116,12 +135,18 @@ def main() -> None:
                    help="the Hopper forward's schedulers to time (default: all)")
     p.add_argument("--epilogues", nargs="+", choices=tuple(hopper.EPILOGUES),
                    help="the Hopper forward's epilogues to time (default: the default)")
+    p.add_argument("--stages", nargs="+", type=int, choices=hopper.STAGE_CHOICES,
+                   help="K/V slots of the Hopper forward to time (default: the default)")
+    p.add_argument("--shape", nargs="+", type=parse_shape, default=[],
+                   help="probe these shapes instead of the built-in list, e.g. "
+                        "4,16,4,4096,256,causal")
     a = p.parse_args()
-    global SCHEDULERS, EPILOGUES
+    global SCHEDULERS, EPILOGUES, STAGES
     SCHEDULERS = tuple(a.schedulers or SCHEDULERS)
     EPILOGUES = tuple(a.epilogues or EPILOGUES)
+    STAGES = tuple(a.stages or STAGES)
     rows = []
-    shapes = [s for s in SHAPES if (not a.head_dims or s[4] in a.head_dims)
+    shapes = [s for s in (a.shape or SHAPES) if (not a.head_dims or s[4] in a.head_dims)
               and (not a.seq_lens or s[3] in a.seq_lens)]
     for shape in shapes[:a.shapes]:
         rows.append(probe(*shape))

@@ -71,6 +71,20 @@ def test_forward_refuses_an_unknown_epilogue():
         hopper.forward(q, q, q, True, 1.0, q, torch.zeros(1, 1, 128), epilogue="smem")
 
 
+def test_forward_refuses_stages_that_do_not_fit():
+    """Three K/V slots fit shared memory up to head dim 128 and take the persistent
+    schedulers' second Q buffer; other counts are refused."""
+    lse = torch.zeros(1, 1, 128)
+    for d, stages, match in ((64, 4, "stages=4; choose from"),
+                             (256, 3, "stages=3 needs head_dim <= 128")):
+        q = torch.zeros(1, 1, 128, d, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=match):
+            hopper.forward(q, q, q, True, 1.0, q, lse, stages=stages)
+    assert [hopper.q_buffers(sc, 128, st) for sc in ("grid", "dynamic")
+            for st in hopper.STAGE_CHOICES] == [1, 1, 2, 1]
+    assert hopper.q_buffers("static", 256) == 1
+
+
 def test_forward_kernel_choice_and_errors():
     """Where the Hopper kernel cannot run (here: fp32, and on a CPU the interpreter),
     "auto" runs the portable kernel and "hopper" says why; unknown names are refused."""
@@ -134,6 +148,10 @@ SM90_BUILDS = {  # name -> (module, aot_arguments(...), most spill bytes ptxas m
     "fwd-d128-causal-serial-tma": ("hopper", (128, True, "serial", False, "tma"), 32),
     "fwd-d128-causal-overlap-dynamic-tma": ("hopper", (128, True, "overlap", True, "tma"),
                                             12),
+    "fwd-d128-causal-serial-3stages": ("hopper", (128, True, "serial", False, "registers",
+                                                  3), 160),
+    "fwd-d128-causal-pingpong-dynamic-tma-3stages": (
+        "hopper", (128, True, "pingpong", True, "tma", 3), 12),
     "bwd-d128-causal": ("hopper_bwd", (128, True), 64),
     "bwd-d128-full": ("hopper_bwd", (128, False), 32),
     "bwd-d64-causal": ("hopper_bwd", (64, True), 0),
@@ -356,11 +374,12 @@ def test_hopper_persistent_forward_takes_many_tiles(causal):
 
 
 def _every_scheduler_agrees(q, k, v, causal) -> dict:
-    """Each schedule under each scheduler, at more tiles than SMs, and the TMA epilogue
-    with the default schedule under every scheduler and with every schedule under the
-    dynamic one (each build compiles for a few seconds on the GPU's host): output and LSE
-    bit-equal to one program per tile's with O stored from registers. Returns
-    {schedule: (o, lse)} of those runs."""
+    """Each schedule under each scheduler, at more tiles than SMs, the TMA epilogue with
+    the default schedule under every scheduler and with every schedule under the dynamic
+    one, and (head dim <= 128) three K/V slots with the default schedule under every
+    scheduler (each build compiles for a few seconds on the GPU's host): output and LSE
+    bit-equal to one program per tile's with O stored from registers and two slots.
+    Returns {schedule: (o, lse)} of those runs."""
     b, hq, s, d = q.shape
     assert b * hq * s // hopper.BLOCK_M > 2 * hopper.sm_count(q.device)
     grid = {}
@@ -368,12 +387,16 @@ def _every_scheduler_agrees(q, k, v, causal) -> dict:
         outs = {}
         for scheduler in hopper.SCHEDULERS:
             tma = schedule == hopper.DEFAULT_SCHEDULE or scheduler == "dynamic"
-            for epilogue in hopper.EPILOGUES if tma else ("registers",):
+            more = schedule == hopper.DEFAULT_SCHEDULE and d <= 128
+            ways = [(e, hopper.STAGES) for e in (hopper.EPILOGUES if tma else
+                                                 ("registers",))]
+            ways += [("registers", 3)] if more else []
+            for epilogue, stages in ways:
                 o, lse = torch.empty_like(q), torch.empty(b, hq, s, device="cuda")
                 hopper.forward(q, k, v, causal, d ** -0.5, o, lse, schedule=schedule,
-                               scheduler=scheduler, epilogue=epilogue)
-                outs[scheduler, epilogue] = (o, lse)
-        first = outs["grid", "registers"]
+                               scheduler=scheduler, epilogue=epilogue, stages=stages)
+                outs[scheduler, epilogue, stages] = (o, lse)
+        first = outs["grid", "registers", hopper.STAGES]
         for how, (o, lse) in outs.items():
             assert torch.equal(o, first[0]), (schedule, how)
             assert torch.equal(lse, first[1]), (schedule, how)

@@ -81,7 +81,14 @@ BLOCK_M = 2 * HALF_M
 BLOCK_N = 128
 """Key rows per step (`block_n`: 64 at head dim 256)."""
 STAGES = 2
-"""K/V tiles in flight (shared memory: 2 x 2 x 128 x 128 x 2 B = 128 KiB at D = 128)."""
+"""K/V tiles in flight by default (shared memory: 2 x 2 x 128 x 128 x 2 B = 128 KiB at
+D = 128)."""
+STAGE_CHOICES = (2, 3)
+"""`forward(stages=...)`. Three K/V slots let the load warp run two key tiles ahead (at
+a tile's start: the next tile's first two) but fill shared memory at D = 128: 192 KiB
+of K/V plus one 32 KiB Q buffer, 224.6 KiB of the 227 KiB a program may have, so the
+persistent schedulers lose their second Q buffer (`q_buffers`), and D = 256 cannot
+(64 KiB a slot)."""
 HEAD_DIMS = (64, 128, 256)
 """Head dims of the forward. At 256 it steps 64 keys at a time (`block_n`; one Q buffer,
 192 KiB of shared memory in all); compiled for sm_90a with 80 B of spills, and chosen
@@ -120,11 +127,12 @@ the consumers through shared memory). All three give bit-equal outputs on the H2
 notes/flash_attention.md)."""
 
 
-def q_buffers(scheduler: str, head_dim: int = 128) -> int:
+def q_buffers(scheduler: str, head_dim: int = 128, stages: int = STAGES) -> int:
     """Q tiles in shared memory: two for a persistent program (the load warp fetches
     the next tile's Q while the consumers finish this one: 32 KiB more, 192 KiB in all
-    at D = 128), one where each program takes one tile, and at D = 256 (no room)."""
-    return 1 if scheduler == "grid" or head_dim > 128 else 2
+    at D = 128), one where each program takes one tile, at D = 256 and with three K/V
+    slots (no room)."""
+    return 1 if scheduler == "grid" or head_dim > 128 or stages > STAGES else 2
 
 
 def block_n(head_dim: int) -> int:
@@ -596,12 +604,18 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             sm_scale: float, o: torch.Tensor, lse: torch.Tensor, *,
             schedule: str = DEFAULT_SCHEDULE, scheduler: str | None = None,
-            epilogue: str = DEFAULT_EPILOGUE) -> None:
+            epilogue: str = DEFAULT_EPILOGUE, stages: int = STAGES) -> None:
     """Fill o (B, Hq, S, D), any strides but a contiguous last dimension, and lse
     (B, Hq, S, fp32, contiguous) for inputs that `unsupported` accepted, with one of
     `SCHEDULES` (what each step buys is measured by running them side by side) and one
-    of `SCHEDULERS` (default `default_scheduler(causal)`) and one of `EPILOGUES` ("tma"
-    where o has q's dtype and a 2-D TMA view, else "registers")."""
+    of `SCHEDULERS` (default `default_scheduler(causal)`), one of `EPILOGUES` ("tma"
+    where o has q's dtype and a 2-D TMA view, else "registers") and K/V slots from
+    `STAGE_CHOICES` (3 only at head dims up to 128)."""
+    if stages not in STAGE_CHOICES:
+        raise ValueError(f"stages={stages!r}; choose from {STAGE_CHOICES}")
+    if stages > STAGES and q.shape[3] > 128:
+        raise ValueError(f"stages={stages} needs head_dim <= 128 (three K/V slots of "
+                         f"head_dim {q.shape[3]} do not fit in shared memory)")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; choose from {SCHEDULES}")
     if epilogue not in EPILOGUES:
@@ -636,14 +650,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         *descs, o, lse, counter, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *o.stride()[:3], hq, s, n_tiles, sm_scale * math.log2(math.e),
         GROUP=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_N=bn,
-        STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule),
+        STAGES=stages, SCHEDULE=SCHEDULES.index(schedule),
         DYNAMIC=scheduler == "dynamic", CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, Q_BUFS=q_buffers(scheduler, d),
+        PRODUCER_REGS=PRODUCER_REGS, Q_BUFS=q_buffers(scheduler, d, stages),
         O_TMA=o_view is not None, num_warps=4)
 
 
 def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
-                  dynamic: bool = False, epilogue: str = DEFAULT_EPILOGUE) -> tuple:
+                  dynamic: bool = False, epilogue: str = DEFAULT_EPILOGUE,
+                  stages: int = STAGES) -> tuple:
     """(kernel, signature, constexprs) to compile the forward for sm_90 without a GPU
     (`sm90_compile.compile_sm90`), for bf16 inputs of one head dim."""
     from triton.runtime.jit import mangle_type
@@ -662,8 +677,8 @@ def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
         sig[name] = "i64" if name.endswith(("sb", "sh", "ss")) else "i32"
     sig["qk_scale"] = "fp32"
     consts = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=bn,
-                  STAGES=STAGES, SCHEDULE=SCHEDULES.index(schedule), DYNAMIC=dynamic,
+                  STAGES=stages, SCHEDULE=SCHEDULES.index(schedule), DYNAMIC=dynamic,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                  Q_BUFS=q_buffers("dynamic" if dynamic else "grid", head_dim),
+                  Q_BUFS=q_buffers("dynamic" if dynamic else "grid", head_dim, stages),
                   O_TMA=epilogue == "tma")
     return kern, sig, consts
