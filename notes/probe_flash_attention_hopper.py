@@ -3,7 +3,7 @@
     python notes/probe_flash_attention_hopper.py [--shapes N] [--head-dims D ...]
                                                  [--seq-lens S ...] [--out probe.json]
         [--shape B,HQ,HKV,S,D,causal|full ...] [--schedulers ...] [--epilogues ...]
-        [--stages 2 3]
+        [--stages 2 3 4] [--keys 64 128]
 
 A working tool for choosing `flash_attention.AUTO_HOPPER` and the forward's schedule and
 persistence, not a results file: CUDA events around eager calls (median and p10-p90 of
@@ -39,14 +39,24 @@ SHAPES = [  # batch, query heads, kv heads, S, D, causal: B·S = 16k tokens, H·
 
 SCHEDULERS = tuple(hopper.SCHEDULERS)  # --schedulers narrows it
 EPILOGUES = (hopper.DEFAULT_EPILOGUE,)  # --epilogues widens it
-STAGES = (hopper.STAGES,)  # --stages widens it (3: head dims up to 128 only)
+STAGES = (hopper.STAGES,)  # --stages widens it
+KEYS = (None,)  # keys per step; --keys widens it (None: `hopper.block_n`)
 
 
-def variant_name(schedule: str, scheduler: str, epilogue: str, stages: int) -> str:
-    """e.g. "pingpong-dynamic-tma-s3"; the defaults add nothing."""
+def variant_name(schedule: str, scheduler: str, epilogue: str, stages: int,
+                 keys: int | None = None) -> str:
+    """e.g. "pingpong-dynamic-tma-s3" or "serial-grid-k64-s4"; defaults add nothing."""
     return (f"{schedule}-{scheduler}"
             + ("" if epilogue == hopper.DEFAULT_EPILOGUE else f"-{epilogue}")
+            + ("" if keys is None else f"-k{keys}")
             + ("" if stages == hopper.STAGES else f"-s{stages}"))
+
+
+def fits(d: int, stages: int, keys: int | None) -> bool:
+    """The Hopper forward takes this many slots and keys a step at head dim d."""
+    bn = keys or hopper.block_n(d)
+    return bn <= hopper.block_n(d) and hopper.shared_bytes(d, bn, stages, 1) <= \
+        hopper.SHARED_LIMIT
 
 
 def parse_shape(text: str) -> tuple:
@@ -93,12 +103,14 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
         for schedule in hopper.SCHEDULES:
             for scheduler in SCHEDULERS:
                 for epilogue in EPILOGUES:
-                    for stages in (st for st in STAGES if st == hopper.STAGES or d <= 128):
-                        name = variant_name(schedule, scheduler, epilogue, stages)
+                    for st, kn in ((st, kn) for st in STAGES for kn in KEYS
+                                   if fits(d, st, kn)):
+                        name = variant_name(schedule, scheduler, epilogue, st, kn)
                         fwd[name] = (lambda sch=schedule, sc=scheduler, ep=epilogue,
-                                     st=stages: hopper.forward(
+                                     st=st, kn=kn: hopper.forward(
                                          q, k, v, causal, d ** -0.5, o, lse, schedule=sch,
-                                         scheduler=sc, epilogue=ep, stages=st))
+                                         scheduler=sc, epilogue=ep, stages=st,
+                                         keys_per_step=kn))
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
     def fwd_bwd(f):
@@ -137,14 +149,17 @@ def main() -> None:
                    help="the Hopper forward's epilogues to time (default: the default)")
     p.add_argument("--stages", nargs="+", type=int, choices=hopper.STAGE_CHOICES,
                    help="K/V slots of the Hopper forward to time (default: the default)")
+    p.add_argument("--keys", nargs="+", type=int, choices=hopper.KEYS_CHOICES,
+                   help="keys per step of the Hopper forward to time (default: its own)")
     p.add_argument("--shape", nargs="+", type=parse_shape, default=[],
                    help="probe these shapes instead of the built-in list, e.g. "
                         "4,16,4,4096,256,causal")
     a = p.parse_args()
-    global SCHEDULERS, EPILOGUES, STAGES
+    global SCHEDULERS, EPILOGUES, STAGES, KEYS
     SCHEDULERS = tuple(a.schedulers or SCHEDULERS)
     EPILOGUES = tuple(a.epilogues or EPILOGUES)
     STAGES = tuple(a.stages or STAGES)
+    KEYS = tuple(a.keys or KEYS)
     rows = []
     shapes = [s for s in (a.shape or SHAPES) if (not a.head_dims or s[4] in a.head_dims)
               and (not a.seq_lens or s[3] in a.seq_lens)]

@@ -83,12 +83,20 @@ BLOCK_N = 128
 STAGES = 2
 """K/V tiles in flight by default (shared memory: 2 x 2 x 128 x 128 x 2 B = 128 KiB at
 D = 128)."""
-STAGE_CHOICES = (2, 3)
-"""`forward(stages=...)`. Three K/V slots let the load warp run two key tiles ahead (at
-a tile's start: the next tile's first two) but fill shared memory at D = 128: 192 KiB
-of K/V plus one 32 KiB Q buffer, 224.6 KiB of the 227 KiB a program may have, so the
-persistent schedulers lose their second Q buffer (`q_buffers`), and D = 256 cannot
-(64 KiB a slot)."""
+STAGE_CHOICES = (2, 3, 4)
+"""`forward(stages=...)`: K/V slots. More let the load warp run further ahead (at a
+tile's start: the next tile's first key tiles) where shared memory has room
+(`shared_bytes`): at D = 128 with 128 keys a step, three slots (192 KiB) leave room for
+one 32 KiB Q buffer only, 224 of the 227 KiB a program may have, so the persistent
+schedulers lose their second Q buffer (`q_buffers`); with 64 keys a step four fit
+beside two Q buffers; at D = 256 two are all there is room for."""
+KEYS_CHOICES = (64, 128)
+"""`forward(keys_per_step=...)`: key rows per step (default `block_n`). 64 halves the
+key tile: twice the steps, but a tile's first S arrives sooner and the causal diagonal
+wastes half as much (D = 256 takes 64 only)."""
+SHARED_LIMIT = 227 * 1024 - 1024
+"""Bytes of Q and K/V buffers a program may have: the H200's 227 KiB per block, less
+1 KiB for the barriers and the tile slot (ptxas reports about 600 B of them)."""
 HEAD_DIMS = (64, 128, 256)
 """Head dims of the forward. At 256 it steps 64 keys at a time (`block_n`; one Q buffer,
 192 KiB of shared memory in all); compiled for sm_90a with 80 B of spills, and chosen
@@ -127,12 +135,21 @@ the consumers through shared memory). All three give bit-equal outputs on the H2
 notes/flash_attention.md)."""
 
 
-def q_buffers(scheduler: str, head_dim: int = 128, stages: int = STAGES) -> int:
-    """Q tiles in shared memory: two for a persistent program (the load warp fetches
-    the next tile's Q while the consumers finish this one: 32 KiB more, 192 KiB in all
-    at D = 128), one where each program takes one tile, at D = 256 and with three K/V
-    slots (no room)."""
-    return 1 if scheduler == "grid" or head_dim > 128 or stages > STAGES else 2
+def shared_bytes(head_dim: int, keys: int, stages: int, q_bufs: int) -> int:
+    """Bytes of a program's Q buffers (two 64-row halves each) and K/V ring, 16-bit."""
+    return 2 * (q_bufs * 2 * HALF_M * head_dim + stages * 2 * keys * head_dim)
+
+
+def q_buffers(scheduler: str, head_dim: int = 128, stages: int = STAGES,
+              keys: int | None = None) -> int:
+    """Q tiles in shared memory: two for a persistent program where they fit
+    (`SHARED_LIMIT`; the load warp fetches the next tile's Q while the consumers finish
+    this one: 32 KiB more, 192 KiB in all at D = 128 with two slots), else one, and one
+    where each program takes one tile."""
+    keys = keys or block_n(head_dim)
+    if scheduler == "grid" or shared_bytes(head_dim, keys, stages, 2) > SHARED_LIMIT:
+        return 1
+    return 2
 
 
 def block_n(head_dim: int) -> int:
@@ -604,18 +621,27 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             sm_scale: float, o: torch.Tensor, lse: torch.Tensor, *,
             schedule: str = DEFAULT_SCHEDULE, scheduler: str | None = None,
-            epilogue: str = DEFAULT_EPILOGUE, stages: int = STAGES) -> None:
+            epilogue: str = DEFAULT_EPILOGUE, stages: int = STAGES,
+            keys_per_step: int | None = None) -> None:
     """Fill o (B, Hq, S, D), any strides but a contiguous last dimension, and lse
     (B, Hq, S, fp32, contiguous) for inputs that `unsupported` accepted, with one of
     `SCHEDULES` (what each step buys is measured by running them side by side) and one
     of `SCHEDULERS` (default `default_scheduler(causal)`), one of `EPILOGUES` ("tma"
-    where o has q's dtype and a 2-D TMA view, else "registers") and K/V slots from
-    `STAGE_CHOICES` (3 only at head dims up to 128)."""
+    where o has q's dtype and a 2-D TMA view, else "registers"), K/V slots from
+    `STAGE_CHOICES` and keys per step from `KEYS_CHOICES` (default `block_n`), as far
+    as shared memory holds them (`shared_bytes`)."""
+    d = q.shape[3]
+    bn = keys_per_step or block_n(d)
     if stages not in STAGE_CHOICES:
         raise ValueError(f"stages={stages!r}; choose from {STAGE_CHOICES}")
-    if stages > STAGES and q.shape[3] > 128:
-        raise ValueError(f"stages={stages} needs head_dim <= 128 (three K/V slots of "
-                         f"head_dim {q.shape[3]} do not fit in shared memory)")
+    if bn not in KEYS_CHOICES or bn > block_n(d):
+        raise ValueError(f"keys_per_step={keys_per_step!r}; choose from "
+                         f"{tuple(n for n in KEYS_CHOICES if n <= block_n(d))} at "
+                         f"head_dim {d}")
+    if shared_bytes(d, bn, stages, 1) > SHARED_LIMIT:
+        raise ValueError(f"stages={stages} with {bn} keys a step at head_dim {d} needs "
+                         f"{shared_bytes(d, bn, stages, 1) // 1024} KiB of shared "
+                         f"memory, more than the {SHARED_LIMIT // 1024} KiB there is")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; choose from {SCHEDULES}")
     if epilogue not in EPILOGUES:
@@ -628,7 +654,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                          "must be contiguous")
     b, hq, s, d = q.shape
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    descs, bn = [], block_n(d)
+    descs = []
     for t, block in ((q, HALF_M), (k, bn), (v, bn)):
         view, stride = rows_view(t)
         layout = gl.NVMMASharedLayout.get_default_for([block, d], gl_dtype)
@@ -652,13 +678,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         GROUP=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_N=bn,
         STAGES=stages, SCHEDULE=SCHEDULES.index(schedule),
         DYNAMIC=scheduler == "dynamic", CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, Q_BUFS=q_buffers(scheduler, d, stages),
+        PRODUCER_REGS=PRODUCER_REGS, Q_BUFS=q_buffers(scheduler, d, stages, bn),
         O_TMA=o_view is not None, num_warps=4)
 
 
 def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
                   dynamic: bool = False, epilogue: str = DEFAULT_EPILOGUE,
-                  stages: int = STAGES) -> tuple:
+                  stages: int = STAGES, keys_per_step: int | None = None) -> tuple:
     """(kernel, signature, constexprs) to compile the forward for sm_90 without a GPU
     (`sm90_compile.compile_sm90`), for bf16 inputs of one head dim."""
     from triton.runtime.jit import mangle_type
@@ -666,7 +692,7 @@ def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
     q = torch.empty(1, 2, 2 * BLOCK_M, head_dim, dtype=torch.bfloat16)
     kern = _attn_fwd_hopper_kernel
     sig = {}
-    bn = block_n(head_dim)
+    bn = keys_per_step or block_n(head_dim)
     for name, block in zip(kern.arg_names[:4], (HALF_M, bn, bn, HALF_M)):
         view, ss = rows_view(q)
         layout = gl.NVMMASharedLayout.get_default_for([block, head_dim], gl.bfloat16)
@@ -679,6 +705,6 @@ def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
     consts = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=bn,
                   STAGES=stages, SCHEDULE=SCHEDULES.index(schedule), DYNAMIC=dynamic,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                  Q_BUFS=q_buffers("dynamic" if dynamic else "grid", head_dim, stages),
+                  Q_BUFS=q_buffers("dynamic" if dynamic else "grid", head_dim, stages, bn),
                   O_TMA=epilogue == "tma")
     return kern, sig, consts
