@@ -33,7 +33,6 @@ time per call (`host_us`), run in chunks under a per-command time limit:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import warnings
 from pathlib import Path
@@ -46,6 +45,7 @@ from colossal_lab.hardware import measure_copy_gbps
 from colossal_lab.results import save_results
 from colossal_lab.switches import norm
 from colossal_lab.timing import gbps, time_fn, time_kernels
+from colossal_lab.train import gc_between_steps
 
 OPS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu")
 PROVIDERS = ("eager", "torch", "compile", "triton", "triton-native", "liger", "apex",
@@ -294,7 +294,7 @@ def measure(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat
     if eager:  # as most users call it: launches from Python, host time included
         for name, f in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
             try:
-                with gc_paused():
+                with gc_between_steps():
                     ms = time_fn(f, device=device, warmup_ms=10, rep_ms=50).median_ms
             except Exception as e:
                 errors.append(f"eager {name}: {type(e).__name__}: {str(e)[:200]}")
@@ -330,22 +330,6 @@ def _case_bytes(op: str, tokens: int, hidden: int, elem: int) -> int:
     """Inputs, outputs, upstream and input gradients of one case (fused version)."""
     n_tensors = {"rms_norm": 4, "layer_norm": 4, "add_rms_norm": 7, "swiglu": 6}[op]
     return n_tensors * tokens * hidden * elem
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Python's garbage collector off inside the block, after one collection (what
-    `timeit` does): a collection inside a timed loop adds milliseconds to whichever
-    provider happens to be running, and more the more objects a long sweep process
-    holds."""
-    was = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 HOST_TIMING = ("perf_counter around {calls} fwd+bwd calls enqueued without synchronising, "
@@ -390,7 +374,7 @@ def host_rows(op: str, providers, tokens: int, hidden: int, dtype=torch.bfloat16
         except Exception as e:
             rows[p]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     order = list(calls_of)
-    with gc_paused():
+    with gc_between_steps():
         for r in range(repeats):
             for p in order[r % len(order):] + order[:r % len(order)] if order else ():
                 try:
@@ -407,13 +391,6 @@ def host_rows(op: str, providers, tokens: int, hidden: int, dtype=torch.bfloat16
             times.sort()
             rows[p].update(host_us=times[len(times) // 2], host_us_min=times[0])
     return [rows[p] for p in providers]
-
-
-def host_us(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat16,
-            device=None, *, calls: int = 200, repeats: int = 5) -> dict:
-    """`host_rows` for one provider."""
-    return host_rows(op, (provider,), tokens, hidden, dtype, device, calls=calls,
-                     repeats=repeats)[0]
 
 
 class _NoLaunch:
