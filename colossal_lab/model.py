@@ -85,13 +85,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         D = self.cfg.head_dim
-        q, k, v = self.project_qkv(x)
-        q, k, v = (t.unflatten(-1, (-1, D)) for t in (q, k, v))  # (B, S, H, D) views
-        if self.rope_backend:  # one kernel on the projections' layout
-            q, k = rope.rotary(q, k, cos, sin, self.rope_backend)
+        if self.fused and self.rope_backend:  # the split and RoPE as one autograd node:
+            # its backward writes one qkv gradient instead of concatenating three
+            q, k, v = rope.split_rotary(self.qkv_proj(x), self.cfg.num_attention_heads,
+                                        self.cfg.num_key_value_heads, cos, sin,
+                                        self.rope_backend)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, S, D)
         else:
-            q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k, v = self.project_qkv(x)
+            q, k, v = (t.unflatten(-1, (-1, D)) for t in (q, k, v))  # (B, S, H, D) views
+            if self.rope_backend:  # one kernel on the projections' layout
+                q, k = rope.rotary(q, k, cos, sin, self.rope_backend)
+                q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, S, D)
+            else:
+                q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
         o = attention(q, k, v, causal=True, backend=self.attention_backend)  # (B, Hq, S, D)
         # (B, S, Hq*D); S from o, not x: under sequence parallelism x is a shard

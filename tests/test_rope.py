@@ -106,6 +106,86 @@ def test_rotary_triton_matches_reference_and_model(shape, fused, dtype, atol, rt
                               atol, rtol, cos, sin)
 
 
+def _split_rotary_run(backend, case, dtype, cos, sin, dv):
+    """q_rot, k_rot, v and the gradient of the fused qkv leaf through
+    `rope.split_rotary`, with dq, dk, dv flowing back; v's gradient arrives transposed
+    (as the attention's does)."""
+    B, S, Hq, Hkv, D = case.shape
+    leaf = case.base.detach().to(dtype).clone().requires_grad_()
+    q_rot, k_rot, v = rope.split_rotary(leaf, Hq, Hkv, cos, sin, backend)
+    grad, = torch.autograd.grad((q_rot, k_rot, v), leaf,
+                                (case.dq.to(dtype), case.dk.to(dtype), dv.to(dtype)))
+    return q_rot, k_rot, v, grad
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_rotary_writes_one_qkv_gradient(shape, dtype):
+    """The fused projection's split and RoPE as one node ("triton") against the split's
+    views and `rotary` ("eager" and "triton" on the views): the same q, k, v and qkv
+    gradient, v a view of qkv, and no concatenation in the backward."""
+    case = Case(*shape, fused=True)
+    B, S, Hq, Hkv, D = shape
+    cos, sin = _tables(S + 3, D)
+    dv = torch.randn(B, Hkv, S, D, device=DEVICE).transpose(1, 2)  # (B, S, H, D) strided
+    fused = _split_rotary_run("triton", case, dtype, cos, sin, dv)
+    assert fused[2]._base is not None  # v is a view of the projection's output
+    assert fused[0].is_contiguous() and fused[1].is_contiguous()
+
+    def views_then_rotary(backend):
+        def fn(qkv, n_q, n_kv, cos, sin, _):
+            from colossal_lab.kernels.rope import split_heads
+
+            q, k, v = split_heads(qkv, n_q, n_kv)
+            return (*rope.rotary(q, k, cos, sin, backend), v)
+        return fn
+
+    # (bf16 against the eager chain is the 2x rule of the tests above, on the views)
+    for backend in ("triton", "eager") if dtype == torch.float32 else ("triton",):
+        leaf = case.base.detach().to(dtype).clone().requires_grad_()
+        q_rot, k_rot, v = views_then_rotary(backend)(leaf, Hq, Hkv, cos, sin, None)
+        grad, = torch.autograd.grad((q_rot, k_rot, v), leaf,
+                                    (case.dq.to(dtype), case.dk.to(dtype), dv.to(dtype)))
+        for name, got, want in zip(("q_rot", "k_rot", "v", "dqkv"), fused,
+                                   (q_rot, k_rot, v, grad)):
+            if backend == "triton":  # the same kernel: bit-equal
+                assert torch.equal(got, want), name
+            else:
+                check_close(got, want, name=name, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fused[3][..., (Hq + Hkv) * D:],
+                       dv.to(dtype).reshape(B, S, Hkv * D))  # dv lands as it came
+
+
+def test_split_rotary_launches_and_refuses_bad_widths(monkeypatch):
+    """One launch each way; the backward's aten ops are the gradient's allocation and
+    dv's copy into it, no concatenation; a width that is not (n_q + 2·n_kv)·D is
+    refused."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import colossal_lab.kernels.rope as kr
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    launches = count_launches(monkeypatch, kr._rope_kernel)
+    case = Case(2, 5, 4, 2, 16, fused=True)
+    cos, sin = _tables(5, 16)
+    leaf = case.base.detach().clone().requires_grad_()
+    q_rot, k_rot, v = rope.split_rotary(leaf, 4, 2, cos, sin, "triton")
+    with Ops() as ops:
+        torch.autograd.grad((q_rot, k_rot, v), leaf,
+                            (case.dq, case.dk, torch.randn(2, 5, 2, 16, device=DEVICE)))
+    assert launches == {"_rope_kernel": 2}
+    assert "cat" not in ops.names and "copy_" in ops.names, ops.names
+    with pytest.raises(ValueError, match="expected \\(B, S, \\(n_q"):
+        rope.split_rotary(torch.randn(1, 3, 100, device=DEVICE), 4, 2, cos, sin, "triton")
+
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES, ids=["fp32", "bf16"])
 def test_rope_triton_half_and_batched_tables(dtype, atol, rtol):
     """rope_triton directly, with the (S', D/2) half tables and with Hugging Face's

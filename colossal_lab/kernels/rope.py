@@ -56,7 +56,10 @@ plus the tables, 4·D bytes per token per program (1/(Hq + Hkv) of the q/k traff
 served from L2). With fused qkv, both also pay the split's backward, which autograd
 adds after either: the concatenation of dq, dk, dv into the one qkv gradient, 3·N e
 at Hq = Hkv (the benchmark's count, 15.5 N e for eager, adds 0.5 N e of zeros for
-its unused dv). LLaMA-7B at B 4, S 4096 (Hq = Hkv = 32, D 128, bf16): q and k are
+its unused dv). `RotaryQKVFunction`, the model's path with fused projections, takes
+the split into its own node and so skips that: its backward rotates dq and dk
+straight into their columns of the qkv gradient and copies dv into the rest (N e / 2
+at Hq = Hkv, against 3 N e). LLaMA-7B at B 4, S 4096 (Hq = Hkv = 32, D 128, bf16): q and k are
 256 MiB together, so eager moves 2.5 GiB forward and 2.5 to 3 GiB backward per layer,
 this kernel 0.5 GiB each way.
 
@@ -109,13 +112,14 @@ def _rotate_heads(
 def _rope_kernel(
     Q,  # (B, S, Hq, D) queries, strides stride_q*, unit column stride
     K,  # (B, S, Hkv, D) keys, strides stride_k*, unit column stride
-    QO,  # (B, S, Hq, D) output, contiguous
-    KO,  # (B, S, Hkv, D) output, contiguous
+    QO,  # (B, S, Hq, D) output: heads contiguous, tokens stride_qo apart
+    KO,  # (B, S, Hkv, D) output: heads contiguous, tokens stride_ko apart
     COS,  # (≥ S, ≥ D/2) cos table; columns [0, D/2) are read, unit column stride
     SIN,  # (≥ S, ≥ D/2) sin table, COS's strides
     stride_qb, stride_qs, stride_qh,  # elements between batches, positions, heads of Q
     stride_kb, stride_ks, stride_kh,  # the same for K
     stride_table,  # elements between rows (positions) of COS and SIN
+    stride_qo, stride_ko,  # elements between tokens of QO and KO (H·D when contiguous)
     seq_len,  # S
     n_q_heads,  # Hq
     n_kv_heads,  # Hkv
@@ -135,9 +139,9 @@ def _rope_kernel(
     sin = tl.load(SIN + s * stride_table + cols, mask=col_ok, other=0.0).to(tl.float32)
     if BACKWARD:
         sin = -sin  # R(θ)ᵀ = R(−θ)
-    _rotate_heads(Q + b * stride_qb + s * stride_qs, QO + token * (n_q_heads * 2 * HALF),
+    _rotate_heads(Q + b * stride_qb + s * stride_qs, QO + token * stride_qo,
                   stride_qh, n_q_heads, heads, cols, cos, sin, HALF)
-    _rotate_heads(K + b * stride_kb + s * stride_ks, KO + token * (n_kv_heads * 2 * HALF),
+    _rotate_heads(K + b * stride_kb + s * stride_ks, KO + token * stride_ko,
                   stride_kh, n_kv_heads, heads, cols, cos, sin, HALF)
 
 
@@ -158,12 +162,28 @@ def _unit_columns(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
 
 
-def _launch(q, k, cos_half, sin_half, backward: bool):
+def _token_rows(t: torch.Tensor) -> int | None:
+    """Elements between tokens of a (B, S, H, D) tensor whose heads are contiguous and
+    whose tokens (b·S + s) are evenly spaced: a contiguous tensor, or column slices of a
+    (B, S, W) buffer; None for any other layout."""
+    B, S, H, D = t.shape
+    sb, ss, sh, sd = t.stride()
+    if (sd != 1 and D > 1) or (sh != D and H > 1) or (sb != S * ss and B > 1):
+        return None
+    return ss
+
+
+def _launch(q, k, cos_half, sin_half, backward: bool, q_out=None, k_out=None):
+    """Rotate q and k into q_out and k_out (new contiguous tensors when not given;
+    given ones need `_token_rows`: the backward of `RotaryQKVFunction` passes slices of
+    the qkv gradient)."""
     B, S, n_q, D = q.shape
     n_kv = k.shape[2]
     q, k = _unit_columns(q), _unit_columns(k)
-    q_out = torch.empty((B, S, n_q, D), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((B, S, n_kv, D), dtype=k.dtype, device=k.device)
+    if q_out is None:
+        q_out = torch.empty((B, S, n_q, D), dtype=q.dtype, device=q.device)
+    if k_out is None:
+        k_out = torch.empty((B, S, n_kv, D), dtype=k.dtype, device=k.device)
     if B * S == 0 or n_q + n_kv == 0:
         return q_out, k_out
     block_h, block_d, warps = _tiling(max(n_q, n_kv), D // 2)
@@ -171,7 +191,7 @@ def _launch(q, k, cos_half, sin_half, backward: bool):
     _rope_kernel[grid](
         q, k, q_out, k_out, cos_half, sin_half,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        cos_half.stride(0), S, n_q, n_kv,
+        cos_half.stride(0), _token_rows(q_out), _token_rows(k_out), S, n_q, n_kv,
         HALF=D // 2, BLOCK_H=block_h, BLOCK_D=block_d, BACKWARD=backward,
         num_warps=warps)
     return q_out, k_out
@@ -292,3 +312,54 @@ def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     (≥ S, D) (half-split, fp32) or (≥ S, D/2). Returns new contiguous (B, S, Hq, D) and
     (B, S, Hkv, D) tensors in q's dtype; transpose them for the attention afterwards."""
     return RotaryFunction.apply(q, k, cos, sin)
+
+
+class RotaryQKVFunction(torch.autograd.Function):
+    """The fused projection's split and RoPE in one autograd node: (B, S, (Hq + 2·Hkv)·D)
+    qkv -> q_rot (B, S, Hq, D) and k_rot (B, S, Hkv, D), new and contiguous, and v
+    (B, S, Hkv, D), a view of qkv. The backward writes dq and dk (rotated back) and dv
+    into one qkv gradient, where `split` + `RotaryFunction` leave autograd to
+    concatenate the three (a read and a write of all of them: about 1 ms a step at
+    LLaMA-7B-8L, seq 4096, batch 4, notes/finale.md)."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_q, n_kv, cos, sin):
+        q, k, v = split_heads(qkv, n_q, n_kv)
+        check_qk(q, k)
+        cos_h, sin_h = half_tables(cos, sin, q.shape[1], q.shape[3])
+        if cos_h.device != q.device:
+            raise ValueError(f"cos/sin are on {cos_h.device}, q on {q.device}")
+        q_rot, k_rot = rope_forward(q, k, cos_h, sin_h)
+        ctx.save_for_backward(cos_h, sin_h)
+        ctx.heads = (n_q, n_kv)
+        return q_rot, k_rot, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos_h, sin_h = ctx.saved_tensors
+        n_q, n_kv = ctx.heads
+        B, S, _, D = dq.shape
+        dqkv = torch.empty((B, S, (n_q + 2 * n_kv) * D), dtype=dq.dtype, device=dq.device)
+        dq_in, dk_in, dv_in = split_heads(dqkv, n_q, n_kv)
+        _launch(dq, dk, cos_h, sin_h, backward=True, q_out=dq_in, k_out=dk_in)
+        dv_in.copy_(dv)
+        return dqkv, None, None, None, None
+
+
+def split_heads(qkv: torch.Tensor, n_q: int, n_kv: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, S, (n_q + 2·n_kv)·D) -> q (B, S, n_q, D), k and v (B, S, n_kv, D): views."""
+    D = qkv.shape[-1] // (n_q + 2 * n_kv)
+    if D * (n_q + 2 * n_kv) != qkv.shape[-1] or qkv.dim() != 3:
+        raise ValueError(f"qkv has shape {tuple(qkv.shape)}; expected (B, S, "
+                         f"(n_q + 2·n_kv)·D) with n_q={n_q}, n_kv={n_kv}")
+    q, k, v = qkv.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
+    return q.unflatten(-1, (n_q, D)), k.unflatten(-1, (n_kv, D)), v.unflatten(-1, (n_kv, D))
+
+
+def rope_qkv_triton(qkv: torch.Tensor, n_q: int, n_kv: int, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a fused qkv projection output (B, S, (n_q + 2·n_kv)·D) and rotate q and k
+    (`RotaryQKVFunction`): q_rot (B, S, n_q, D), k_rot (B, S, n_kv, D) contiguous, v
+    (B, S, n_kv, D) a view of qkv; the gradient of qkv comes back in one piece."""
+    return RotaryQKVFunction.apply(qkv, n_q, n_kv, cos, sin)

@@ -143,6 +143,25 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return rotary_ref(q, k, cos, sin)
 
 
+def split_rotary(qkv: torch.Tensor, n_q: int, n_kv: int, cos: torch.Tensor,
+                 sin: torch.Tensor, backend="eager"
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused qkv projection's output (B, S, (n_q + 2·n_kv)·D) split into q, k, v
+    (B, S, H, D), with RoPE on q and k (`rotary`). With "triton" the split and the
+    rotation are one autograd node whose backward writes the qkv gradient in one piece
+    (`kernels.rope.RotaryQKVFunction`): no concatenation of dq, dk and dv."""
+    from colossal_lab.kernels.rope import split_heads
+
+    name = resolve_backend(backend, qkv.device)
+    if name == "triton":
+        from colossal_lab.kernels.rope import rope_qkv_triton
+
+        return rope_qkv_triton(qkv, n_q, n_kv, cos, sin)
+    q, k, v = split_heads(qkv, n_q, n_kv)
+    q, k = rotary(q, k, cos, sin, name)
+    return q, k, v
+
+
 # ----------------------------------------------------------------------------- the switch
 
 
