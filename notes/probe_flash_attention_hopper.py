@@ -3,11 +3,15 @@
     python notes/probe_flash_attention_hopper.py [--shapes N] [--head-dims D ...]
                                                  [--seq-lens S ...] [--out probe.json]
         [--shape B,HQ,HKV,S,D,causal|full ...] [--schedulers ...] [--epilogues ...]
-        [--stages 2 3 4] [--keys 64 128]
+        [--stages 2 3 4] [--keys 64 128] [--rounds 3]
 
 A working tool for choosing `flash_attention.AUTO_HOPPER` and the forward's schedule and
-persistence, not a results file: CUDA events around eager calls (median and p10-p90 of
-30), no L2 flush, so read ratios within one run only. The sweep
+persistence, not a results file. Each variant is timed by CUDA-graph replay with the L2
+flushed (`timing.time_kernels`, as the sweep times), and the whole set of variants
+`--rounds` times over, interleaved: the median of the rounds and their p10-p90 are
+kept. (Until 2026-12-03 it timed eager calls with events, one pass: at the 0.1 ms
+kernels of S1024 two runs disagreed by more than the effects probed.) Read ratios
+within one run only. The sweep
 (`python -m colossal_lab bench flash_attention`) is what the book records. Per shape it
 prints forward TFLOP/s for cuDNN, the portable forward and each Hopper schedule under
 each scheduler (`flash_attention_hopper.SCHEDULERS`), and fwd+bwd TFLOP/s for cuDNN,
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from colossal_lab import timing
 from colossal_lab.kernels import flash_attention as fa
 from colossal_lab.kernels import flash_attention_hopper as hopper
 
@@ -41,6 +46,7 @@ SCHEDULERS = tuple(hopper.SCHEDULERS)  # --schedulers narrows it
 EPILOGUES = (hopper.DEFAULT_EPILOGUE,)  # --epilogues widens it
 STAGES = (hopper.STAGES,)  # --stages widens it
 KEYS = (None,)  # keys per step; --keys widens it (None: `hopper.block_n`)
+ROUNDS = 3  # interleaved repetitions of the whole set of variants (--rounds)
 
 
 def variant_name(schedule: str, scheduler: str, epilogue: str, stages: int,
@@ -67,21 +73,22 @@ def parse_shape(text: str) -> tuple:
     return (*map(int, ints), mask == "causal")
 
 
-def timed(fn, n: int = 30) -> tuple[float, float, float]:
-    """(median, p10, p90) milliseconds of n event-timed calls after 3 warm-ups."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        ms.append(start.elapsed_time(end))
-    ms.sort()
-    return ms[n // 2], ms[n // 10], ms[(9 * n) // 10 - 1]
+def timed(fns: dict, rounds: int) -> dict:
+    """{name: (median, p10, p90) ms}: every function timed by CUDA-graph replay
+    (`timing.time_kernels`, as the sweep times, L2 flushed), the whole set `rounds`
+    times over, interleaved, so that a drift of the clocks reaches every variant alike;
+    the median and the p10/p90 are over all rounds' replays' medians."""
+    per: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, f in fns.items():
+            t, how = timing.time_kernels(f, device="cuda", reps=30)
+            per[name].append(t.median_ms)
+    out = {}
+    for name, ms in per.items():
+        ms = sorted(ms)
+        lo, hi = timing.quantile_10_90(ms)
+        out[name] = (ms[len(ms) // 2], lo, hi, ms)
+    return out
 
 
 def cudnn(q, k, v, causal):
@@ -129,11 +136,11 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
         row["grad_err"][name] = [round((g.float() - r.float()).abs().max().item(), 4)
                                  for g, r in zip(f(), ref)]
     for key, fns, scale in (("fwd", fwd, 1.0), ("fwd_bwd", both, 3.5)):
-        for name, f in fns.items():
-            ms, p10, p90 = timed(f)
+        for name, (ms, p10, p90, each) in timed(fns, ROUNDS).items():
             row[key][name] = {"tflops": round(scale * flop / ms / 1e9, 1),
                               "ms": round(ms, 4), "p10_p90_ms": [round(p10, 4),
-                                                                 round(p90, 4)]}
+                                                                 round(p90, 4)],
+                              "rounds_ms": [round(x, 4) for x in each]}
     return row
 
 
@@ -151,15 +158,18 @@ def main() -> None:
                    help="K/V slots of the Hopper forward to time (default: the default)")
     p.add_argument("--keys", nargs="+", type=int, choices=hopper.KEYS_CHOICES,
                    help="keys per step of the Hopper forward to time (default: its own)")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help="time the whole set of variants this many times, interleaved")
     p.add_argument("--shape", nargs="+", type=parse_shape, default=[],
                    help="probe these shapes instead of the built-in list, e.g. "
                         "4,16,4,4096,256,causal")
     a = p.parse_args()
-    global SCHEDULERS, EPILOGUES, STAGES, KEYS
+    global SCHEDULERS, EPILOGUES, STAGES, KEYS, ROUNDS
     SCHEDULERS = tuple(a.schedulers or SCHEDULERS)
     EPILOGUES = tuple(a.epilogues or EPILOGUES)
     STAGES = tuple(a.stages or STAGES)
     KEYS = tuple(a.keys or KEYS)
+    ROUNDS = a.rounds
     rows = []
     shapes = [s for s in (a.shape or SHAPES) if (not a.head_dims or s[4] in a.head_dims)
               and (not a.seq_lens or s[3] in a.seq_lens)]

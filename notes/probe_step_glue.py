@@ -86,7 +86,7 @@ def main() -> None:
                  rel_err=float((val - ref).abs() / ref))
         rows.append(r)
         print(r, flush=True)
-    del opt, params, grads
+    opt = params = grads = None  # free ~30 GB before the next probe
     torch.cuda.empty_cache()
 
     # 3. residual add after the down projection (B*S=16384, i=11008, d=4096)
@@ -100,7 +100,7 @@ def main() -> None:
         r.update(probe="residual_add", variant=name)
         rows.append(r)
         print(r, flush=True)
-    del x, w, h
+    x = w = h = None
 
     # 4. embedding backward (V=32000, d=4096, 16384 tokens)
     ids = torch.randint(0, 32000, (16384,), device=dev)

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from colossal_lab.config import Switches, tiny
-from colossal_lab.kernels.adamw import FusedAdamW, adamw_ref, adamw_step, clip_coefficient
+from colossal_lab.kernels.adamw import (
+    SUMSQ_BLOCK,
+    FusedAdamW,
+    adamw_ref,
+    adamw_step,
+    clip_coefficient,
+    sum_of_squares,
+)
 from colossal_lab.model import build_model
 from colossal_lab.switches import precision as P
 from colossal_lab.switches.apply import apply_switches
@@ -111,6 +118,27 @@ def test_clip_coefficient_of_bf16_gradients_is_accumulated_in_fp32():
     assert norm.dtype == torch.float32
     want = (2 * 4096 * torch.tensor(0.01, dtype=torch.bfloat16).double() ** 2) ** 0.5
     assert abs(norm.item() - want) < 1e-6 * want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sum_of_squares_over_odd_sizes(dtype):
+    """Block sums over tensors of 0, 1, a block minus one and a block plus one elements
+    (the masked tails, the empty tensor skipped), against an fp64 sum; bf16 is summed in
+    fp32, so its error is fp32's, not bf16's."""
+    g = torch.Generator().manual_seed(5)
+    sizes = (0, 1, SUMSQ_BLOCK - 1, SUMSQ_BLOCK + 1, 3 * 7)
+    xs = [(torch.randn(n, generator=g) * 2).to(dtype).to(DEVICE) for n in sizes]
+    got = sum_of_squares(xs)
+    want = sum(float((x.double() ** 2).sum()) for x in xs)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert abs(got.item() - want) < 1e-5 * want
+    assert sum_of_squares([torch.zeros(0, device=DEVICE)]).item() == 0.0
+
+
+def test_sum_of_squares_refuses_a_strided_tensor():
+    x = torch.randn(8, 8, device=DEVICE).t()
+    with pytest.raises(ValueError, match="not contiguous"):
+        sum_of_squares([x])
 
 
 def _model(precision: str, fused):

@@ -29,8 +29,8 @@ update of `torch.optim.AdamW`), per element, t the step, c the clipping coeffici
     v ← β2 · v + (1 − β2) · g²
     w ← w − lr / (1 − β1^t) · m / (√v / √(1 − β2^t) + ε)
 
-c is computed on the device from one `torch._foreach_norm` pass (no host
-synchronisation) and read by every program; so is `found_inf` (fp16 loss scaling: a
+c is computed on the device from one pass of block sums of squares (`sum_of_squares`;
+no host synchronisation) and read by every program; so is `found_inf` (fp16 loss scaling: a
 step with an inf/NaN gradient changes nothing) and the step count t, so a skipped step
 needs no host round trip either.
 
@@ -148,19 +148,51 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
             HAS_FOUND_INF=found_inf is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
+SUMSQ_BLOCK = 8192
+"""Elements per program of the norm pass: its partial sums are 1/8192 of the gradient."""
+
+
+@triton.jit
+def _sum_squares_kernel(X, PARTIAL, n, BLOCK: tl.constexpr):
+    """PARTIAL[program] = the sum of x² over the program's BLOCK elements, in fp32."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(PARTIAL + pid, tl.sum(x * x, axis=0))
+
+
+def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Σ x² over every element of every tensor (contiguous, one device), a 0-dim fp32
+    tensor: one launch per tensor writes its block sums into one shared buffer, then one
+    sum over the buffer. Deterministic (no atomics). On the H200, over llama-7b-8l's
+    bf16 gradients, 1.31 ms against 1.86 for `torch._foreach_norm` with fp32 results
+    (notes/probes/step_glue_2185b9b.json)."""
+    counts = [triton.cdiv(t.numel(), SUMSQ_BLOCK) for t in tensors]
+    partial = torch.zeros(max(sum(counts), 1), device=tensors[0].device,
+                          dtype=torch.float32)
+    at = 0
+    for t, c in zip(tensors, counts):
+        if c:
+            if not t.is_contiguous():
+                raise ValueError(f"a {tuple(t.shape)} gradient is not contiguous")
+            _sum_squares_kernel[(c,)](t, partial[at:], t.numel(), BLOCK=SUMSQ_BLOCK,
+                                      num_warps=NUM_WARPS)
+        at += c
+    return partial.sum()
+
+
 def clip_coefficient(grads: list[torch.Tensor], max_norm: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(‖grads‖₂ as a 0-dim fp32 tensor, c = min(1, max_norm / (‖grads‖₂ + 1e-6))), on
     the device, without a host synchronisation: what `torch.nn.utils.clip_grad_norm_`
     computes before it scales every gradient (here the scaling is left to the kernel).
-    The per-tensor norms are accumulated and returned in fp32, also for bf16 gradients."""
+    The squares are summed in fp32 (`sum_of_squares`), also for bf16 gradients."""
     if not grads:
         raise ValueError("no gradients to clip")
-    norms = []
-    for device_grads in _by_device(grads).values():
-        norms.extend(torch._foreach_norm(device_grads, 2.0, dtype=torch.float32))
     device = grads[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+    sums = [sum_of_squares(on_device).to(device)
+            for on_device in _by_device(grads).values()]
+    total = torch.stack(sums).sum().sqrt()
     return total, (max_norm / (total + 1e-6)).clamp(max=1.0)
 
 
