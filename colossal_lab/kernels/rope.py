@@ -284,19 +284,24 @@ def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
 # ------------------------------------------------------------------------------ autograd
 
 
+def _rotate_saving_tables(ctx, q, k, cos, sin):
+    """The forward both autograd nodes share: check q and k, build the half tables,
+    rotate, and save the tables (all the backward needs)."""
+    check_qk(q, k)
+    cos_h, sin_h = half_tables(cos, sin, q.shape[1], q.shape[3])
+    if cos_h.device != q.device:
+        raise ValueError(f"cos/sin are on {cos_h.device}, q on {q.device}")
+    ctx.save_for_backward(cos_h, sin_h)
+    return rope_forward(q, k, cos_h, sin_h)
+
+
 class RotaryFunction(torch.autograd.Function):
     """(q_rot, k_rot) = RoPE(q, k); saves only the tables. No gradient for the tables
     (the model's are constants)."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin):
-        check_qk(q, k)
-        cos_h, sin_h = half_tables(cos, sin, q.shape[1], q.shape[3])
-        if cos_h.device != q.device:
-            raise ValueError(f"cos/sin are on {cos_h.device}, q on {q.device}")
-        q_rot, k_rot = rope_forward(q, k, cos_h, sin_h)
-        ctx.save_for_backward(cos_h, sin_h)
-        return q_rot, k_rot
+        return _rotate_saving_tables(ctx, q, k, cos, sin)
 
     @staticmethod
     def backward(ctx, dq, dk):
@@ -325,12 +330,7 @@ class RotaryQKVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, n_q, n_kv, cos, sin):
         q, k, v = split_heads(qkv, n_q, n_kv)
-        check_qk(q, k)
-        cos_h, sin_h = half_tables(cos, sin, q.shape[1], q.shape[3])
-        if cos_h.device != q.device:
-            raise ValueError(f"cos/sin are on {cos_h.device}, q on {q.device}")
-        q_rot, k_rot = rope_forward(q, k, cos_h, sin_h)
-        ctx.save_for_backward(cos_h, sin_h)
+        q_rot, k_rot = _rotate_saving_tables(ctx, q, k, cos, sin)
         ctx.heads = (n_q, n_kv)
         return q_rot, k_rot, v
 
