@@ -186,6 +186,21 @@ def test_split_rotary_launches_and_refuses_bad_widths(monkeypatch):
     with pytest.raises(ValueError, match="expected \\(B, S, \\(n_q"):
         rope.split_rotary(torch.randn(1, 3, 100, device=DEVICE), 4, 2, cos, sin, "triton")
 
+
+def test_rope_outputs_with_scattered_tokens_are_refused():
+    """Given outputs (the qkv gradient's column slices) must have contiguous heads and
+    evenly spaced tokens; a transposed (B, H, S, D) view has neither and is refused."""
+    import colossal_lab.kernels.rope as kr
+
+    cos, sin = _tables(5, 16)
+    cos_h, sin_h = kr.half_tables(cos.to(DEVICE), sin.to(DEVICE), 5, 16)
+    q = torch.randn(2, 5, 4, 16, device=DEVICE)
+    k = torch.randn(2, 5, 2, 16, device=DEVICE)
+    bad = torch.empty(2, 4, 5, 16, device=DEVICE).transpose(1, 2)
+    with pytest.raises(ValueError, match="evenly spaced tokens"):
+        kr._launch(q, k, cos_h, sin_h, backward=True, q_out=bad,
+                   k_out=torch.empty_like(k))
+
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES, ids=["fp32", "bf16"])
 def test_rope_triton_half_and_batched_tables(dtype, atol, rtol):
     """rope_triton directly, with the (S', D/2) half tables and with Hugging Face's

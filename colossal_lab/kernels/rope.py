@@ -186,12 +186,16 @@ def _launch(q, k, cos_half, sin_half, backward: bool, q_out=None, k_out=None):
         k_out = torch.empty((B, S, n_kv, D), dtype=k.dtype, device=k.device)
     if B * S == 0 or n_q + n_kv == 0:
         return q_out, k_out
+    rows = [_token_rows(t) for t in (q_out, k_out)]
+    if None in rows:
+        raise ValueError("RoPE outputs need contiguous heads and evenly spaced tokens; "
+                         f"got strides {q_out.stride()} and {k_out.stride()}")
     block_h, block_d, warps = _tiling(max(n_q, n_kv), D // 2)
     grid = (B * S, triton.cdiv(max(n_q, n_kv), block_h))
     _rope_kernel[grid](
         q, k, q_out, k_out, cos_half, sin_half,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        cos_half.stride(0), _token_rows(q_out), _token_rows(k_out), S, n_q, n_kv,
+        cos_half.stride(0), *rows, S, n_q, n_kv,
         HALF=D // 2, BLOCK_H=block_h, BLOCK_D=block_d, BACKWARD=backward,
         num_warps=warps)
     return q_out, k_out
