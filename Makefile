@@ -23,7 +23,7 @@ book: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not browser" tests
 	$(PY) -m pytest -q --nbval-lax --nbval-current-env book/
-	$(VENV)/bin/ruff check colossal_lab tests
+	$(VENV)/bin/ruff check colossal_lab tests notes
 	$(MAKE) book
 	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
 	  echo "$(PY) -m pytest -q -rfEs -m browser tests/test_book_browser.py"; \
@@ -38,7 +38,7 @@ test-gpu:
 	$(PYTHON) -m pytest -q -m gpu tests
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check colossal_lab tests
+	$(VENV)/bin/ruff check colossal_lab tests notes
 
 ## execute: re-run every notebook in place (on a GPU node: fresh measurements)
 execute:

@@ -145,6 +145,7 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
 
 
 def main() -> None:
+    global SCHEDULERS, EPILOGUES, STAGES, KEYS, ROUNDS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes")
     p.add_argument("--head-dims", type=int, nargs="+", help="only shapes of these")
@@ -164,7 +165,6 @@ def main() -> None:
                    help="probe these shapes instead of the built-in list, e.g. "
                         "4,16,4,4096,256,causal")
     a = p.parse_args()
-    global SCHEDULERS, EPILOGUES, STAGES, KEYS, ROUNDS
     SCHEDULERS = tuple(a.schedulers or SCHEDULERS)
     EPILOGUES = tuple(a.epilogues or EPILOGUES)
     STAGES = tuple(a.stages or STAGES)
