@@ -2,7 +2,8 @@
 
     python notes/probe_flash_attention_hopper.py [--shapes N] [--head-dims D ...]
                                                  [--seq-lens S ...] [--out probe.json]
-        [--shape B,HQ,HKV,S,D,causal|full ...] [--schedulers ...] [--epilogues ...]
+        [--shape B,HQ,HKV,S,D,causal|full ...] [--schedules ...] [--schedulers ...]
+        [--epilogues ...]
         [--stages 2 3 4] [--keys 64 128] [--rounds 3]
 
 A working tool for choosing `flash_attention.AUTO_HOPPER` and the forward's schedule and
@@ -42,6 +43,7 @@ SHAPES = [  # batch, query heads, kv heads, S, D, causal: B·S = 16k tokens, H·
 ]
 
 
+SCHEDULES = tuple(hopper.SCHEDULES)  # --schedules narrows it
 SCHEDULERS = tuple(hopper.SCHEDULERS)  # --schedulers narrows it
 EPILOGUES = (hopper.DEFAULT_EPILOGUE,)  # --epilogues widens it
 STAGES = (hopper.STAGES,)  # --stages widens it
@@ -107,7 +109,7 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
            "portable": lambda: fa.flash_attention_forward(q, k, v, causal,
                                                           kernel="portable")}
     if hopper.unsupported(q, k, v) is None:
-        for schedule in hopper.SCHEDULES:
+        for schedule in SCHEDULES:
             for scheduler in SCHEDULERS:
                 for epilogue in EPILOGUES:
                     for st, kn in ((st, kn) for st in STAGES for kn in KEYS
@@ -145,12 +147,14 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
 
 
 def main() -> None:
-    global SCHEDULERS, EPILOGUES, STAGES, KEYS, ROUNDS
+    global SCHEDULES, SCHEDULERS, EPILOGUES, STAGES, KEYS, ROUNDS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes")
     p.add_argument("--head-dims", type=int, nargs="+", help="only shapes of these")
     p.add_argument("--seq-lens", type=int, nargs="+", help="only shapes of these")
     p.add_argument("--out", default="probe_flash_attention_hopper.json")
+    p.add_argument("--schedules", nargs="+", choices=tuple(hopper.SCHEDULES),
+                   help="the Hopper forward's schedules to time (default: all)")
     p.add_argument("--schedulers", nargs="+", choices=tuple(hopper.SCHEDULERS),
                    help="the Hopper forward's schedulers to time (default: all)")
     p.add_argument("--epilogues", nargs="+", choices=tuple(hopper.EPILOGUES),
@@ -165,6 +169,7 @@ def main() -> None:
                    help="probe these shapes instead of the built-in list, e.g. "
                         "4,16,4,4096,256,causal")
     a = p.parse_args()
+    SCHEDULES = tuple(a.schedules or SCHEDULES)
     SCHEDULERS = tuple(a.schedulers or SCHEDULERS)
     EPILOGUES = tuple(a.epilogues or EPILOGUES)
     STAGES = tuple(a.stages or STAGES)

@@ -138,7 +138,7 @@ def test_auto_forward_plans_every_length():
                 plan or (hopper.DEFAULT_SCHEDULE, hopper.default_scheduler(causal)))
             assert fa._forward_plan("hopper-pingpong", s, causal) == (
                 "pingpong", hopper.default_scheduler(causal))
-    assert fa._forward_plan("auto", 1024, True) is None
+    assert fa._forward_plan("auto", 1024, True) == ("overlap", "dynamic")
     assert fa._forward_plan("auto", 1024, False) == ("pingpong", "static")
     assert fa._forward_plan("auto", 2048, True) == ("overlap", "dynamic")
     assert fa._forward_plan("auto", 4096, True) == ("serial", "grid")
@@ -440,27 +440,36 @@ def test_hopper_forward_at_head_dim_256_under_every_scheduler(causal):
         torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
     _check_hopper_grads(q, k, v, torch.randn_like(q), causal)
     assert fa.kernel_plan(q, k, v, "hopper", causal) == (
-        f"fwd hopper-{'serial-grid' if causal else 'pingpong-static'}, bwd hopper")
+        f"fwd hopper-{'overlap-dynamic' if causal else 'pingpong-static'}, bwd hopper")
     assert fa.kernel_plan(q, k, v, causal=causal) == (  # "auto" (the rules)
-        f"fwd {'portable' if causal else 'hopper-pingpong-static'}, bwd hopper")
+        f"fwd hopper-{'overlap-dynamic' if causal else 'pingpong-static'}, bwd hopper")
 
 
 @pytest.mark.gpu
 @on_hopper
 def test_auto_picks_each_pass_by_its_rule():
     """kernel="auto" (the default) runs each pass's Hopper kernel exactly where
-    `AUTO_HOPPER` and `AUTO_FORWARD` say: at S = 1024, D = 128 with the mask the
-    portable forward and the Hopper backward; at S = 2048 both Hopper kernels, the
-    forward overlapped under the dynamic scheduler."""
-    for s, fwd_hopper in ((1024, False), (2048, True)):
+    `AUTO_HOPPER` and `AUTO_FORWARD` say: at S = 512, D = 128 with the mask both
+    portable kernels; from S = 1024 both Hopper kernels, the forward overlapped under
+    the dynamic scheduler up to 2048."""
+    q, k, v, do = (torch.randn(1, 4, 512, 128, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    o, lse = fa.flash_attention_forward(q, k, v, True)
+    o_p, lse_p = fa.flash_attention_forward(q, k, v, True, kernel="portable")
+    assert torch.equal(o, o_p) and torch.equal(lse, lse_p)
+    assert fa.kernel_plan(q, k, v, causal=True) == "fwd portable, bwd portable"
+    g = fa.flash_attention_backward(do, q, k, v, o_p, lse_p, True)
+    g_p = fa.flash_attention_backward(do, q, k, v, o_p, lse_p, True, kernel="portable")
+    assert all(torch.equal(a, b) for a, b in zip(g, g_p))
+    for s in (1024, 2048):
         q, k, v, do = (torch.randn(1, 4, s, 128, device="cuda", dtype=torch.bfloat16)
                        for _ in range(4))
         o, lse = fa.flash_attention_forward(q, k, v, True)
         o_h, lse_h = fa.flash_attention_forward(q, k, v, True, kernel="hopper")
         o_p, lse_p = fa.flash_attention_forward(q, k, v, True, kernel="portable")
-        assert torch.equal(o, o_h if fwd_hopper else o_p)
-        fwd = "hopper-overlap-dynamic" if fwd_hopper else "portable"
-        assert fa.kernel_plan(q, k, v, causal=True) == f"fwd {fwd}, bwd hopper"
+        assert torch.equal(o, o_h) and not torch.equal(o, o_p)
+        assert fa.kernel_plan(q, k, v, causal=True) == (
+            "fwd hopper-overlap-dynamic, bwd hopper")
         g = fa.flash_attention_backward(do, q, k, v, o_p, lse_p, True)
         g_p = fa.flash_attention_backward(do, q, k, v, o_p, lse_p, True, kernel="portable")
         assert torch.equal(g[1], fa.flash_attention_backward(

@@ -105,17 +105,18 @@ at 256 (1.3x with the mask, 1.5x without, S = 4096); its backward lost only at S
 AUTO_FORWARD = (
     # (causal, longest S or None, (schedule, scheduler) or None for the portable
     # forward): the first row that matches decides, inside `AUTO_HOPPER`'s bounds
-    (True, 1024, None),
     (True, 2048, ("overlap", "dynamic")),
     (True, None, ("serial", "grid")),
     (False, 1024, ("pingpong", "static")),
     (False, None, ("serial", "static")),
 )
-"""The Hopper forward's plan per mask and length, from two H200 probes at D = 128
-(notes/probes/). With the mask at S = 1024 no Hopper plan beat the portable forward
-(258-279 against 284-289 TFLOP/s); at S = 2048 (GQA-8) "overlap" under the dynamic
-scheduler ran 404-423 TFLOP/s against 335-394 for "serial" on the grid, which stays
-from 4096 on (level there, ahead at 16k). Without the mask at S = 1024 the persistent
+"""The Hopper forward's plan per mask and length, from H200 probes at D = 128
+(notes/probes/). With the mask, "overlap" under the dynamic scheduler: at S = 1024 it
+ran 0.79x cuDNN against the portable forward's 0.73x, MHA and GQA-8 alike (graph replay,
+three interleaved rounds, p10-p90 within 1%: notes/probes/
+flash_attention_hopper_9cb8826_s1024.json; the eager probes before it had the portable
+one ahead, inside their noise), and at S = 2048 (GQA-8) 404-423 TFLOP/s against 335-394
+for "serial" on the grid, which stays from 4096 on (level there, ahead at 16k). Without the mask at S = 1024 the persistent
 ping-pong forward ran at 0.87-0.89x cuDNN against the portable one's 0.62-0.73x;
 "serial" stays from 2048 on (level with ping-pong at 4096)."""
 DQ_MODES = ("separate", "atomic")
