@@ -117,8 +117,9 @@ three interleaved rounds, p10-p90 within 1%: notes/probes/
 flash_attention_hopper_9cb8826_s1024.json; the eager probes before it had the portable
 one ahead, inside their noise), and at S = 2048 (GQA-8) 404-423 TFLOP/s against 335-394
 for "serial" on the grid, which stays from 4096 on (level there, ahead at 16k). Without
-the mask at S = 1024 the persistent ping-pong forward ran at 0.87-0.89x cuDNN against the portable one's 0.62-0.73x;
-"serial" stays from 2048 on (level with ping-pong at 4096)."""
+the mask at S = 1024 the persistent ping-pong forward ran at 0.87-0.89x cuDNN against
+the portable one's 0.62-0.73x; "serial" stays from 2048 on (level with ping-pong at
+4096)."""
 DQ_MODES = ("separate", "atomic")
 DEFAULT_DQ_MODE = "separate"
 """How the backward computes dQ (see `flash_attention_backward`). "separate" is
