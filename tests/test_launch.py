@@ -61,12 +61,26 @@ def test_no_hooks_tells_empty_chains_from_listeners():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cached_launches_still_call_a_profilers_hook(monkeypatch):
     """A launch hook added after a kernel was cached (e.g. by a profiler) is called on
-    every later launch: the runner then goes through Triton's own path."""
+    every later launch: the runner then goes through Triton's own path. The norm on
+    its Python path (the C++ one, `kernels.native`, launches without Triton's hooks)
+    and the optimizer's two kernels."""
     from triton import knobs
+
+    from colossal_lab.kernels import adamw, native
 
     x = torch.randn(64, 256, device="cuda", requires_grad=True)
     w = torch.randn(256, device="cuda", requires_grad=True)
-    rms_norm_triton(x, w).sum().backward()  # cached now
+    p = torch.nn.Parameter(torch.randn(300, device="cuda", dtype=torch.bfloat16))
+    opt = adamw.FusedAdamW([p])
+
+    def run():
+        with native.disabled():
+            rms_norm_triton(x, w).sum().backward()
+        p.grad = torch.randn_like(p)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+
+    run()  # cached now
     seen = []
 
     def hook(metadata):
@@ -74,10 +88,12 @@ def test_cached_launches_still_call_a_profilers_hook(monkeypatch):
 
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        rms_norm_triton(x, w).sum().backward()
+        run()
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert "_rms_norm_forward_kernel" in seen and "_rms_norm_backward_kernel" in seen
+    for name in ("_rms_norm_forward_kernel", "_rms_norm_backward_kernel",
+                 "_sum_squares_kernel", "_adamw_kernel"):
+        assert name in seen, (name, seen)
     assert launch._fast
 
 
