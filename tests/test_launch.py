@@ -102,7 +102,7 @@ def test_callers_keys_are_as_fine_as_tritons_specialisation(monkeypatch):
     whatever shapes, strides, offsets and dtypes come in, launches with equal keys
     specialise alike (equal `_spec`, constexprs and warps), so a cached compiled kernel
     is never reused where Triton would have compiled another."""
-    from colossal_lab.kernels import _norm_common, layer_norm, rms_norm
+    from colossal_lab.kernels import _norm_common, layer_norm, native, rms_norm
 
     seen: dict = {}
     real = launch.launch
@@ -116,15 +116,17 @@ def test_callers_keys_are_as_fine_as_tritons_specialisation(monkeypatch):
 
     for module in (rms_norm, layer_norm, _norm_common):
         monkeypatch.setattr(module, "launch", spy)
+    monkeypatch.setenv(native.ENV, "0")  # the Python launches (the C++ path has none)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on a CPU
     gen = torch.Generator().manual_seed(0)
     for rows, cols, offset, dtype in [(5, 1001, 0, torch.float32), (7, 1009, 1, torch.float32),
                                       (3, 1001, 3, torch.bfloat16), (9, 64, 0, torch.float32),
                                       (1, 64, 1, torch.float32), (16, 48, 2, torch.bfloat16),
                                       (5, 1009, 0, torch.float32), (20, 1001, 0, torch.float32)]:
-        base = torch.randn(rows * cols + offset, generator=gen).to(dtype)
+        base = torch.randn(rows * cols + offset, generator=gen).to(dev, dtype)
         x = base[offset:].view(rows, cols).requires_grad_()  # offset: unaligned pointer
-        w = torch.randn(cols, generator=gen).requires_grad_()
-        b = torch.randn(cols, generator=gen).requires_grad_()
+        w = torch.randn(cols, generator=gen).to(dev).requires_grad_()
+        b = torch.randn(cols, generator=gen).to(dev).requires_grad_()
         rms_norm.rms_norm_triton(x, w).sum().backward()
         layer_norm.layer_norm_triton(x, w, b).sum().backward()
         y, h = rms_norm.add_rms_norm_triton(x, x.detach() * 2, w)
