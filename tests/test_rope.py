@@ -132,18 +132,13 @@ def test_split_rotary_writes_one_qkv_gradient(shape, dtype):
     assert fused[2]._base is not None  # v is a view of the projection's output
     assert fused[0].is_contiguous() and fused[1].is_contiguous()
 
-    def views_then_rotary(backend):
-        def fn(qkv, n_q, n_kv, cos, sin, _):
-            from colossal_lab.kernels.rope import split_heads
-
-            q, k, v = split_heads(qkv, n_q, n_kv)
-            return (*rope.rotary(q, k, cos, sin, backend), v)
-        return fn
+    from colossal_lab.kernels.rope import split_heads
 
     # (bf16 against the eager chain is the 2x rule of the tests above, on the views)
     for backend in ("triton", "eager") if dtype == torch.float32 else ("triton",):
         leaf = case.base.detach().to(dtype).clone().requires_grad_()
-        q_rot, k_rot, v = views_then_rotary(backend)(leaf, Hq, Hkv, cos, sin, None)
+        q, k, v = split_heads(leaf, Hq, Hkv)  # views; autograd concatenates dq, dk, dv
+        q_rot, k_rot = rope.rotary(q, k, cos, sin, backend)
         grad, = torch.autograd.grad((q_rot, k_rot, v), leaf,
                                     (case.dq.to(dtype), case.dk.to(dtype), dv.to(dtype)))
         for name, got, want in zip(("q_rot", "k_rot", "v", "dqkv"), fused,
@@ -200,6 +195,7 @@ def test_rope_outputs_with_scattered_tokens_are_refused():
     with pytest.raises(ValueError, match="evenly spaced tokens"):
         kr._launch(q, k, cos_h, sin_h, backward=True, q_out=bad,
                    k_out=torch.empty_like(k))
+
 
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES, ids=["fp32", "bf16"])
 def test_rope_triton_half_and_batched_tables(dtype, atol, rtol):
