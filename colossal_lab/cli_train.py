@@ -71,6 +71,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     from colossal_lab.switches import (
         attention,
         data_parallel,
+        embedding,
         loss,
         norm,
         projections,
@@ -101,6 +102,8 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     sw.add_argument("--projections", type=_backend(projections.ACTIVATIONS))
     sw.add_argument("--rope", type=_backend(rope.BACKENDS), help="our RoPE kernel")
     sw.add_argument("--loss", type=_backend(loss.BACKENDS), help="fused head + loss")
+    sw.add_argument("--embedding", type=_backend(embedding.BACKENDS),
+                    help="our embedding backward")
     sw.add_argument("--checkpointing", choices=CKPT_MODES)
     sw.add_argument("--ckpt-ratio", type=_fraction, help="share of layers to checkpoint")
     sw.add_argument("--precision", choices=PRECISIONS)
@@ -170,6 +173,7 @@ def switches_from(a: argparse.Namespace) -> Switches:
                                  ("enable_fused_projections", a.projections),
                                  ("enable_fused_rope", a.rope),
                                  ("enable_fused_cross_entropy", a.loss),
+                                 ("enable_fused_embedding", a.embedding),
                                  ("precision", a.precision),
                                  ("enable_fused_optimizer", a.optimizer),
                                  ("enable_compile", a.compile),

@@ -177,6 +177,11 @@ class Switches:
     """The output head and the loss: False = full fp32 logits then cross-entropy; or
     "chunked", "triton" (ours: chunks of tokens, the gradient written in place, the
     logits never whole). No ColossalAI counterpart (Liger's fused linear cross-entropy)."""
+    enable_fused_embedding: Backend = False
+    """The token embedding's backward: False = torch's (sort, fp32 partial segments,
+    zero-fill: eight launches); "triton" (ours: one sorted segment sum per vocabulary
+    row, every row written once). The forward gather is the same. No ColossalAI or
+    Liger counterpart (`switches.embedding`)."""
     enable_sequence_parallelism: bool = False
     """Switch 5, under tensor parallelism (a mesh whose "tp" dim is > 1; chapter 05):
     False = plain TP, an all-reduce after every attention and MLP block; True =
@@ -246,7 +251,7 @@ def _every_switch(precision: str, **extra) -> Switches:
     return Switches(enable_flash_attention=True, enable_fused_normalization="triton",
                     enable_fused_projections=True, precision=precision, extra=extra,
                     enable_fused_rope=True, enable_fused_cross_entropy=True,
-                    enable_fused_optimizer=True)
+                    enable_fused_embedding=True, enable_fused_optimizer=True)
 
 
 SWITCH_SETS = {

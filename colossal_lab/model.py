@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from colossal_lab.config import ModelConfig
-from colossal_lab.switches import loss, projections, rope
+from colossal_lab.switches import embedding, loss, projections, rope
 from colossal_lab.switches.attention import attention
 from colossal_lab.switches.norm import RMSNorm
 from colossal_lab.switches.rope import apply_rotary, rotate_half  # noqa: F401 (public)
@@ -135,7 +135,11 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). The add before the
-    second norm is handed to the norm, which fuses it when its backend can."""
+    second norm is handed to the norm, which fuses it when its backend can.
+
+    `LlamaModel` may defer the last add too (`defer_residual`): the layer then returns
+    (mlp(norm(h)), h) unsummed and the next layer's first norm (or the final norm)
+    adds them, as the second norm adds h; `residual` is that pending stream."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -144,16 +148,31 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                residual: torch.Tensor | None = None, defer: bool = False):
+        if residual is None:
+            normed = self.input_layernorm(x)
+        else:  # the previous layer's deferred add: x = x + residual, in the norm
+            normed, x = self.input_layernorm(x, residual=residual)
+        a = self.self_attn(normed, cos, sin)
         normed, h = self.post_attention_layernorm(a, residual=x)  # h = x + a
-        return h + self.mlp(normed)
+        m = self.mlp(normed)
+        return (m, h) if defer else h + m
 
 
 class LlamaModel(nn.Module):
     """Embedding, the decoder layers, the final norm. A layer that switch 4
     checkpoints (`switches.checkpointing.apply`) is called the same way: its forward
-    recomputes in the backward."""
+    recomputes in the backward.
+
+    `embedding_backend` is the embedding switch's value (its backward;
+    `switches.embedding`). `defer_residual` (set by the norm switch when its backend
+    fuses adds) hands each layer's last residual add to the next norm: one pass over
+    the stream fewer forward, and backward no separate sum of the two gradients of a
+    layer's input (about 1 ms a step at LLaMA-7B-8L, seq 4096, batch 4 on the H200)."""
+
+    embedding_backend = False
+    defer_residual = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -164,11 +183,16 @@ class LlamaModel(nn.Module):
                                           cfg.rope_theta)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # (B, S, d)
+        x = embedding.lookup(input_ids, self.embed_tokens, self.embedding_backend)  # (B, S, d)
         cos, sin = self.rotary_emb(input_ids.shape[1], input_ids.device)
+        if not self.defer_residual:
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+            return self.norm(x)
+        residual = None  # the stream whose add into x is pending
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+            x, residual = layer(x, cos, sin, residual, True)
+        return self.norm(x) if residual is None else self.norm(x, residual=residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

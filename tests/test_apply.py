@@ -49,11 +49,13 @@ def test_order_is_the_documented_one(monkeypatch):
     """Each switch goes through its own module's `apply`, in `ORDER`, precision last."""
     assert ORDER == ("enable_flash_attention", "enable_fused_rope",
                      "enable_fused_normalization", "enable_fused_projections",
-                     "enable_fused_cross_entropy", "gradient_checkpoint_config", "precision",
-                     "enable_compile", "overlap_communication")
+                     "enable_fused_cross_entropy", "enable_fused_embedding",
+                     "gradient_checkpoint_config", "precision", "enable_compile",
+                     "overlap_communication")
     doc = apply_mod.__doc__  # lists each switch's function in the same order
     where = [doc.index(f"switches.{m}.apply") for m in
-             ("attention", "rope", "norm", "projections", "loss", "checkpointing",
+             ("attention", "rope", "norm", "projections", "loss", "embedding",
+              "checkpointing",
               "precision", "compile", "data_parallel")]
     assert where == sorted(where)
     calls = []
@@ -73,7 +75,8 @@ def test_order_is_the_documented_one(monkeypatch):
                         spy("overlap_communication", apply_mod.data_parallel.apply))
     apply_switches(build_model(CFG, "cpu"), Switches(True, True, True, "fp32", Ckpt(),
                                                      enable_fused_rope=True,
-                                                     enable_fused_cross_entropy=True))
+                                                     enable_fused_cross_entropy=True,
+                                                     enable_fused_embedding=True))
     assert tuple(calls) == ORDER
 
 
@@ -84,7 +87,7 @@ SWAPS = [
     Switches(False, False, False, "fp32", Ckpt(mode="selective")),
     Switches("sdpa", "triton", "triton", "fp32"),
     Switches("sdpa", "torch", "eager", "fp32", enable_fused_rope="triton",
-             enable_fused_cross_entropy="triton"),
+             enable_fused_cross_entropy="triton", enable_fused_embedding="triton"),
 ]
 
 

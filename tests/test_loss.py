@@ -88,12 +88,30 @@ def test_backend_matches_reference(backend, n, d, v, chunk, dtype, atol, monkeyp
     assert launches == ({"_cross_entropy_kernel": chunks} if backend == "triton" else {})
 
 
+@pytest.mark.parametrize("dtype,atol", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("backend", ["chunked", "triton"])
-def test_grad_output_not_one(backend):
+def test_grad_output_not_one(backend, dtype, atol, monkeypatch):
+    """The backward scales both precomputed gradients by the incoming one: "triton" in
+    one `scale_cast` launch each (bf16: from the fp32 dW buffer of several chunks)."""
     h, w, y = _inputs(37, 48, 301)
-    out = _run(fused_linear_cross_entropy, h, w, y, torch.float32, grad_out=0.37,
+    launches = count_launches(monkeypatch, ce_kernel._scale_cast_kernel)
+    out = _run(fused_linear_cross_entropy, h, w, y, dtype, grad_out=0.37,
                backend=backend, chunk_tokens=8)
-    _check(out, h, w, y, torch.float32, 1e-5, grad_out=0.37)
+    _check(out, h, w, y, dtype, atol, grad_out=0.37)
+    assert launches == ({"_scale_cast_kernel": 2} if backend == "triton" else {})
+
+
+def test_scale_cast_rounds_once():
+    """fp32 -> bf16 with the factor applied in fp32 and one rounding: equal to the
+    eager fp32 product rounded; odd length (the last program masked); a strided input
+    falls back to eager with the same values."""
+    x = torch.randn(4097 + 13, device=DEVICE) * 5
+    s = torch.tensor(0.37, device=DEVICE)
+    got = ce_kernel.scale_cast(x, s, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, (x * s).to(torch.bfloat16))
+    strided = torch.randn(64, 40, device=DEVICE).t()
+    assert torch.equal(ce_kernel.scale_cast(strided, s, torch.float32), strided * s)
 
 
 @pytest.mark.parametrize("backend", ["chunked", "triton"])

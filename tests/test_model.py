@@ -106,7 +106,7 @@ def test_backends_in_use(switches, expected):
     m = apply_switches(build_model(HEAD_DIM_32, "cpu"), switches)
     keys = ("attention_backend", "norm_backend", "swiglu_backend", "fp8_backend")
     assert backends_in_use(m) == {**dict(zip(keys, expected)), "rope_backend": "eager",
-                                  "loss_backend": "eager"}
+                                  "loss_backend": "eager", "embedding_backend": "eager"}
 
 
 def test_backends_in_use_after_fallback_and_a_swap(monkeypatch):
@@ -159,3 +159,36 @@ def test_fused_rope_and_loss_match_the_plain_model():
         assert torch.allclose(p.grad, ref[n], atol=1e-5, rtol=1e-4), n
     used = backends_in_use(fused)
     assert used["rope_backend"] == "triton" and used["loss_backend"] == "triton"
+
+
+@pytest.mark.parametrize("ckpt", [None, 0.5], ids=["stored", "half-checkpointed"])
+def test_deferred_residual_adds_match_the_summed_stream(ckpt):
+    """With a fusing norm the model hands each layer's last residual add to the next
+    norm (`defer_residual`): the same loss and gradients as the layer summing it itself
+    (fp32; the Triton norm under the interpreter), with half the layers checkpointed
+    too (their forward returns the pair through `checkpoint`)."""
+    from colossal_lab.switches.checkpointing import GradientCheckpointConfig
+
+    cfg = MODEL_CONFIGS["gqa-6:2-odd"]
+    torch.manual_seed(0)
+    sw = Switches.naive("fp32").replace(
+        enable_fused_normalization="triton", enable_fused_embedding="triton",
+        gradient_checkpoint_config=None if ckpt is None else GradientCheckpointConfig(
+            gradient_checkpointing_ratio=ckpt))
+    deferred = apply_switches(build_model(cfg, "cpu"), sw)
+    summed = apply_switches(build_model(cfg, "cpu"), sw)
+    summed.model.defer_residual = False
+    summed.load_state_dict(deferred.state_dict())
+    assert deferred.model.defer_residual
+    ids = torch.randint(0, cfg.vocab_size, (2, 23))
+    losses = []
+    for m in (deferred, summed):
+        loss = m(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.allclose(losses[0], losses[1], atol=1e-6, rtol=1e-6)
+    ref = dict(summed.named_parameters())
+    for n, p in deferred.named_parameters():
+        assert torch.allclose(p.grad, ref[n].grad, atol=1e-6, rtol=1e-5), n
+    apply_switches(deferred, sw.replace(enable_fused_normalization=False))
+    assert not deferred.model.defer_residual  # the eager norm sums in the layer again

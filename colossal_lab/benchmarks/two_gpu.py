@@ -121,7 +121,8 @@ def switches_for(quick: bool):
     norm (not Triton under the interpreter)."""
     from colossal_lab.config import SWITCH_SETS
 
-    sw = SWITCH_SETS["best"].replace(enable_fused_cross_entropy=False)
+    sw = SWITCH_SETS["best"].replace(enable_fused_cross_entropy=False,
+                                     enable_fused_embedding=False)
     if quick:
         sw = sw.replace(precision="fp32", enable_fused_normalization=True)
     return sw

@@ -189,6 +189,43 @@ def cross_entropy_loss_and_grad_(logits: torch.Tensor, labels: torch.Tensor, *,
     return loss
 
 
+@triton.jit
+def _scale_cast_kernel(
+    X,  # (n,) contiguous input
+    SCALE,  # (1,) the factor, read on the device (no host sync)
+    Y,  # (n,) contiguous output, in its own dtype
+    n,  # elements
+    BLOCK: tl.constexpr,  # elements per program
+):
+    """y = x · scale, in fp32, rounded once to y's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    s = tl.load(SCALE).to(tl.float32)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs, _to_dtype(x * s, Y.dtype.element_ty), mask=mask)
+
+
+SCALE_BLOCK = 4096
+"""Elements per program of `scale_cast`: 16 per thread at 8 warps."""
+
+
+def scale_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor (x · scale) in `dtype`, one pass; `scale` a one-element tensor on
+    x's device. The fused loss's backward scales its precomputed gradients by the
+    incoming gradient with it: eager `(x * g).to(dtype)` reads and writes x twice, and
+    its multiply by a 0-d tensor runs TensorIterator's strided kernel (0.41 + 0.18 ms
+    for an fp32 (32000, 4096) dW on the H200, against about 0.23 at the copy rate).
+    Falls back to eager for a non-contiguous x."""
+    if not x.is_contiguous() or x.numel() == 0:
+        return (x * scale.to(x.dtype)).to(dtype)
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    scale = scale.detach().reshape(1).to(device=x.device, dtype=torch.float32)
+    n = x.numel()
+    _scale_cast_kernel[(triton.cdiv(n, SCALE_BLOCK),)](x, scale, y, n, BLOCK=SCALE_BLOCK,
+                                                      num_warps=8)
+    return y
+
+
 # ------------------------------------------------------------------------------ autograd
 
 
@@ -211,7 +248,7 @@ class TritonCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (dz,) = ctx.saved_tensors
-        return dz * grad_out.to(dz.dtype), None, None
+        return scale_cast(dz, grad_out, dz.dtype), None, None
 
 
 def cross_entropy_triton(logits: torch.Tensor, labels: torch.Tensor,

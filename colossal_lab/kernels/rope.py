@@ -58,8 +58,10 @@ adds after either: the concatenation of dq, dk, dv into the one qkv gradient, 3�
 at Hq = Hkv (the benchmark's count, 15.5 N e for eager, adds 0.5 N e of zeros for
 its unused dv). `RotaryQKVFunction`, the model's path with fused projections, takes
 the split into its own node and so skips that: its backward rotates dq and dk
-straight into their columns of the qkv gradient and copies dv into the rest (N e / 2
-at Hq = Hkv, against 3 N e). LLaMA-7B at B 4, S 4096 (Hq = Hkv = 32, D 128, bf16): q and k are
+straight into their columns of the qkv gradient and copies dv into the rest in the same
+launch (N e / 2 at Hq = Hkv, against 3 N e; as a separate `copy_` of the attention's
+transposed dv it took 0.19 ms a layer at LLaMA-7B's shape on the H200, about half the
+copy bandwidth). LLaMA-7B at B 4, S 4096 (Hq = Hkv = 32, D 128, bf16): q and k are
 256 MiB together, so eager moves 2.5 GiB forward and 2.5 to 3 GiB backward per layer,
 this kernel 0.5 GiB each way.
 
@@ -109,17 +111,39 @@ def _rotate_heads(
 
 
 @triton.jit
+def _copy_heads(
+    X,  # this token's first head of the input, heads stride_h apart, unit column stride
+    OUT,  # this token's first head of the output, contiguous (n_heads, 2·HALF)
+    stride_h,  # elements between heads of X
+    n_heads,  # heads of this tensor (Hkv)
+    heads,  # (BLOCK_H,) head indices of this program
+    cols,  # (BLOCK_D,) columns of the first half
+    HALF: tl.constexpr,  # D / 2
+):
+    """A (BLOCK_H, D) tile copied as it is (dv into the qkv gradient), in two halves
+    with the same masks as `_rotate_heads`."""
+    mask = (heads < n_heads)[:, None] & (cols < HALF)[None, :]
+    x_ptrs = X + heads[:, None] * stride_h + cols[None, :]
+    out_ptrs = OUT + heads[:, None] * (2 * HALF) + cols[None, :]
+    tl.store(out_ptrs, tl.load(x_ptrs, mask=mask, other=0.0), mask=mask)
+    tl.store(out_ptrs + HALF, tl.load(x_ptrs + HALF, mask=mask, other=0.0), mask=mask)
+
+
+@triton.jit
 def _rope_kernel(
     Q,  # (B, S, Hq, D) queries, strides stride_q*, unit column stride
     K,  # (B, S, Hkv, D) keys, strides stride_k*, unit column stride
+    V,  # (B, S, Hkv, D) copied to VO unrotated when COPY_V (dv); else unused
     QO,  # (B, S, Hq, D) output: heads contiguous, tokens stride_qo apart
     KO,  # (B, S, Hkv, D) output: heads contiguous, tokens stride_ko apart
+    VO,  # (B, S, Hkv, D) output of the copy, tokens stride_vo apart (COPY_V)
     COS,  # (≥ S, ≥ D/2) cos table; columns [0, D/2) are read, unit column stride
     SIN,  # (≥ S, ≥ D/2) sin table, COS's strides
     stride_qb, stride_qs, stride_qh,  # elements between batches, positions, heads of Q
     stride_kb, stride_ks, stride_kh,  # the same for K
+    stride_vb, stride_vs, stride_vh,  # the same for V
     stride_table,  # elements between rows (positions) of COS and SIN
-    stride_qo, stride_ko,  # elements between tokens of QO and KO (H·D when contiguous)
+    stride_qo, stride_ko, stride_vo,  # elements between tokens of QO, KO, VO
     seq_len,  # S
     n_q_heads,  # Hq
     n_kv_heads,  # Hkv
@@ -127,8 +151,10 @@ def _rope_kernel(
     BLOCK_H: tl.constexpr,  # heads per program
     BLOCK_D: tl.constexpr,  # next_power_of_2(HALF)
     BACKWARD: tl.constexpr,  # rotate by −θ: the gradient
+    COPY_V: tl.constexpr,  # also copy V's heads of this token into VO
 ):
-    """Rotate heads of q and k of one token by θ(s) (or −θ(s)), math in fp32."""
+    """Rotate heads of q and k of one token by θ(s) (or −θ(s)), math in fp32; with
+    COPY_V, copy v's heads of the token too (the qkv gradient's dv, in the same pass)."""
     token = tl.program_id(0).to(tl.int64)  # b·S + s; int64: no overflow in offsets
     b = token // seq_len
     s = token % seq_len
@@ -143,6 +169,9 @@ def _rope_kernel(
                   stride_qh, n_q_heads, heads, cols, cos, sin, HALF)
     _rotate_heads(K + b * stride_kb + s * stride_ks, KO + token * stride_ko,
                   stride_kh, n_kv_heads, heads, cols, cos, sin, HALF)
+    if COPY_V:
+        _copy_heads(V + b * stride_vb + s * stride_vs, VO + token * stride_vo,
+                    stride_vh, n_kv_heads, heads, cols, HALF)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -173,10 +202,13 @@ def _token_rows(t: torch.Tensor) -> int | None:
     return ss
 
 
-def _launch(q, k, cos_half, sin_half, backward: bool, q_out=None, k_out=None):
+def _launch(q, k, cos_half, sin_half, backward: bool, q_out=None, k_out=None,
+            v=None, v_out=None):
     """Rotate q and k into q_out and k_out (new contiguous tensors when not given;
     given ones need `_token_rows`: the backward of `RotaryQKVFunction` passes slices of
-    the qkv gradient)."""
+    the qkv gradient). With `v` and `v_out` (k's shape), v is copied into v_out in the
+    same launch, unrotated: dv into its slice of the qkv gradient, where a separate
+    `copy_` of cuDNN's transposed dv ran at half the bandwidth (a strided copy)."""
     B, S, n_q, D = q.shape
     n_kv = k.shape[2]
     q, k = _unit_columns(q), _unit_columns(k)
@@ -184,20 +216,31 @@ def _launch(q, k, cos_half, sin_half, backward: bool, q_out=None, k_out=None):
         q_out = torch.empty((B, S, n_q, D), dtype=q.dtype, device=q.device)
     if k_out is None:
         k_out = torch.empty((B, S, n_kv, D), dtype=k.dtype, device=k.device)
+    copy_v = v is not None
+    if copy_v:
+        if v.shape != k.shape or v_out is None or v_out.shape != k.shape:
+            raise ValueError(f"v {tuple(v.shape)} and v_out "
+                             f"{None if v_out is None else tuple(v_out.shape)} must have "
+                             f"k's shape {tuple(k.shape)}")
+        v = _unit_columns(v)
     if B * S == 0 or n_q + n_kv == 0:
         return q_out, k_out
-    rows = [_token_rows(t) for t in (q_out, k_out)]
+    outs = (q_out, k_out, v_out) if copy_v else (q_out, k_out)
+    rows = [_token_rows(t) for t in outs]
     if None in rows:
         raise ValueError("RoPE outputs need contiguous heads and evenly spaced tokens; "
-                         f"got strides {q_out.stride()} and {k_out.stride()}")
+                         f"got strides {[tuple(t.stride()) for t in outs]}")
+    if not copy_v:
+        v, v_out, rows = k, k_out, rows + [0]  # not read: COPY_V is off
     block_h, block_d, warps = _tiling(max(n_q, n_kv), D // 2)
     grid = (B * S, triton.cdiv(max(n_q, n_kv), block_h))
     _rope_kernel[grid](
-        q, k, q_out, k_out, cos_half, sin_half,
+        q, k, v, q_out, k_out, v_out, cos_half, sin_half,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
         cos_half.stride(0), *rows, S, n_q, n_kv,
         HALF=D // 2, BLOCK_H=block_h, BLOCK_D=block_d, BACKWARD=backward,
-        num_warps=warps)
+        COPY_V=copy_v, num_warps=warps)
     return q_out, k_out
 
 
@@ -345,8 +388,8 @@ class RotaryQKVFunction(torch.autograd.Function):
         B, S, _, D = dq.shape
         dqkv = torch.empty((B, S, (n_q + 2 * n_kv) * D), dtype=dq.dtype, device=dq.device)
         dq_in, dk_in, dv_in = split_heads(dqkv, n_q, n_kv)
-        _launch(dq, dk, cos_h, sin_h, backward=True, q_out=dq_in, k_out=dk_in)
-        dv_in.copy_(dv)
+        _launch(dq, dk, cos_h, sin_h, backward=True, q_out=dq_in, k_out=dk_in,
+                v=dv, v_out=dv_in)
         return dqkv, None, None, None, None
 
 

@@ -10,6 +10,7 @@ order (the shape of torchtitan's `parallelize_llama`):
     3. norm kernel             switches.norm.apply            (switch 2)
     4. fused projections       switches.projections.apply     (switch 3)
     5. head + loss             switches.loss.apply            (finale: fused cross-entropy)
+       token embedding         switches.embedding.apply       (finale: its backward)
     6. activation checkpoints  switches.checkpointing.apply   (switch 4)
     7. precision and fp8       switches.precision.apply       (switch 6)
        then, on the mesh's "tp" dim when it is > 1: tensor parallelism, switch 5,
@@ -51,6 +52,7 @@ from colossal_lab.switches import (
     attention,
     checkpointing,
     data_parallel,
+    embedding,
     fp8,
     loss,
     norm,
@@ -63,7 +65,7 @@ from colossal_lab.switches import (
 from colossal_lab.switches import compile as compile_switch  # not the builtin
 
 ORDER = ("enable_flash_attention", "enable_fused_rope", "enable_fused_normalization",
-         "enable_fused_projections", "enable_fused_cross_entropy",
+         "enable_fused_projections", "enable_fused_cross_entropy", "enable_fused_embedding",
          "gradient_checkpoint_config", "precision", "enable_compile",
          "overlap_communication")
 """The `Switches` fields in the order `apply_switches` applies them."""
@@ -73,6 +75,7 @@ _APPLY = {"enable_flash_attention": attention.apply,
           "enable_fused_normalization": norm.apply,
           "enable_fused_projections": projections.apply,
           "enable_fused_cross_entropy": loss.apply,
+          "enable_fused_embedding": embedding.apply,
           "gradient_checkpoint_config": checkpointing.apply}
 """The module swaps, applied in this loop; `precision` and `enable_compile` are applied
 after it (and after tensor parallelism), `overlap_communication` last."""
@@ -94,7 +97,9 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
                                 (switches.enable_fused_rope, rope.BACKENDS,
                                  "enable_fused_rope"),
                                 (switches.enable_fused_cross_entropy, loss.BACKENDS,
-                                 "enable_fused_cross_entropy")):
+                                 "enable_fused_cross_entropy"),
+                                (switches.enable_fused_embedding, embedding.BACKENDS,
+                                 "enable_fused_embedding")):
         if not (isinstance(value, bool) or value is None or value in names):
             raise ValueError(f"{field}={value!r}; choose True, False or one of {names}")
     if precision.policy(switches.precision).fp8:
@@ -141,6 +146,10 @@ def _check_tensor_parallel(model, switches: Switches, mesh) -> str | None:
         raise ValueError("enable_fused_cross_entropy with tensor parallelism: TP's loss is "
                          "the vocabulary-parallel cross-entropy (the logits are never "
                          "whole either); turn enable_fused_cross_entropy off")
+    if switches.enable_fused_embedding:
+        raise ValueError("enable_fused_embedding with tensor parallelism: TP shards the "
+                         "embedding's rows through the module's own call (torch's "
+                         "RowwiseParallel); turn enable_fused_embedding off")
     if mode == "dtensor" and "dp" in mesh.mesh_dim_names and mesh["dp"].size() > 1:
         raise NotImplementedError("the 'dtensor' peer is not composed with data "
                                   "parallelism here: make the mesh with dp=1")

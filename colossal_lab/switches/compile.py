@@ -61,7 +61,7 @@ INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune",
 DEFAULT_BACKEND = "inductor"
 KERNEL_FIELDS = ("enable_flash_attention", "enable_fused_normalization",
                  "enable_fused_projections", "enable_fused_rope",
-                 "enable_fused_cross_entropy")
+                 "enable_fused_cross_entropy", "enable_fused_embedding")
 """`Switches` fields whose "triton" value runs our kernels inside the model's forward."""
 
 

@@ -278,17 +278,21 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_w = torch.zeros_like(weight)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = hidden.dtype, weight.dtype
+        ctx.use_triton = use_triton
         return loss * scale
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        dh = dw = None
-        if grad_h is not None:  # out of place: a retained graph may run backward again
-            dh = (grad_h * grad_out.to(grad_h.dtype)).to(h_dtype)
-        if grad_w is not None:
-            dw = (grad_w * grad_out.to(grad_w.dtype)).to(w_dtype)
+        if ctx.use_triton:  # one pass per gradient (`scale_cast`)
+            from colossal_lab.kernels.cross_entropy import scale_cast
+        else:
+            def scale_cast(g, s, dtype):
+                return (g * s.to(g.dtype)).to(dtype)
+        # out of place: a retained graph may run backward again
+        dh = None if grad_h is None else scale_cast(grad_h, grad_out, h_dtype)
+        dw = None if grad_w is None else scale_cast(grad_w, grad_out, w_dtype)
         return dh, dw, None, None, None, None, None
 
 

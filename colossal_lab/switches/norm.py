@@ -60,8 +60,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from colossal_lab.fallback import fallback
+from colossal_lab.switches import kernel_switch
 
 BACKENDS = ("eager", "torch", "compile", "triton", "liger", "apex")
+FUSES_ADD = (True, "triton", "compile")
+"""Values whose `add_rms_norm` adds the residual in the norm's own pass; with these the
+model also hands each layer's last residual add to the next norm (`LlamaModel`)."""
 
 
 
@@ -369,4 +373,6 @@ def apply(model: nn.Module, backend) -> int:
         if isinstance(m, (RMSNorm, LayerNorm)):
             m.backend = backend
             count += 1
+    # a fusing backend also takes each layer's last residual add (`LlamaModel`)
+    kernel_switch.set_on_modules(model, "defer_residual", backend in FUSES_ADD)
     return count

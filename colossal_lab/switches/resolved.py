@@ -17,10 +17,19 @@ def backends_in_use(model: torch.nn.Module) -> dict:
     (`norm.BACKENDS`), "swiglu_backend" ("eager" also for unfused projections, which
     run silu(gate)·up eagerly), "fp8_backend" ("scaled_mm", "emulate", or None when no
     linear is fp8), "rope_backend" (`rope.BACKENDS`), "loss_backend"
-    (`loss.BACKENDS`). Read from the modules themselves, so a switch applied to just
+    (`loss.BACKENDS`), "embedding_backend" (`embedding.BACKENDS`). Read from the modules themselves, so a switch applied to just
     some of them is seen; layers that disagree are listed joined by "+"."""
-    from colossal_lab.model import MLP, Attention, LlamaForCausalLM
-    from colossal_lab.switches import attention, fp8, loss, norm, precision, projections, rope
+    from colossal_lab.model import MLP, Attention, LlamaForCausalLM, LlamaModel
+    from colossal_lab.switches import (
+        attention,
+        embedding,
+        fp8,
+        loss,
+        norm,
+        precision,
+        projections,
+        rope,
+    )
 
     param = next(model.parameters())
     device = param.device
@@ -28,7 +37,8 @@ def backends_in_use(model: torch.nn.Module) -> dict:
     head_dim = getattr(getattr(model, "cfg", None), "head_dim", None)
     found: dict[str, list[str]] = {k: [] for k in ("attention_backend", "norm_backend",
                                                    "swiglu_backend", "fp8_backend",
-                                                   "rope_backend", "loss_backend")}
+                                                   "rope_backend", "loss_backend",
+                                                   "embedding_backend")}
 
     def add(key, name):
         if name not in found[key]:
@@ -41,6 +51,8 @@ def backends_in_use(model: torch.nn.Module) -> dict:
             add("rope_backend", rope.resolve_backend(m.rope_backend, device))
         elif isinstance(m, LlamaForCausalLM):
             add("loss_backend", loss.resolve_backend(m.loss_backend, device))
+        elif isinstance(m, LlamaModel):
+            add("embedding_backend", embedding.resolve_backend(m.embedding_backend, device))
         elif isinstance(m, (norm.RMSNorm, norm.LayerNorm)):
             add("norm_backend", norm.resolve_backend(m.backend, device))
         elif isinstance(m, MLP):
