@@ -17,8 +17,9 @@ def backends_in_use(model: torch.nn.Module) -> dict:
     (`norm.BACKENDS`), "swiglu_backend" ("eager" also for unfused projections, which
     run silu(gate)·up eagerly), "fp8_backend" ("scaled_mm", "emulate", or None when no
     linear is fp8), "rope_backend" (`rope.BACKENDS`), "loss_backend"
-    (`loss.BACKENDS`), "embedding_backend" (`embedding.BACKENDS`). Read from the modules themselves, so a switch applied to just
-    some of them is seen; layers that disagree are listed joined by "+"."""
+    (`loss.BACKENDS`), "embedding_backend" (`embedding.BACKENDS`). Read from the
+    modules themselves, so a switch applied to just some of them is seen; layers
+    that disagree are listed joined by "+"."""
     from colossal_lab.model import MLP, Attention, LlamaForCausalLM, LlamaModel
     from colossal_lab.switches import (
         attention,
