@@ -13,6 +13,7 @@ from tests.conftest import MODEL_CONFIGS
 
 transformers = pytest.importorskip("transformers")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIGS = {k: MODEL_CONFIGS[k] for k in ("tiny-gqa", "mha-odd", "mqa-tied")}
 
 
@@ -136,16 +137,16 @@ def test_presets_and_bad_configs():
 
 def test_fused_rope_and_loss_match_the_plain_model():
     """Our RoPE kernel and the chunked head + loss, switched on in one model, give the
-    plain model's loss and gradients (fp32, the Triton kernels under the interpreter),
-    and the rows say which ran."""
+    plain model's loss and gradients (fp32; on the CPU the Triton kernels run under
+    the interpreter), and the rows say which ran."""
     cfg = MODEL_CONFIGS["gqa-6:2-odd"]
     torch.manual_seed(0)
-    plain = apply_switches(build_model(cfg, "cpu"), Switches.naive("fp32"))
-    fused = apply_switches(build_model(cfg, "cpu"), Switches.naive("fp32").replace(
+    plain = apply_switches(build_model(cfg, DEVICE), Switches.naive("fp32"))
+    fused = apply_switches(build_model(cfg, DEVICE), Switches.naive("fp32").replace(
         enable_fused_rope="triton", enable_fused_cross_entropy="triton",
         enable_fused_projections="eager"))
     fused.load_state_dict(plain.state_dict())
-    ids = torch.randint(0, cfg.vocab_size, (2, 19))
+    ids = torch.randint(0, cfg.vocab_size, (2, 19), device=DEVICE)
     losses = []
     for m in (plain, fused):
         loss = m(ids[:, :-1], ids[:, 1:])
@@ -165,8 +166,8 @@ def test_fused_rope_and_loss_match_the_plain_model():
 def test_deferred_residual_adds_match_the_summed_stream(ckpt):
     """With a fusing norm the model hands each layer's last residual add to the next
     norm (`defer_residual`): the same loss and gradients as the layer summing it itself
-    (fp32; the Triton norm under the interpreter), with half the layers checkpointed
-    too (their forward returns the pair through `checkpoint`)."""
+    (fp32; on the CPU the Triton norm under the interpreter), with half the layers
+    checkpointed too (their forward returns the pair through `checkpoint`)."""
     from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 
     cfg = MODEL_CONFIGS["gqa-6:2-odd"]
@@ -175,12 +176,12 @@ def test_deferred_residual_adds_match_the_summed_stream(ckpt):
         enable_fused_normalization="triton", enable_fused_embedding="triton",
         gradient_checkpoint_config=None if ckpt is None else GradientCheckpointConfig(
             gradient_checkpointing_ratio=ckpt))
-    deferred = apply_switches(build_model(cfg, "cpu"), sw)
-    summed = apply_switches(build_model(cfg, "cpu"), sw)
+    deferred = apply_switches(build_model(cfg, DEVICE), sw)
+    summed = apply_switches(build_model(cfg, DEVICE), sw)
     summed.model.defer_residual = False
     summed.load_state_dict(deferred.state_dict())
     assert deferred.model.defer_residual
-    ids = torch.randint(0, cfg.vocab_size, (2, 23))
+    ids = torch.randint(0, cfg.vocab_size, (2, 23), device=DEVICE)
     losses = []
     for m in (deferred, summed):
         loss = m(ids[:, :-1], ids[:, 1:])
@@ -189,6 +190,6 @@ def test_deferred_residual_adds_match_the_summed_stream(ckpt):
     assert torch.allclose(losses[0], losses[1], atol=1e-6, rtol=1e-6)
     ref = dict(summed.named_parameters())
     for n, p in deferred.named_parameters():
-        assert torch.allclose(p.grad, ref[n].grad, atol=1e-6, rtol=1e-5), n
+        assert torch.allclose(p.grad, ref[n].grad, atol=1e-5, rtol=1e-4), n
     apply_switches(deferred, sw.replace(enable_fused_normalization=False))
     assert not deferred.model.defer_residual  # the eager norm sums in the layer again
