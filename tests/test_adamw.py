@@ -79,6 +79,46 @@ def test_low_precision_params_keep_fp32_masters(dtype, n):
     assert torch.equal(p.cpu(), master.cpu().to(dtype))
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_split_master_is_the_fp32_master_bit_for_bit(n):
+    """bf16 parameters with int16 low halves (`split_master`): three updates give, bit
+    for bit, the fp32 master that the fp32-master path gives, and parameters equal to
+    its rounding (nearest, ties away from zero: one bf16 ulp from nearest-even at exact
+    ties only). `join_master(split_master(x))` is x for every float, signed zeros and
+    exact ties included."""
+    from colossal_lab.kernels.adamw import join_master, split_master
+
+    w, m, v, grads = _tensors(n, seed=7)
+    w = w.to(torch.bfloat16).float()  # both paths start from a bf16 parameter
+    runs = []
+    for split in (False, True):
+        p, ma, va = (x.to(DEVICE).clone() for x in (w.to(torch.bfloat16), m, v))
+        master = torch.zeros(n, dtype=torch.int16, device=DEVICE) if split else \
+            w.clone().to(DEVICE)
+        step = torch.zeros((), device=DEVICE)
+        for g in grads:
+            step += 1
+            adamw_step([p], [g.to(torch.bfloat16).to(DEVICE)], [master], [ma], [va],
+                       [step], **HP)
+        runs.append((join_master(p, master) if split else master, p, ma, va))
+    (m32, p32, ma32, va32), (mlo, plo, malo, valo) = runs
+    assert torch.equal(mlo.view(torch.int32), m32.view(torch.int32))
+    assert torch.equal(malo, ma32) and torch.equal(valo, va32)
+    assert torch.equal(plo, split_master(m32)[0])
+    assert ((plo.float() - p32.float()).abs() <= (p32.float().abs() * 2 ** -7)).all()
+    x = torch.cat([torch.randn(4096) * torch.logspace(-30, 30, 4096),
+                   torch.tensor([0.0, -0.0, 1.0, -3.5]),
+                   (torch.arange(64, dtype=torch.int32) * 65536 + 0x3F808000)
+                   .view(torch.float32)])  # exact ties
+    assert torch.equal(join_master(*split_master(x)).view(torch.int32), x.view(torch.int32))
+    with pytest.raises(ValueError, match="int16 master low half needs a bf16"):
+        adamw_step([torch.zeros(3, device=DEVICE, dtype=torch.float16)],
+                   [torch.zeros(3, device=DEVICE, dtype=torch.float16)],
+                   [torch.zeros(3, device=DEVICE, dtype=torch.int16)],
+                   [torch.zeros(3, device=DEVICE)], [torch.zeros(3, device=DEVICE)],
+                   [torch.ones((), device=DEVICE)], **HP)
+
+
 def test_coefficient_and_found_inf():
     w, m, v, grads = _tensors(777, seed=2)
     want = _ref_steps(w, m, v, grads[:1], coef=0.25)
@@ -141,6 +181,13 @@ def test_sum_of_squares_refuses_a_strided_tensor():
         sum_of_squares([x])
 
 
+def _master(opt, p):
+    """The fp32 weights behind `p`: ours (`FusedAdamW.master`, split or not), MasterAdamW's
+    `master` state, or `p` itself."""
+    m = opt.master(p) if isinstance(opt, FusedAdamW) else opt.state[p].get("master")
+    return (p.detach() if m is None else m).clone()
+
+
 def _model(precision: str, fused):
     torch.manual_seed(0)
     model = build_model(tiny(), DEVICE)
@@ -165,8 +212,7 @@ def test_training_steps_equal_the_unfused_optimizer(precision):
             ids = torch.randint(0, tiny().vocab_size, (2, 17), generator=g).to(DEVICE)
             losses.append(step(ids[:, :-1], ids[:, 1:]).item())
             if after_first is None:  # fp32 weights: the masters, or the fp32 params
-                after_first = [(opt.state[p]["master"] if "master" in opt.state[p]
-                                else p.detach()).clone() for p in model.parameters()]
+                after_first = [_master(opt, p) for p in model.parameters()]
         runs[fused] = losses, after_first, [p.detach().clone() for p in model.parameters()]
     (l_ours, w_ours, p_ours), (l_ref, w_ref, p_ref) = runs["triton"], runs[False]
     assert l_ours[0] == l_ref[0]
@@ -198,7 +244,9 @@ def test_state_dict_round_trip_keeps_fp32_masters():
     fresh.load_state_dict(sd)
     for p in model.parameters():
         a, b = opt.state[p], fresh.state[p]
-        assert b["master"].dtype == torch.float32 and torch.equal(a["master"], b["master"])
+        assert sd["state"][0]["master"].dtype == torch.float32  # the checkpoint's format
+        assert "master" not in b and b["master_lo"].dtype == torch.int16  # split again
+        assert torch.equal(opt.master(p), fresh.master(p))
         assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]) and b["step"].item() == 1
 
 

@@ -52,6 +52,7 @@ def _steps() -> list[tuple[str, str, Switches]]:
              dict(enable_fused_projections=True)),
             ("+rope", "+ Triton RoPE", dict(enable_fused_rope=True)),
             ("+loss", "+ fused head + cross-entropy", dict(enable_fused_cross_entropy=True)),
+            ("+embedding", "+ our embedding backward", dict(enable_fused_embedding=True)),
             ("+bf16-params", "+ bf16 parameters, fp32 masters", dict(precision="bf16-pure")),
             ("+adamw", "+ one-pass AdamW (= best bf16)", dict(enable_fused_optimizer=True))):
         sw = sw.replace(**change)

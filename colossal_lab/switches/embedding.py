@@ -31,13 +31,13 @@ def resolve_backend(value, device=None) -> str:
                                  field="enable_fused_embedding", what="embedding")
 
 
-def lookup(ids: torch.Tensor, embed: torch.nn.Embedding, backend="eager") -> torch.Tensor:
-    """embed(ids) with the backward `backend` picks. A module with `max_norm`,
-    `scale_grad_by_freq` or sparse gradients runs its own call (their backward is
-    torch's only)."""
-    name = resolve_backend(backend, ids.device)
-    special = (embed.max_norm is not None or embed.scale_grad_by_freq or embed.sparse)
-    if name == "triton" and not special:
+def lookup(ids: torch.Tensor, embed: torch.nn.Module, backend="eager") -> torch.Tensor:
+    """embed(ids) with the backward `backend` picks. Anything but a plain
+    `nn.Embedding` (one with `max_norm`, `scale_grad_by_freq` or sparse gradients, whose
+    backward is torch's only, or another module: tensor parallelism's vocabulary-
+    parallel one) runs its own call."""
+    if resolve_backend(backend, ids.device) == "triton" and type(embed) is torch.nn.Embedding \
+            and embed.max_norm is None and not embed.scale_grad_by_freq and not embed.sparse:
         from colossal_lab.kernels.embedding import embedding_triton
 
         return embedding_triton(ids, embed.weight, embed.padding_idx)
