@@ -182,9 +182,9 @@ def test_sum_of_squares_refuses_a_strided_tensor():
 
 
 def _master(opt, p):
-    """The fp32 weights behind `p`: ours (`FusedAdamW.master`, split or not), MasterAdamW's
-    `master` state, or `p` itself."""
-    m = opt.master(p) if isinstance(opt, FusedAdamW) else opt.state[p].get("master")
+    """The fp32 weights behind `p`: the masters (`master(p)` of ours, split or not, and
+    of MasterAdamW), or an fp32 parameter itself."""
+    m = opt.master(p) if hasattr(opt, "master") else None
     return (p.detach() if m is None else m).clone()
 
 

@@ -336,6 +336,11 @@ class MasterAdamW(torch.optim.Optimizer):
         self.chunk_bytes = chunk_bytes
         self._step_supports_amp_scaling = True
 
+    def master(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 master weights of parameter `p` (None before the first step), as
+        `FusedAdamW.master` gives them."""
+        return self.state.get(p, {}).get("master")
+
     def _state(self, p: torch.Tensor) -> dict:
         st = self.state[p]
         if not st:
