@@ -118,6 +118,9 @@ BAD_TRAIN_ARGS = [
     (["--attention", "fast"], "'fast'; choose true, false or one of"),
     (["--norm", "apex2"], "'apex2'; choose true, false or one of"),
     (["--projections", "cuda"], "'cuda'; choose true, false or one of"),
+    (["--rope", "fast"], "'fast'; choose true, false or one of"),
+    (["--loss", "fast"], "'fast'; choose true, false or one of"),
+    (["--embedding", "sparse"], "'sparse'; choose true, false or one of"),
     (["--checkpointing", "half"], "invalid choice: 'half'"),
     (["--ckpt-ratio", "1.5"], "--ckpt-ratio: 1.5 must be in [0, 1]"),
     (["--precision", "fp4"], "invalid choice: 'fp4'"),
@@ -185,8 +188,9 @@ def test_composed_quick_runs_every_setup():
 
     rows = composed.run(quick=True)
     by = {r["setup"]: r for r in rows}
-    # Liger and torchao need a GPU; compiled setups minutes of compilation
-    left = {"hf-liger", "ours-bf16-compile", "hf-torchao-fp8"}
+    # Liger, torchao and bf16 AdamW moments need a GPU; compiled setups minutes of
+    # compilation
+    left = {"hf-liger", "ours-bf16-compile", "hf-torchao-fp8", "ours-bf16-m16"}
     assert {s.name for s in composed.SETUPS if not runs_quick(s)} == left
     assert set(by) == set(composed.SETUP_NAMES) - left
     assert not [r for r in rows if "error" in r]

@@ -173,6 +173,10 @@ def test_cli_flags_parse():
     assert _train_args("--compile", "true").enable_compile is True
     assert _train_args("--switches", "best", "--compile", "off").enable_compile is False
     assert _train_args("--switches", "best").enable_compile is False  # not in best yet
+    assert _train_args("--switches", "best").enable_fused_embedding is True
+    assert _train_args("--embedding", "off").enable_fused_embedding is False
+    assert _train_args("--switches", "naive", "--embedding", "triton",
+                       "--rope", "triton").enable_fused_embedding == "triton"
 
 
 def test_cli_trains_compiled(capsys, graphs):
