@@ -167,9 +167,7 @@ class Switches:
     "fp8_skip" (names of linears to keep in bf16, e.g. ["lm_head"]),
     "fp8_fast_accum_backward" (bool), "fp8_backend" ("auto" | "scaled_mm" | "emulate").
     `enable_compile`: "compile_backend" (default "inductor"; "aot_eager" and "eager"
-    run without code generation), "compile_mode" (Inductor's, e.g. "max-autotune").
-    Our AdamW: "adamw_moments" ("fp32" default, "bf16": stochastically rounded moments,
-    a change of numerics; `kernels.adamw.FusedAdamW`)."""
+    run without code generation), "compile_mode" (Inductor's, e.g. "max-autotune")."""
 
     enable_fused_rope: Backend = False
     """Rotary embedding of q and k: False = the element-wise chain; or "compile",

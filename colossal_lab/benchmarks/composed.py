@@ -38,9 +38,6 @@ backward, in bf16 autocast."""
 S123 = ALL_BF16.replace(enable_fused_rope=False, enable_fused_cross_entropy=False,
                         enable_fused_embedding=False)
 """Switches 1-3 in bf16: what the chapters before the finale composed."""
-BEST_M16 = SWITCH_SETS["best"].replace(extra={"adamw_moments": "bf16"})
-"""The best bf16 set with AdamW's moments in bf16 (stochastic rounding): 8 bytes a
-parameter less in the optimizer, a change of numerics (`composed_curves` checks it)."""
 
 SETUPS = (
     Setup("hf-liger", "HF transformers: bf16, SDPA, Liger kernels", "hf", liger=True),
@@ -52,8 +49,6 @@ SETUPS = (
           switches=SWITCH_SETS["best"]),
     Setup("ours-bf16-compile", "ours: every switch, bf16 params, each layer "
           "torch.compiled", switches=SWITCH_SETS["best"].replace(enable_compile="layers")),
-    Setup("ours-bf16-m16", "ours: every switch, bf16 params, AdamW moments in bf16 "
-          "(stochastic rounding)", switches=BEST_M16),
     Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling)",
           switches=SWITCH_SETS["best-fp8"]),
     Setup("hf-torchao-fp8", "HF transformers: SDPA, torchao float8 (tensorwise), "

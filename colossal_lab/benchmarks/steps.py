@@ -212,11 +212,9 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
 def runs_quick(setup: Setup) -> bool:
     """Does a `quick` (CPU, tiny model) run take `setup`? Not Liger's (its kernels need
     a GPU), nor a compiled one (minutes of compilation on a CPU, and Dynamo cannot
-    trace our Triton kernels under the interpreter), nor torchao's float8, nor bf16 AdamW
-    moments (our AdamW only, which the optimizer switch picks on a GPU)."""
+    trace our Triton kernels under the interpreter), nor torchao's float8."""
     return not (setup.liger or setup.compile or setup.torchao_fp8
-                or setup.switches.enable_compile
-                or (setup.switches.extra or {}).get("adamw_moments", "fp32") != "fp32")
+                or setup.switches.enable_compile)
 
 
 def ran_backends(model, setup: Setup) -> dict:

@@ -152,21 +152,6 @@ def optimizer_backend(value, device) -> str:
                                  off="torch", cpu="torch")
 
 
-def adamw_moments(switches, device=None) -> str:
-    """`extra["adamw_moments"]` of `switches` (None: "fp32"), checked: "fp32" or
-    "bf16" (our AdamW only, `FusedAdamW(moments=...)`: a change of numerics)."""
-    extra = getattr(switches, "extra", None) or {}
-    value = extra.get("adamw_moments", "fp32")
-    if value not in FusedAdamW.MOMENTS:
-        raise ValueError(f"extra['adamw_moments']={value!r}; choose one of "
-                         f"{tuple(FusedAdamW.MOMENTS)}")
-    if value != "fp32" and optimizer_backend(switches.enable_fused_optimizer,
-                                             device) != "triton":
-        raise ValueError(f"extra['adamw_moments']={value!r} needs our AdamW: set "
-                         "enable_fused_optimizer=True (on a GPU) or 'triton'")
-    return value
-
-
 def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.1):
     """AdamW for `model`'s switches: ours, `FusedAdamW` (clipping folded in, fp32 masters
     for low-precision parameters), when `enable_fused_optimizer` picks "triton";
@@ -181,12 +166,8 @@ def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float
     fused = switches is not None and not sharded and optimizer_backend(
         switches.enable_fused_optimizer, params[0].device) == "triton"
     kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-    moments = adamw_moments(switches, params[0].device)
     if fused:
-        return FusedAdamW(params, **kw, moments=moments)
-    if moments != "fp32":
-        raise ValueError(f"extra['adamw_moments']={moments!r}: sharded (FSDP2) parameters "
-                         "take torch's AdamW, whose moments are fp32")
+        return FusedAdamW(params, **kw)
     if policy(of(model)).master_weights or is_low_precision(params):
         return MasterAdamW(params, **kw)
     return torch.optim.AdamW(params, **kw, fused=params[0].is_cuda or None)
