@@ -114,7 +114,7 @@ def test_switch_dispatches_and_keeps_torch_where_ours_does_not_apply(monkeypatch
             check_close(module.weight.grad, ref, name="dW")
 
 
-def test_tensor_parallel_refuses_the_switch():
+def test_tensor_parallel_refuses_the_switch(monkeypatch):
     """TP shards the embedding through the module's call: the switch is refused with a
     one-line reason before anything changes."""
     from colossal_lab.config import tiny
@@ -130,14 +130,7 @@ def test_tensor_parallel_refuses_the_switch():
         def size(self):
             return 2
 
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     sw = Switches.naive("fp32").replace(enable_fused_embedding=True)
-    if not torch.distributed.is_initialized():
-        with pytest.raises(ValueError, match="torchrun"):
-            _check_tensor_parallel(build_model(tiny(), "cpu"), sw, Mesh())
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(torch.distributed, "is_initialized", lambda: True)
-    try:
-        with pytest.raises(ValueError, match="turn enable_fused_embedding off"):
-            _check_tensor_parallel(build_model(tiny(), "cpu"), sw, Mesh())
-    finally:
-        monkey.undo()
+    with pytest.raises(ValueError, match="turn enable_fused_embedding off"):
+        _check_tensor_parallel(build_model(tiny(), "cpu"), sw, Mesh())

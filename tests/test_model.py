@@ -135,23 +135,26 @@ def test_presets_and_bad_configs():
         Switches(precision="int4")
 
 
-def test_fused_rope_and_loss_match_the_plain_model():
-    """Our RoPE kernel and the chunked head + loss, switched on in one model, give the
-    plain model's loss and gradients (fp32; on the CPU the Triton kernels run under
-    the interpreter), and the rows say which ran."""
+def _loss_and_backward(model, ids):
+    """The next-token loss of `ids` (its gradients left in the parameters)."""
+    loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    return loss.detach()
+
+
+def test_fused_rope_loss_and_embedding_match_the_plain_model():
+    """Our RoPE kernel, the chunked head + loss and our embedding backward, switched on
+    in one model, give the plain model's loss and gradients (fp32; on the CPU the
+    Triton kernels run under the interpreter), and the rows say which ran."""
     cfg = MODEL_CONFIGS["gqa-6:2-odd"]
     torch.manual_seed(0)
     plain = apply_switches(build_model(cfg, DEVICE), Switches.naive("fp32"))
     fused = apply_switches(build_model(cfg, DEVICE), Switches.naive("fp32").replace(
         enable_fused_rope="triton", enable_fused_cross_entropy="triton",
-        enable_fused_projections="eager"))
+        enable_fused_embedding="triton", enable_fused_projections="eager"))
     fused.load_state_dict(plain.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, 19), device=DEVICE)
-    losses = []
-    for m in (plain, fused):
-        loss = m(ids[:, :-1], ids[:, 1:])
-        loss.backward()
-        losses.append(loss.detach())
+    losses = [_loss_and_backward(m, ids) for m in (plain, fused)]
     assert torch.allclose(losses[0], losses[1], atol=1e-5, rtol=1e-5)
     ref = {n: p.grad for n, p in plain.named_parameters()}
     for n, p in fused.named_parameters():
@@ -159,7 +162,8 @@ def test_fused_rope_and_loss_match_the_plain_model():
             continue  # fused layout: compared through the state dict below
         assert torch.allclose(p.grad, ref[n], atol=1e-5, rtol=1e-4), n
     used = backends_in_use(fused)
-    assert used["rope_backend"] == "triton" and used["loss_backend"] == "triton"
+    assert used["rope_backend"] == used["loss_backend"] == used["embedding_backend"] \
+        == "triton"
 
 
 @pytest.mark.parametrize("ckpt", [None, 0.5], ids=["stored", "half-checkpointed"])
@@ -173,7 +177,7 @@ def test_deferred_residual_adds_match_the_summed_stream(ckpt):
     cfg = MODEL_CONFIGS["gqa-6:2-odd"]
     torch.manual_seed(0)
     sw = Switches.naive("fp32").replace(
-        enable_fused_normalization="triton", enable_fused_embedding="triton",
+        enable_fused_normalization="triton",
         gradient_checkpoint_config=None if ckpt is None else GradientCheckpointConfig(
             gradient_checkpointing_ratio=ckpt))
     deferred = apply_switches(build_model(cfg, DEVICE), sw)
@@ -182,11 +186,7 @@ def test_deferred_residual_adds_match_the_summed_stream(ckpt):
     summed.load_state_dict(deferred.state_dict())
     assert deferred.model.defer_residual
     ids = torch.randint(0, cfg.vocab_size, (2, 23), device=DEVICE)
-    losses = []
-    for m in (deferred, summed):
-        loss = m(ids[:, :-1], ids[:, 1:])
-        loss.backward()
-        losses.append(loss.detach())
+    losses = [_loss_and_backward(m, ids) for m in (deferred, summed)]
     assert torch.allclose(losses[0], losses[1], atol=1e-6, rtol=1e-6)
     ref = dict(summed.named_parameters())
     for n, p in deferred.named_parameters():

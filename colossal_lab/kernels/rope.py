@@ -60,10 +60,10 @@ its unused dv). `RotaryQKVFunction`, the model's path with fused projections, ta
 the split into its own node and so skips that: its backward rotates dq and dk
 straight into their columns of the qkv gradient and copies dv into the rest in the same
 launch (N e / 2 at Hq = Hkv, against 3 N e; as a separate `copy_` of the attention's
-transposed dv it took 0.19 ms a layer at LLaMA-7B's shape on the H200, about half the
-copy bandwidth). LLaMA-7B at B 4, S 4096 (Hq = Hkv = 32, D 128, bf16): q and k are
-256 MiB together, so eager moves 2.5 GiB forward and 2.5 to 3 GiB backward per layer,
-this kernel 0.5 GiB each way.
+transposed dv it took 0.19 ms a layer at LLaMA-7B's shape on the H200: 268 MB read and
+written at 1.4 TB/s, a third of the copy bandwidth). LLaMA-7B at B 4, S 4096 (Hq = Hkv =
+32, D 128, bf16): q and k are 256 MiB together, so eager moves 2.5 GiB forward and 2.5
+to 3 GiB backward per layer, this kernel 0.5 GiB each way.
 
 Launch: a 2-D grid, (B·S tokens) × (head blocks). Program (t, j) loads the cos/sin
 half-row of token t's position once and rotates heads [j·BLOCK_H, (j+1)·BLOCK_H) of q
@@ -208,7 +208,7 @@ def _launch(q, k, cos_half, sin_half, backward: bool, q_out=None, k_out=None,
     given ones need `_token_rows`: the backward of `RotaryQKVFunction` passes slices of
     the qkv gradient). With `v` and `v_out` (k's shape), v is copied into v_out in the
     same launch, unrotated: dv into its slice of the qkv gradient, where a separate
-    `copy_` of cuDNN's transposed dv ran at half the bandwidth (a strided copy)."""
+    `copy_` of cuDNN's transposed dv ran at a third of the copy bandwidth (strided)."""
     B, S, n_q, D = q.shape
     n_kv = k.shape[2]
     q, k = _unit_columns(q), _unit_columns(k)
