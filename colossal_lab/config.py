@@ -167,7 +167,9 @@ class Switches:
     "fp8_skip" (names of linears to keep in bf16, e.g. ["lm_head"]),
     "fp8_fast_accum_backward" (bool), "fp8_backend" ("auto" | "scaled_mm" | "emulate").
     `enable_compile`: "compile_backend" (default "inductor"; "aot_eager" and "eager"
-    run without code generation), "compile_mode" (Inductor's, e.g. "max-autotune")."""
+    run without code generation), "compile_mode" (Inductor's, e.g. "max-autotune").
+    Our AdamW: "adamw_moments" ("fp32" default, "bf16": stochastically rounded moments,
+    a change of numerics, `kernels.adamw.FusedAdamW`; torch's AdamW keeps fp32 ones)."""
 
     enable_fused_rope: Backend = False
     """Rotary embedding of q and k: False = the element-wise chain; or "compile",
@@ -257,9 +259,9 @@ def _every_switch(precision: str, **extra) -> Switches:
 SWITCH_SETS = {
     "naive": Switches.naive("fp32"),
     "bf16": Switches.naive("bf16"),
-    "best": _every_switch("bf16-pure"),
-    "best-fp8": _every_switch("fp8", fp8_scaling="delayed"),
+    "best": _every_switch("bf16-pure", adamw_moments="bf16"),
+    "best-fp8": _every_switch("fp8", fp8_scaling="delayed", adamw_moments="bf16"),
 }
 """Named switch sets (`train --switches NAME`): "best" is what chapter 10 measures as
-ours-bf16 (every single-GPU switch, bf16 parameters with fp32 master weights),
-"best-fp8" its fp8 composition (ours-fp8)."""
+ours-bf16 (every single-GPU switch, bf16 parameters with fp32 master weights, AdamW's
+moments in bf16 where our AdamW runs), "best-fp8" its fp8 composition (ours-fp8)."""

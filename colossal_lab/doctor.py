@@ -205,9 +205,10 @@ def estimate_memory(plan: Plan, capacity_gib: float | None):
     """A `memory.MemoryModel` of `plan`'s step from its shapes alone (no GPU needed).
 
     * fixed: per parameter, its weight and gradient in the parameter dtype, AdamW's two
-      fp32 moments, an fp32 master copy with low-precision parameters (2 bytes, its low
-      half, with our optimizer on bf16 ones: `kernels.adamw.split_master`), and
-      autocast's low-precision weight copies (kept from forward to backward);
+      moments (fp32, or bf16 with our AdamW and `extra["adamw_moments"]`), an fp32
+      master copy with low-precision parameters (2 bytes, its low half, with our
+      optimizer on bf16 ones: `kernels.adamw.split_master`), and autocast's
+      low-precision weight copies (kept from forward to backward);
     * per sequence and layer: `checkpointing.activation_elements_per_token` (flash
       attention's layout; a checkpointed layer keeps its input only) in the activation
       dtype, plus, with naive attention, the softmax probabilities (heads × seq per
@@ -228,10 +229,11 @@ def estimate_memory(plan: Plan, capacity_gib: float | None):
     n = mfu.count_params(cfg)
     pbytes = 2 if pol.param_dtype.itemsize == 2 else 4
     autocast = pol.autocast_dtype is not None
-    split = (pol.param_dtype == torch.bfloat16  # our AdamW on the GPU the plan is for
-             and sw.enable_fused_optimizer not in (False, None, "torch"))
+    ours = sw.enable_fused_optimizer not in (False, None, "torch")  # on the plan's GPU
+    split = ours and pol.param_dtype == torch.bfloat16
     master = (2 if split else 4) if pol.master_weights else 0
-    fixed = n * (2 * pbytes + 8 + master + (2 if autocast else 0))
+    moments = 4 if ours and precision.adamw_moments(sw) == "bf16" else 8
+    fixed = n * (2 * pbytes + moments + master + (2 if autocast else 0))
     act = 2 if (autocast or pbytes == 2) else 4
     per_token = {m: sum(activation_elements_per_token(cfg, m).values()) * act
                  for m in (None, "full")}

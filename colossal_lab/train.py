@@ -259,6 +259,8 @@ class TrainResult:
     stats: mfu.StepStats | None
     peak_mem_gib: float | None
     seconds: float
+    optimizer: str | None = None  # the optimizer's class, and the dtype of its moments
+    optimizer_moments: str | None = None
 
 
 def _check_run(cfg: ModelConfig, *, batch: int, micro: int, seq_len: int, steps: int,
@@ -415,7 +417,8 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
     if export_hf is not None:
         inner.to_hf().save_pretrained(export_hf)
     return TrainResult(losses, val, stats, timing.peak_memory_gib(),
-                       time.perf_counter() - t_start)
+                       time.perf_counter() - t_start, type(opt).__name__,
+                       precision_mod.moments_of(opt))
 
 
 @torch.no_grad()

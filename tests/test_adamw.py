@@ -119,6 +119,80 @@ def test_split_master_is_the_fp32_master_bit_for_bit(n):
                    [torch.ones((), device=DEVICE)], **HP)
 
 
+def test_bf16_moments_are_rounded_without_bias():
+    """bf16 moments (`_round_stochastic`): after one step from zero, m = (1 − β1)·g and
+    v = (1 − β2)·g² land on the two bf16 neighbours of their fp32 values, with means
+    equal to those values (nearest rounding would be off by ~1e-4 here: 0.1 lies 9.8e-5
+    from its nearest bf16); the bits are keyed by seed and step (the same ones give the
+    same rounding, another seed another one)."""
+    n = 1 << 16
+    outs = []
+    for seed in (0, 0, 1):
+        p = torch.zeros(n, device=DEVICE)
+        m, v = (torch.zeros(n, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+        adamw_step([p], [torch.ones(n, device=DEVICE)], None, [m], [v],
+                   [torch.ones((), device=DEVICE)], **HP, seeds=[seed])
+        outs.append((m.float().cpu(), v.float().cpu()))
+    (m, v), same, other = outs
+    for got, exact in ((m, 0.1), (v, 0.05)):  # (1 − β) · 1, in fp32
+        exact = torch.tensor(exact, dtype=torch.float32)
+        below = exact.to(torch.bfloat16).float()
+        below = below if below <= exact else torch.nextafter(
+            below.to(torch.bfloat16), torch.tensor(0.0, dtype=torch.bfloat16)).float()
+        assert set(got.unique().tolist()) <= {below.item(), torch.nextafter(
+            below.to(torch.bfloat16), torch.tensor(1.0, dtype=torch.bfloat16)).item()}
+        assert abs(got.double().mean().item() - exact.item()) < 2e-4 * exact.item()
+    assert torch.equal(m, same[0]) and torch.equal(v, same[1])
+    assert not torch.equal(m, other[0])
+
+
+def test_bf16_moments_train_like_fp32_ones_and_resume_exactly():
+    """The tiny model, bf16-pure, three steps: bf16 moments give the fp32 moments' losses
+    within bf16 noise; a copy of the optimizer's state taken after two steps and loaded
+    into a fresh one continues bit for bit (the rounding's bits come from parameter and
+    step, not from a generator's position); a moments dtype other than fp32/bf16 is
+    refused; bf16 moments apply where our AdamW runs."""
+    def run(moments, which, opt_state=None, model_state=None):
+        model = _model("bf16-pure", "triton")
+        if model_state is not None:
+            model.load_state_dict(model_state)
+        opt = FusedAdamW(list(model.parameters()), lr=1e-3, betas=(0.9, 0.95),
+                         moments=moments)
+        if opt_state is not None:
+            opt.load_state_dict(opt_state)
+        step = make_step(model, opt, clip=0.5)
+        g = torch.Generator().manual_seed(4)
+        batches = [torch.randint(0, tiny().vocab_size, (2, 17), generator=g)
+                   for _ in range(3)]
+        losses = [step(ids[:, :-1].to(DEVICE), ids[:, 1:].to(DEVICE)).item()
+                  for ids in batches[which]]
+        return model, opt, losses
+
+    _, _, fp32 = run("fp32", slice(0, 3))
+    model, opt, bf16 = run("bf16", slice(0, 3))
+    torch.testing.assert_close(bf16, fp32, atol=0, rtol=4e-3)
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values())
+    m2, o2, _ = run("bf16", slice(0, 2))
+    sd = o2.state_dict()
+    assert all(s["exp_avg_sq"].dtype == torch.bfloat16 for s in sd["state"].values())
+    resumed, _, _ = run("bf16", slice(2, 3), opt_state=sd, model_state=m2.state_dict())
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="moments='fp16'"):
+        FusedAdamW([torch.zeros(2, requires_grad=True)], moments="fp16")
+    # an option of our AdamW, which `make_optimizer` passes it; torch's (chosen here
+    # explicitly; True picks it on a CPU) keeps fp32 moments, and says so
+    for fused, kind, moments in ((False, "MasterAdamW", "fp32"),
+                                 ("triton", "FusedAdamW", "bf16")):
+        opt = P.make_optimizer(apply_switches(build_model(tiny(), DEVICE), Switches(
+            precision="bf16-pure", enable_fused_optimizer=fused,
+            extra={"adamw_moments": "bf16"})))
+        assert (type(opt).__name__, P.moments_of(opt)) == (kind, moments)
+    with pytest.raises(ValueError, match="adamw_moments'\\]='int8'"):
+        apply_switches(build_model(tiny(), "cpu"), Switches(
+            enable_fused_optimizer="triton", extra={"adamw_moments": "int8"}))
+
+
 def test_coefficient_and_found_inf():
     w, m, v, grads = _tensors(777, seed=2)
     want = _ref_steps(w, m, v, grads[:1], coef=0.25)

@@ -53,6 +53,9 @@ def test_waterfall_quick_runs_every_bar():
     assert by["naive-fp32"]["optimizer"] == "AdamW"
     assert by["+bf16-params"]["optimizer"] == "MasterAdamW"
     assert by["+adamw"]["optimizer"] == ("FusedAdamW" if gpu else "MasterAdamW")
+    # bf16 moments are our AdamW's: torch's keeps fp32 ones, and the row says which ran
+    assert by["+adamw"]["optimizer_moments"] == "fp32"
+    assert by["+bf16-moments"]["optimizer_moments"] == ("bf16" if gpu else "fp32")
     assert all(r["first_step_s"] > 0 for r in rows)  # the warm-up step's wall time
 
 

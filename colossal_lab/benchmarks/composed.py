@@ -10,10 +10,13 @@ setup in its own process, all in one run:
                         cast every step)
     ours-bf16           the same with bf16 parameters and fp32 master weights in our
                         one-pass AdamW: no per-step weight casts, the clipping folded
-                        into the update (the best bf16 composition, `SWITCH_SETS["best"]`)
+                        into the update, the moments in bf16 with stochastic rounding
+                        (the best bf16 composition, `SWITCH_SETS["best"]`)
     ours-bf16-compile   ours-bf16 with each decoder layer torch.compiled around our
                         kernels (`enable_compile="layers"`; not in "best" until measured);
                         its row's `first_step_s` is the compile time
+    ours-bf16-m32       ours-bf16 with AdamW's moments in fp32: the optimizer's exact
+                        numerics, 8 bytes a parameter more
     ours-fp8            the same switches with fp8 linears, delayed scaling
     hf-torchao-fp8      Hugging Face's model, SDPA, torchao's float8 linears (tensorwise
                         dynamic scaling), torch.compile: the peer of ours-fp8
@@ -32,12 +35,17 @@ from __future__ import annotations
 from colossal_lab.benchmarks.steps import Setup, main_for, run_chapter
 from colossal_lab.config import SWITCH_SETS
 
-ALL_BF16 = SWITCH_SETS["best"].replace(precision="bf16", enable_fused_optimizer=False)
+ALL_BF16 = SWITCH_SETS["best"].replace(precision="bf16", enable_fused_optimizer=False,
+                                       extra={})
 """Every kernel switch, including the finale's RoPE, fused head + loss and embedding
 backward, in bf16 autocast."""
 S123 = ALL_BF16.replace(enable_fused_rope=False, enable_fused_cross_entropy=False,
                         enable_fused_embedding=False)
 """Switches 1-3 in bf16: what the chapters before the finale composed."""
+BEST_M32 = SWITCH_SETS["best"].replace(extra={})
+"""The best bf16 set with AdamW's moments in fp32: the exact optimizer, 8 bytes a
+parameter more than "best"'s bf16 moments (a change of numerics `composed_curves`
+checks)."""
 
 SETUPS = (
     Setup("hf-liger", "HF transformers: bf16, SDPA, Liger kernels", "hf", liger=True),
@@ -45,10 +53,12 @@ SETUPS = (
     Setup("ours-bf16-autocast", "ours: + RoPE, fused loss, embedding backward; bf16 "
           "autocast",
           switches=ALL_BF16),
-    Setup("ours-bf16", "ours: every switch, bf16 params + fp32 masters, our AdamW",
-          switches=SWITCH_SETS["best"]),
+    Setup("ours-bf16", "ours: every switch, bf16 params + fp32 masters, our AdamW with "
+          "bf16 moments", switches=SWITCH_SETS["best"]),
     Setup("ours-bf16-compile", "ours: every switch, bf16 params, each layer "
           "torch.compiled", switches=SWITCH_SETS["best"].replace(enable_compile="layers")),
+    Setup("ours-bf16-m32", "ours: every switch, bf16 params + fp32 masters, our AdamW "
+          "with fp32 moments", switches=BEST_M32),
     Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling)",
           switches=SWITCH_SETS["best-fp8"]),
     Setup("hf-torchao-fp8", "HF transformers: SDPA, torchao float8 (tensorwise), "

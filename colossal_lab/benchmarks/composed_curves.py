@@ -4,7 +4,8 @@ The ~55M-parameter LLaMA of chapter 06's curves (`precision.CURVE_CFG`, every wi
 multiple of 16 so that fp8 applies to every linear), trained 300 steps on the corpus
 from the same seed and batches: every switch off in fp32 ("naive"), the naive model
 again from another seed ("naive-seed1": how far two equally good runs land apart, the
-noise), every switch in bf16 ("best") and in fp8 ("best-fp8"). The switches change the
+noise), every switch in bf16 ("best", AdamW's moments in bf16), the same with fp32
+moments ("best-m32", `composed.BEST_M32`), and in fp8 ("best-fp8"). The switches change the
 arithmetic, not the model: their final losses should differ from the naive one's by
 no more than the two naive runs differ from each other.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 
+from colossal_lab.benchmarks.composed import BEST_M32
 from colossal_lab.benchmarks.curves import FINAL_WINDOW, Curve, run_curves
 from colossal_lab.benchmarks.precision import CURVE_CFG, CURVE_RUN
 from colossal_lab.config import SWITCH_SETS, tiny
@@ -24,14 +26,16 @@ NAME = "composed_curves"
 CURVES = (Curve("naive", SWITCH_SETS["naive"]),
           Curve("naive-seed1", SWITCH_SETS["naive"], seed=1),
           Curve("best", SWITCH_SETS["best"]),
+          Curve("best-m32", BEST_M32),
           Curve("best-fp8", SWITCH_SETS["best-fp8"]))
 
 
 def run(quick: bool = False) -> list[dict]:
-    if quick:  # the CPU: no fp8 tensor cores, so the fp8 curve is left out
+    if quick:  # the CPU: no fp8 tensor cores, and torch's AdamW (fp32 moments, as
+        # best-m32's), so the fp8 and fp32-moment curves are left out
         run_args = dict(batch=4, seq_len=32, steps=6, lr=3e-3, max_files=20, log_every=3,
                         eval_batches=1)
-        return run_curves([c for c in CURVES if c.name != "best-fp8"],
+        return run_curves([c for c in CURVES if c.name not in ("best-fp8", "best-m32")],
                           tiny().replace(intermediate_size=176), run_args,
                           reference="naive")
     return run_curves(CURVES, CURVE_CFG, CURVE_RUN, reference="naive")

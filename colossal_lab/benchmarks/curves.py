@@ -51,7 +51,9 @@ def run_curves(curves: Sequence[Curve], cfg: ModelConfig, run: dict, *, referenc
                             progress=progress, **run)
         window = r.losses[-min(FINAL_WINDOW, len(r.losses)):]
         rows.append({"kind": "loss_curve", "setup": c.name, "seed": c.seed, **c.fields,
-                     "precision": c.switches.precision, "n_params": mfu.count_params(cfg),
+                     "precision": c.switches.precision, "optimizer": r.optimizer,
+                     "optimizer_moments": r.optimizer_moments,
+                     "n_params": mfu.count_params(cfg),
                      "batch": run["batch"], "seq_len": run["seq_len"],
                      "steps": run["steps"], "lr": run["lr"], "losses": r.losses,
                      "final_loss": sum(window) / len(window), "val_loss": r.val_loss,

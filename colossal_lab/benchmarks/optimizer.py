@@ -6,6 +6,7 @@
     ours-fp32     fp32        FusedAdamW (clipping folded in)                 4 + 28   = 32
     master        bf16        clip_grad_norm_, MasterAdamW (fp32 masters)     2+4 + 40 = 46
     ours-master   bf16        FusedAdamW, fp32 masters split (bf16 + int16)   2 + 26   = 28
+    ours-master-m16 bf16      the same with bf16 moments (stochastic rounding) 2 + 18  = 20
 
 fp32 parameters are what bf16 autocast and fp8 train (switch 6), bf16 ones with fp32
 masters what "bf16-pure" trains (chapter 10's ours-bf16). The byte counts are the
@@ -34,10 +35,12 @@ from colossal_lab.switches import precision
 from colossal_lab.switches.apply import apply_switches
 
 NAME = "optimizer"
-PROVIDERS = ("torch-fp32", "ours-fp32", "master", "ours-master")
-BYTES_PER_PARAM = {"torch-fp32": 40, "ours-fp32": 32, "master": 46, "ours-master": 28}
+PROVIDERS = ("torch-fp32", "ours-fp32", "master", "ours-master", "ours-master-m16")
+BYTES_PER_PARAM = {"torch-fp32": 40, "ours-fp32": 32, "master": 46, "ours-master": 28,
+                   "ours-master-m16": 20}
 """Bytes a parameter each provider moves (see `kernels.adamw`); ours-master keeps its
-fp32 masters split (`split_master`): 26 for the update and 2 for the norm pass."""
+fp32 masters split (`split_master`): 26 for the update and 2 for the norm pass;
+ours-master-m16 also holds the moments in bf16 (a change of numerics)."""
 HP = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 CLIP = 1.0
 
@@ -51,14 +54,14 @@ def param_shapes(preset_name: str) -> list[torch.Size]:
 
 
 def _make(provider: str, shapes, device):
-    dtype = torch.bfloat16 if provider in ("master", "ours-master") else torch.float32
+    dtype = torch.bfloat16 if "master" in provider else torch.float32
     params = []
     for s in shapes:
         p = torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype) * 0.02)
         p.grad = torch.randn(s, device=device, dtype=dtype) * 1e-3
         params.append(p)
     if provider.startswith("ours"):
-        opt = FusedAdamW(params, **HP)
+        opt = FusedAdamW(params, **HP, moments="bf16" if provider.endswith("m16") else "fp32")
 
         def step():
             opt.clip_grad_norm_(CLIP)
@@ -102,8 +105,8 @@ def run(quick: bool = False, providers=PROVIDERS, progress: bool = True) -> list
             torch.cuda.empty_cache()
     by = {r["provider"]: r for r in rows}
     for r in rows:  # each fused one against its unfused sibling, in the same run
-        base = by.get({"ours-fp32": "torch-fp32", "ours-master": "master"}.get(
-            r["provider"], r["provider"]))
+        base = by.get({"ours-fp32": "torch-fp32", "ours-master": "master",
+                       "ours-master-m16": "master"}.get(r["provider"], r["provider"]))
         r["speedup_vs_unfused"] = base["ms"] / r["ms"] if base else None
         r["of_copy_ceiling"] = r["gbps"] / copy_gbps if copy_gbps else None
     return rows

@@ -191,7 +191,7 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
     device, cfg, model, loss_fn, micro, opt = prepare(setup, preset_name, batch)
     quick = device.type == "cpu"
     extra = {"label": setup.label, "precision": precision.of(model),
-             "optimizer": type(opt).__name__,
+             "optimizer": type(opt).__name__, "optimizer_moments": precision.moments_of(opt),
              **ran_backends(model, setup)}
     probe = memory.Prober(model, loss_fn, setup, cfg, seq_len, device)
     if setup.auto_ratio:

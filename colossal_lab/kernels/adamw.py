@@ -15,6 +15,7 @@ bf16 parameters and gradients (e = 2 bytes) with fp32 masters and moments::
                                                                param        28 + 2
       with the master split               g, param, lo, m, v    param, lo,
       (`split_master`, bf16)                                    m, v         26 + 2
+      and bf16 moments (`moments="bf16"`)  m, v in bf16          m, v in bf16 18 + 2
 
 For llama-7b-8l (1.88 G parameters) that is 86 GB against 53 GB a step: about 8 ms
 at the H200's ~4.3 TB/s copy bandwidth, and four times that for the full LLaMA-7B.
@@ -24,7 +25,8 @@ to nearest) plus an int16 low half: bit for bit the same master, 2 bytes of stat
 nearest-even rounding of the master only at exact ties (one in 65536), by one ulp. With
 fp32 parameters (no masters: fp32, tf32, bf16 autocast, fp8) the kernel reads g, w, m, v
 and writes w, m, v: 28 bytes, as torch's fused AdamW, but the clipping's 12 bytes of
-extra passes are gone.
+extra passes are gone. bf16 moments (stochastically rounded, `_round_stochastic`; a
+change of numerics, `SWITCH_SETS["best"]` has them) take 8 bytes more off either.
 
 **Math** (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019; the
 update of `torch.optim.AdamW`), per element, t the step, c the clipping coefficient::
@@ -62,21 +64,32 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _round_stochastic(x, r16):
+    """fp32 x to bf16 bits (int16), rounded up in magnitude with probability equal to
+    the dropped fraction: r16 uniform in [0, 2^16) added below the kept 16 bits, then
+    cut (Gupta et al. 2015): unbiased, E[round(x)] = x, where nearest rounding would
+    drop every increment smaller than half a bf16 ulp."""
+    return ((x.to(tl.int32, bitcast=True) + r16) >> 16).to(tl.int16)
+
+
+@triton.jit
 def _adamw_kernel(
     P,  # the parameter, written: fp32 (updated in place) or bf16/fp16 (masters in W);
     #     with MASTER_LO, a bf16 parameter's bits as int16: the master's high half
     G,  # its gradient, P's dtype (bf16 when MASTER_LO)
     W,  # fp32 master weights (HAS_MASTER), or with MASTER_LO their low halves (int16)
-    M,  # fp32 first moment
-    V,  # fp32 second moment
+    M,  # fp32 first moment, or with MOMENTS_BF16 its bf16 bits as int16
+    V,  # fp32 second moment, likewise
     STEP,  # fp32 scalar: this step's t (already incremented)
     COEF,  # fp32 scalar: the gradient's clipping (and unscaling) factor c
     FOUND_INF,  # fp32 scalar: nonzero = skip this step
     n,  # elements
     lr, beta1, beta2, eps, weight_decay,
     log2_beta1, log2_beta2,  # log2 of the betas: β^t = 2^(t·log2 β) on the device
+    seed,  # this parameter's stream of random bits for the moments' rounding
     HAS_MASTER: tl.constexpr,
     MASTER_LO: tl.constexpr,  # the master split: bf16 parameter (high) + int16 (low)
+    MOMENTS_BF16: tl.constexpr,  # moments held in bf16, stochastically rounded
     HAS_COEF: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -97,8 +110,14 @@ def _adamw_kernel(
         w = tl.load(W + offs, mask=mask, other=0.0)
     else:
         w = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(M + offs, mask=mask, other=0.0)
-    v = tl.load(V + offs, mask=mask, other=0.0)
+    if MOMENTS_BF16:  # bf16 bits, widened: fp32 with 16 zero low bits
+        m = (tl.load(M + offs, mask=mask, other=0).to(tl.int32) << 16).to(
+            tl.float32, bitcast=True)
+        v = (tl.load(V + offs, mask=mask, other=0).to(tl.int32) << 16).to(
+            tl.float32, bitcast=True)
+    else:
+        m = tl.load(M + offs, mask=mask, other=0.0)
+        v = tl.load(V + offs, mask=mask, other=0.0)
     t = tl.load(STEP)
     bias1 = 1.0 - tl.exp2(t * log2_beta1)
     bias2_sqrt = tl.sqrt(1.0 - tl.exp2(t * log2_beta2))
@@ -109,8 +128,13 @@ def _adamw_kernel(
     denom = tl.sqrt(v) / bias2_sqrt + eps
     w = w - (lr / bias1) * (m / denom)
 
-    tl.store(M + offs, m, mask=mask)
-    tl.store(V + offs, v, mask=mask)
+    if MOMENTS_BF16:  # 16 random bits each, keyed by (parameter, step, element)
+        bits = tl.randint(seed.to(tl.int64) * 4294967296 + t.to(tl.int64), offs)
+        tl.store(M + offs, _round_stochastic(m, (bits & 0xFFFF).to(tl.int32)), mask=mask)
+        tl.store(V + offs, _round_stochastic(v, (bits >> 16).to(tl.int32)), mask=mask)
+    else:
+        tl.store(M + offs, m, mask=mask)
+        tl.store(V + offs, v, mask=mask)
     if MASTER_LO:  # the nearest bf16 (ties away from zero) and what it leaves over
         bits = w.to(tl.int32, bitcast=True)
         hi = (bits + 0x8000) >> 16
@@ -127,7 +151,8 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
                exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float,
                beta1: float, beta2: float, eps: float, weight_decay: float,
                coef: torch.Tensor | None = None,
-               found_inf: torch.Tensor | None = None) -> None:
+               found_inf: torch.Tensor | None = None,
+               seeds: list[int] | None = None) -> None:
     """One AdamW update of every parameter in place, one launch each.
 
     params: the model's parameters (any shape, contiguous), fp32 or bf16/fp16.
@@ -135,11 +160,14 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
     masters: fp32 copies of low-precision params (updated, then rounded into params),
         or for bf16 params their int16 low halves (`split_master`: the param is the
         master's high half), or None when params are fp32 themselves.
-    exp_avgs, exp_avg_sqs: fp32 moments, shaped like params.
+    exp_avgs, exp_avg_sqs: the moments, shaped like params: fp32, or both bf16 (kept
+        by stochastic rounding, `_round_stochastic`).
     steps: 0-dim fp32 tensors on the device, each parameter's step count t for this
         update (already incremented): the kernel computes the bias corrections from it.
     coef: 0-dim fp32 tensor multiplying every gradient (clipping, unscaling), or None.
     found_inf: 0-dim fp32 tensor, nonzero = leave everything as it is, or None.
+    seeds: one integer per parameter keying its random bits (bf16 moments; with the
+        step count, so a rerun or a resumed run rounds the same way); default its index.
     """
     if not 0.0 < beta1 < 1.0 or not 0.0 < beta2 < 1.0:
         raise ValueError(f"betas=({beta1}, {beta2}) must lie strictly between 0 and 1")
@@ -160,17 +188,24 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
         if lo and (p.dtype != torch.bfloat16 or master.shape != p.shape):
             raise ValueError(f"parameter {i}: an int16 master low half needs a bf16 "
                              f"parameter of its shape, not {p.dtype} {tuple(p.shape)}")
+        m, v = exp_avgs[i], exp_avg_sqs[i]
+        half = m.dtype == torch.bfloat16
+        if {m.dtype, v.dtype} not in ({torch.float32}, {torch.bfloat16}) or \
+                m.shape != p.shape or v.shape != p.shape:
+            raise ValueError(f"parameter {i}: moments {m.dtype} {tuple(m.shape)} and "
+                             f"{v.dtype} {tuple(v.shape)}; both fp32 or both bf16, shaped "
+                             f"like the parameter {tuple(p.shape)}")
         n = p.numel()
         if n == 0:
             continue
         launch(_adamw_kernel, (triton.cdiv(n, BLOCK),),
                (p.view(torch.int16) if lo else p, g, dummy if master is None else master,
-                exp_avgs[i], exp_avg_sqs[i],
+                m.view(torch.int16) if half else m, v.view(torch.int16) if half else v,
                 steps[i],
                 dummy if coef is None else coef, dummy if found_inf is None else found_inf,
                 n, lr, beta1, beta2, eps, weight_decay, math.log2(beta1),
-                math.log2(beta2)),
-               {"HAS_MASTER": master is not None, "MASTER_LO": lo,
+                math.log2(beta2), i if seeds is None else seeds[i]),
+               {"HAS_MASTER": master is not None, "MASTER_LO": lo, "MOMENTS_BF16": half,
                 "HAS_COEF": coef is not None,
                 "HAS_FOUND_INF": found_inf is not None, "BLOCK": BLOCK},
                num_warps=NUM_WARPS)
@@ -295,14 +330,29 @@ class FusedAdamW(torch.optim.Optimizer):
     either way, and `state_dict` / `load_state_dict` carry it as `master` in fp32 (the
     checkpoint format of `MasterAdamW`). Supports `found_inf` (`DynamicLossScaler` sets
     it: an overflowing step is skipped on the device).
+
+    `moments="bf16"` holds both moments in bf16, stochastically rounded on every store
+    (random bits keyed by parameter, step and element: a resumed run rounds as the
+    uninterrupted one): 4 bytes of state and of traffic a parameter less each, and a
+    change of numerics, unlike everything above. The DeepSeek-V3 report (arXiv:2412.19437,
+    §3.3.3) trains with AdamW's moments in BF16. Nearest rounding would not do: with
+    β2 = 0.999 the second moment's step-to-step change is 0.1%, under half a bf16 ulp
+    (0.2%), so v could neither grow nor decay.
     """
 
+    MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+                 weight_decay: float = 1e-2, moments: str = "fp32"):
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
+        if moments not in self.MOMENTS:
+            raise ValueError(f"moments={moments!r}; choose one of {tuple(self.MOMENTS)}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
+        self.moments, self._moments = moments, self.MOMENTS[moments]
+        self._seeds = {p: i for i, p in enumerate(
+            p for g in self.param_groups for p in g["params"])}
         self._step_supports_amp_scaling = True
         self._coef: torch.Tensor | None = None
 
@@ -313,8 +363,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 st["master_lo"] = torch.zeros_like(p, dtype=torch.int16)
             elif p.dtype != torch.float32:
                 st["master"] = p.detach().float().clone()
-            st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            st["exp_avg"] = torch.zeros_like(p, dtype=self._moments)
+            st["exp_avg_sq"] = torch.zeros_like(p, dtype=self._moments)
             st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         return st
 
@@ -365,7 +415,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"],
                 coef=None if coef is None else coef.to(params[0].device),
-                found_inf=None if found_inf is None else found_inf.to(params[0].device))
+                found_inf=None if found_inf is None else found_inf.to(params[0].device),
+                seeds=[self._seeds.get(p, 0) for p in params])
         return loss
 
     def state_dict(self) -> dict:
@@ -384,8 +435,9 @@ class FusedAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Like `Optimizer.load_state_dict`, which casts floating state to the parameter
         dtype; that would round the fp32 masters and moments to bf16, so they are
-        restored in fp32. A bf16 parameter's master is split again: the parameter
-        takes its high half (equal to the saved parameter, which was that half)."""
+        restored in fp32 (the moments in this optimizer's `moments` dtype). A bf16
+        parameter's master is split again: the parameter takes its high half (equal to
+        the saved parameter, which was that half)."""
         super().load_state_dict(state_dict)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -393,7 +445,8 @@ class FusedAdamW(torch.optim.Optimizer):
             st = self.state[p]
             for k, v in state_dict["state"].get(i, {}).items():
                 if torch.is_tensor(v):
-                    st[k] = v.to(device=p.device, dtype=torch.float32, copy=True)
+                    dtype = self._moments if k in ("exp_avg", "exp_avg_sq") else torch.float32
+                    st[k] = v.to(device=p.device, dtype=dtype, copy=True)
             if "master" in st and p.dtype == torch.bfloat16:
                 hi, st["master_lo"] = split_master(st.pop("master"))
                 p.copy_(hi)

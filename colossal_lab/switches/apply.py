@@ -107,6 +107,7 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
             fp8.check_fp8_supported(device)
         fp8.check_with_checkpointing(switches.extra, switches.gradient_checkpoint_config)
     precision.optimizer_backend(switches.enable_fused_optimizer, device)  # validates
+    precision.adamw_moments(switches)  # validates
     compile_switch.check(switches, device)
     pipeline_parallel.check(switches)
     tensor_parallel.resolve_mode(switches.enable_sequence_parallelism,

@@ -152,13 +152,33 @@ def optimizer_backend(value, device) -> str:
                                  off="torch", cpu="torch")
 
 
+def adamw_moments(switches) -> str:
+    """`extra["adamw_moments"]` of `switches` (None: "fp32"), checked: "fp32" or "bf16".
+    "bf16" is an option of our AdamW (`FusedAdamW(moments=...)`, a change of numerics):
+    it applies where `enable_fused_optimizer` picks ours ("triton"); where it picks
+    torch's (True on a CPU, or sharded parameters), the moments stay fp32, as
+    `moments_of` on the optimizer built records."""
+    extra = getattr(switches, "extra", None) or {}
+    value = extra.get("adamw_moments", "fp32")
+    if value not in FusedAdamW.MOMENTS:
+        raise ValueError(f"extra['adamw_moments']={value!r}; choose one of "
+                         f"{tuple(FusedAdamW.MOMENTS)}")
+    return value
+
+
+def moments_of(optimizer) -> str:
+    """The dtype AdamW's moments are held in by `optimizer`: "bf16" or "fp32"."""
+    return getattr(optimizer, "moments", "fp32")
+
+
 def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.1):
     """AdamW for `model`'s switches: ours, `FusedAdamW` (clipping folded in, fp32 masters
-    for low-precision parameters), when `enable_fused_optimizer` picks "triton";
-    otherwise `MasterAdamW` (fp32 masters and moments) when the parameters are stored in
-    low precision, else torch's AdamW, the fused CUDA kernel when the parameters are on
-    a GPU. Build it after `apply_switches`: fusing projections makes new Parameters.
-    Sharded (FSDP2) parameters always take torch's AdamW."""
+    for low-precision parameters, moments in `extra["adamw_moments"]`'s dtype), when
+    `enable_fused_optimizer` picks "triton"; otherwise `MasterAdamW` (fp32 masters and
+    moments) when the parameters are stored in low precision, else torch's AdamW, the
+    fused CUDA kernel when the parameters are on a GPU. Build it after `apply_switches`:
+    fusing projections makes new Parameters. Sharded (FSDP2) parameters always take
+    torch's AdamW."""
     params = [p for p in model.parameters() if p.requires_grad]
     model = getattr(model, "_orig_mod", model)
     switches = getattr(model, "switches", None)
@@ -167,7 +187,7 @@ def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float
         switches.enable_fused_optimizer, params[0].device) == "triton"
     kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     if fused:
-        return FusedAdamW(params, **kw)
+        return FusedAdamW(params, **kw, moments=adamw_moments(switches))
     if policy(of(model)).master_weights or is_low_precision(params):
         return MasterAdamW(params, **kw)
     return torch.optim.AdamW(params, **kw, fused=params[0].is_cuda or None)
