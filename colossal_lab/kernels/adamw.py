@@ -72,7 +72,7 @@ def _round_stochastic(x, r16):
     return ((x.to(tl.int32, bitcast=True) + r16) >> 16).to(tl.int16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # 1 would become a constexpr int
 def _adamw_kernel(
     P,  # the parameter, written: fp32 (updated in place) or bf16/fp16 (masters in W);
     #     with MASTER_LO, a bf16 parameter's bits as int16: the master's high half
