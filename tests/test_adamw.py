@@ -189,7 +189,7 @@ def test_bf16_moments_train_like_fp32_ones_and_resume_exactly():
             extra={"adamw_moments": "bf16"})))
         assert (type(opt).__name__, P.moments_of(opt)) == (kind, moments)
     with pytest.raises(ValueError, match="adamw_moments'\\]='int8'"):
-        apply_switches(build_model(tiny(), "cpu"), Switches(
+        apply_switches(build_model(tiny(), DEVICE), Switches(
             enable_fused_optimizer="triton", extra={"adamw_moments": "int8"}))
 
 
