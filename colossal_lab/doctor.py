@@ -208,7 +208,9 @@ def estimate_memory(plan: Plan, capacity_gib: float | None):
       moments (fp32, or bf16 with our AdamW and `extra["adamw_moments"]`), an fp32
       master copy with low-precision parameters (2 bytes, its low half, with our
       optimizer on bf16 ones: `kernels.adamw.split_master`), and autocast's
-      low-precision weight copies (kept from forward to backward);
+      low-precision weight copies (kept from forward to backward; 1 byte with fp8
+      linears, whose backward keeps the fp8 cast). The gradients are counted whole
+      although they arrive as the backward frees activations: a bound from above;
     * per sequence and layer: `checkpointing.activation_elements_per_token` (flash
       attention's layout; a checkpointed layer keeps its input only) in the activation
       dtype, plus, with naive attention, the softmax probabilities (heads × seq per
@@ -233,7 +235,8 @@ def estimate_memory(plan: Plan, capacity_gib: float | None):
     split = ours and pol.param_dtype == torch.bfloat16
     master = (2 if split else 4) if pol.master_weights else 0
     moments = 4 if ours and precision.adamw_moments(sw) == "bf16" else 8
-    fixed = n * (2 * pbytes + moments + master + (2 if autocast else 0))
+    copies = (1 if pol.fp8 else 2) if autocast else 0  # fp8 linears keep fp8 weights
+    fixed = n * (2 * pbytes + moments + master + copies)
     act = 2 if (autocast or pbytes == 2) else 4
     per_token = {m: sum(activation_elements_per_token(cfg, m).values()) * act
                  for m in (None, "full")}
