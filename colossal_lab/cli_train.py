@@ -112,7 +112,8 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
                          "'triton' (ours, one pass, clipping folded in)")
     sw.add_argument("--compile", type=_backend(COMPILE_MODES),
                     help="torch.compile: 'layers' (each decoder layer, = true) or "
-                         "'model' (the whole forward); the first step compiles")
+                         "'model' (the whole forward), the first step compiles; or "
+                         "'graph': the whole step replayed as a CUDA graph")
     sw.add_argument("--compile-backend", help="torch.compile backend (default inductor; "
                     "aot_eager or eager to trace without generating code)")
     sw.add_argument("--fp8-scaling", choices=["dynamic", "delayed"])

@@ -508,8 +508,9 @@ def check_mfu(ctx: Context):
 def check_compile(ctx: Context):
     """Ours: element-wise chains left to eager PyTorch: compile them, or fuse them."""
     sw, p = ctx.plan.switches, ctx.plan
-    compiled = p.compile or sw.enable_compile  # the wrapper, or in place
-    if compiled or p.cuda_graphs:
+    graphs = p.cuda_graphs or sw.enable_compile == "graph"  # the step replayed
+    compiled = p.compile or (sw.enable_compile and not graphs)  # the wrapper, or in place
+    if compiled or graphs:
         return Verdict("ours: compile / CUDA graphs", "ok",
                        "torch.compile" if compiled else "CUDA graphs")
     eager = [name for name, v in (("RMSNorm", sw.enable_fused_normalization),

@@ -145,11 +145,14 @@ class Prober:
     `benchmarks.steps.Setup` being measured)."""
 
     def __init__(self, model, loss_fn, setup, cfg, seq_len: int, device):
+        from colossal_lab.switches import compile as compile_switch
+
         self.model, self.loss_fn, self.setup = model, loss_fn, setup
         self.cfg, self.seq_len, self.device = cfg, seq_len, device
         inner = getattr(model, "model", None)
         # a compiled layer would trace the probe's hooks into its graph: no per-layer marks
-        compiled = setup.compile or setup.switches.enable_compile
+        compiled = setup.compile or compile_switch.resolve(
+            setup.switches.enable_compile) in ("layers", "model")
         self.layers = None if compiled else getattr(inner, "layers", None)
         self.results: dict[int, dict] = {}
         self.available = device.type == "cuda"

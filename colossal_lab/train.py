@@ -22,6 +22,7 @@ import torch
 from colossal_lab import hardware, mfu, timing
 from colossal_lab.config import ModelConfig, Switches
 from colossal_lab.model import build_model
+from colossal_lab.switches import compile as compile_switch
 from colossal_lab.switches import precision as precision_mod
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.apply import check as check_switches
@@ -90,6 +91,11 @@ def make_step(model, optimizer, loss_fn: LossFn = our_loss, micro_batches: int =
 
     step.scaler = scaler
     step.precision = precision
+    switches = getattr(inner, "switches", None)
+    if compile_switch.resolve(getattr(switches, "enable_compile", False)) == "graph":
+        from colossal_lab.switches.step_graph import GraphedStep
+
+        return GraphedStep(step, optimizer, device)  # eager once, then replayed
     return step
 
 

@@ -125,7 +125,7 @@ BAD_TRAIN_ARGS = [
     (["--ckpt-ratio", "1.5"], "--ckpt-ratio: 1.5 must be in [0, 1]"),
     (["--precision", "fp4"], "invalid choice: 'fp4'"),
     (["--fp8-scaling", "lazy"], "invalid choice: 'lazy'"),
-    (["--compile", "graph"], "'graph'; choose true, false or one of layers, model"),
+    (["--compile", "graphs"], "'graphs'; choose true, false or one of layers, model, graph"),
     (["--compile", "layers", "--compile-backend", "nope"], "compile_backend']='nope'"),
     (["--switches", "fastest"], "neither a set"),
     (["--save-every", "-2"], "--save-every: -2 must be >= 0"),
@@ -189,7 +189,7 @@ def test_composed_quick_runs_every_setup():
     rows = composed.run(quick=True)
     by = {r["setup"]: r for r in rows}
     # Liger and torchao need a GPU; compiled setups minutes of compilation
-    left = {"hf-liger", "ours-bf16-compile", "hf-torchao-fp8"}
+    left = {"hf-liger", "ours-bf16-compile", "ours-bf16-graph", "hf-torchao-fp8"}
     assert {s.name for s in composed.SETUPS if not runs_quick(s)} == left
     assert set(by) == set(composed.SETUP_NAMES) - left
     assert not [r for r in rows if "error" in r]

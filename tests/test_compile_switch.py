@@ -126,8 +126,8 @@ def test_applying_again_never_nests(graphs):
 def test_bad_values_are_refused_before_anything_changes():
     model = build_model(CFG, "cpu")
     before = [type(m) for m in model.modules()]
-    with pytest.raises(ValueError, match="enable_compile='graph'; choose"):
-        apply_switches(model, Switches(enable_compile="graph"))
+    with pytest.raises(ValueError, match="enable_compile='graphs'; choose"):
+        apply_switches(model, Switches(enable_compile="graphs"))
     with pytest.raises(ValueError, match=r"extra\['compile_backend'\]='nope'"):
         apply_switches(model, Switches(enable_compile="layers",
                                        extra={"compile_backend": "nope"}))

@@ -251,6 +251,8 @@ def time_setup(model, opt, loss_fn, setup: Setup, cfg, preset_name: str, batch: 
                                recompute_flops=recompute["recompute_flops"], extra=extra)
     row = m.row()
     row["first_step_s"] = step.seconds
+    if hasattr(step.step, "captures"):  # `enable_compile="graph"`: in first_step_s
+        row.update(graph_captures=step.step.captures, graph_capture_s=step.step.capture_s)
     # the timed steps only: warm-up (and any compilation) runs at other clocks
     row.update(gpu.fields(step.starts[warmup] if len(step.starts) > warmup else None))
     row.update(colossalai_fields(row, cfg, recompute))

@@ -14,6 +14,9 @@ into a few generated Triton kernels. Two granularities:
   embedding, the final norm and the head + loss stay eager.
 * ``"model"``: the whole forward in one graph, embedding to loss: fusion across layer
   boundaries too, and a compile time that grows with the depth.
+* ``"graph"``: no `torch.compile`: the whole training step (forward, backward, the
+  optimizer) recorded once as a CUDA graph and replayed every step
+  (`switches.step_graph`), so no kernel waits for the host that launches it.
 
 Both compile *in place* (`nn.Module.compile`): the module stays the same object, so
 its state-dict keys (no ``_orig_mod.`` prefix), its hooks, the optimizer's parameters
@@ -53,7 +56,7 @@ from __future__ import annotations
 
 import torch
 
-MODES = ("layers", "model")
+MODES = ("layers", "model", "graph")
 """`Switches.enable_compile` values besides True (= "layers") and False."""
 INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune",
                   "max-autotune-no-cudagraphs")
@@ -66,7 +69,8 @@ KERNEL_FIELDS = ("enable_flash_attention", "enable_fused_normalization",
 
 
 def resolve(value) -> str | None:
-    """The granularity `enable_compile = value` picks: None (off), "layers" or "model"."""
+    """The granularity `enable_compile = value` picks: None (off), "layers", "model" or
+    "graph" (the step replayed as a CUDA graph, `switches.step_graph`)."""
     if value is False or value is None:
         return None
     if value is True:
@@ -111,6 +115,11 @@ def check(switches, device=None) -> None:
 
     value = switches.enable_compile
     if resolve(value) is None:
+        return
+    if resolve(value) == "graph":
+        from colossal_lab.switches import step_graph
+
+        step_graph.check(switches, device)
         return
     options(switches.extra)
     if device is None or torch.device(device).type == "cuda" or not INTERPRET:
@@ -165,7 +174,7 @@ def apply(model: torch.nn.Module, value, extra: dict | None = None) -> int:
     mode = resolve(value)
     kwargs = options(extra) if mode is not None else {}  # checked before any change
     revert(model)
-    if mode is None:
+    if mode in (None, "graph"):  # "graph" wraps the step (`train.make_step`), not modules
         return 0
     if mode == "model":
         model.compile(**kwargs)
