@@ -169,7 +169,9 @@ class Switches:
     `enable_compile`: "compile_backend" (default "inductor"; "aot_eager" and "eager"
     run without code generation), "compile_mode" (Inductor's, e.g. "max-autotune").
     Our AdamW: "adamw_moments" ("fp32" default, "bf16": stochastically rounded moments,
-    a change of numerics, `kernels.adamw.FusedAdamW`; torch's AdamW keeps fp32 ones)."""
+    a change of numerics, `kernels.adamw.FusedAdamW`; torch's AdamW keeps fp32 ones),
+    "adamw_defer" (bool: each step's update runs during the next forward, on a side
+    stream; exact, `switches.deferred_adamw`)."""
 
     enable_fused_rope: Backend = False
     """Rotary embedding of q and k: False = the element-wise chain; or "compile",

@@ -51,14 +51,21 @@ def make_step(model, optimizer, loss_fn: LossFn = our_loss, micro_batches: int =
     are unscaled before clipping and an overflowing step is skipped, all on device.
     With data parallelism (switch 8, `switches.data_parallel`) every micro-batch but
     the last accumulates locally (`no_sync`), and the reduction is finished after the
-    last backward, before clipping and the optimizer."""
-    from colossal_lab.switches import data_parallel
+    last backward, before clipping and the optimizer. With `extra["adamw_defer"]` and
+    our AdamW the update is applied during the next step's forward
+    (`switches.deferred_adamw`); `step.flush()` applies it now (a no-op otherwise): call
+    it before reading the weights or the optimizer's state."""
+    from colossal_lab.switches import data_parallel, deferred_adamw
 
     inner = data_parallel.unwrap(model)  # DDP / torch.compile wrappers: call `model`
     device = next(inner.parameters()).device
     precision = precision_mod.of(inner)
     scaler = precision_mod.loss_scaler(precision)
     sync = data_parallel.of(model)
+    switches = getattr(inner, "switches", None)
+    ours = hasattr(optimizer, "take_coefficient")  # FusedAdamW: its update in parts
+    deferred = deferred_adamw.DeferredUpdate(inner, optimizer, device) \
+        if ours and deferred_adamw.requested(switches) else None
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with precision_mod.matmul_mode(precision):  # "tf32": the backward's matmuls too
@@ -81,6 +88,9 @@ def make_step(model, optimizer, loss_fn: LossFn = our_loss, micro_batches: int =
             optimizer.clip_grad_norm_(clip)  # applied inside its step (FusedAdamW)
         elif clip is not None:
             torch.nn.utils.clip_grad_norm_(inner.parameters(), clip)
+        if deferred is not None:  # applied during the next forward, or by `flush`
+            deferred.defer()
+            return total
         if scaler is None:
             optimizer.step()
         else:
@@ -91,7 +101,8 @@ def make_step(model, optimizer, loss_fn: LossFn = our_loss, micro_batches: int =
 
     step.scaler = scaler
     step.precision = precision
-    switches = getattr(inner, "switches", None)
+    step.deferred = deferred
+    step.flush = deferred.flush if deferred is not None else lambda: None
     if compile_switch.resolve(getattr(switches, "enable_compile", False)) == "graph":
         from colossal_lab.switches.step_graph import GraphedStep
 
@@ -370,6 +381,7 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
                                           start=start)
 
     def save(done: int) -> None:
+        step.flush()  # a deferred update belongs to the steps saved
         checkpoint.save(save_dir, done, inner, opt, scaler=step.scaler, train_state={
             "losses": [x if isinstance(x, float) else x.item() for x in losses],
             "made_with": made_with, "run": run})
@@ -416,6 +428,7 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
     losses = [x if isinstance(x, float) else x.item() for x in losses]
     if world > 1:  # the global batch's loss: the mean of the ranks' shares
         losses = distributed.all_mean(losses)
+    step.flush()
     if save_dir is not None and start < steps:
         save(steps)
     val = evaluate(inner, val_seqs, batch, eval_batches) \

@@ -17,6 +17,9 @@ setup in its own process, all in one run:
                         its row's `first_step_s` is the compile time
     ours-bf16-graph     ours-bf16 with the whole step replayed as one CUDA graph
                         (`enable_compile="graph"`; not in "best" until measured)
+    ours-bf16-defer     ours-bf16 with each step's AdamW update run during the next
+                        step's forward, on a side stream (`extra["adamw_defer"]`; not
+                        in "best" until measured)
     ours-bf16-m32       ours-bf16 with AdamW's moments in fp32: the optimizer's exact
                         numerics, 8 bytes a parameter more
     ours-fp8            the same switches with fp8 linears, delayed scaling
@@ -61,6 +64,9 @@ SETUPS = (
           "torch.compiled", switches=SWITCH_SETS["best"].replace(enable_compile="layers")),
     Setup("ours-bf16-graph", "ours: every switch, bf16 params, the step replayed as a "
           "CUDA graph", switches=SWITCH_SETS["best"].replace(enable_compile="graph")),
+    Setup("ours-bf16-defer", "ours: every switch, bf16 params, AdamW's update overlapped "
+          "with the next forward", switches=SWITCH_SETS["best"].replace(
+              extra={**SWITCH_SETS["best"].extra, "adamw_defer": True})),
     Setup("ours-bf16-m32", "ours: every switch, bf16 params + fp32 masters, our AdamW "
           "with fp32 moments", switches=BEST_M32),
     Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling)",

@@ -185,13 +185,15 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
     and, when the setup asks, the largest batch (`find_largest_batch`) and the ratio
     chosen to fit (`auto_ratio`)."""
     from colossal_lab import memory
-    from colossal_lab.switches import precision
+    from colossal_lab.switches import deferred_adamw, precision
 
     preset_name, batch = setup.preset or preset_name, setup.batch or batch
     device, cfg, model, loss_fn, micro, opt = prepare(setup, preset_name, batch)
     quick = device.type == "cpu"
     extra = {"label": setup.label, "precision": precision.of(model),
              "optimizer": type(opt).__name__, "optimizer_moments": precision.moments_of(opt),
+             "optimizer_deferred": hasattr(opt, "take_coefficient")
+             and deferred_adamw.requested(getattr(model, "switches", None)),
              **ran_backends(model, setup)}
     probe = memory.Prober(model, loss_fn, setup, cfg, seq_len, device)
     if setup.auto_ratio:
@@ -249,6 +251,7 @@ def time_setup(model, opt, loss_fn, setup: Setup, cfg, preset_name: str, batch: 
                                warmup=warmup, iters=iters, progress=progress,
                                gc_policy=setup.gc_policy,
                                recompute_flops=recompute["recompute_flops"], extra=extra)
+    step.step.flush()  # a deferred update: the memory probes see the updated weights
     row = m.row()
     row["first_step_s"] = step.seconds
     if hasattr(step.step, "captures"):  # `enable_compile="graph"`: in first_step_s

@@ -394,30 +394,50 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = getattr(self, "found_inf", None)
         coef, self._coef = self._coef, None
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            states = [self._state(p) for p in params]
-            steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1.0)
-            if found_inf is not None:  # a skipped step does not count
-                torch._foreach_sub_(steps, [found_inf.reshape(()).to(steps[0].device)]
-                                    * len(steps))
-            beta1, beta2 = group["betas"]
-            masters = [s.get("master_lo", s.get("master")) for s in states]
-            adamw_step(
-                [p.detach() for p in params], [p.grad for p in params],
-                None if all(m is None for m in masters) else masters,
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], steps,
-                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                coef=None if coef is None else coef.to(params[0].device),
-                found_inf=None if found_inf is None else found_inf.to(params[0].device),
-                seeds=[self._seeds.get(p, 0) for p in params])
+            self._update_group(group, [p for p in group["params"] if p.grad is not None],
+                               coef)
         return loss
+
+    def take_coefficient(self) -> torch.Tensor | None:
+        """The clipping coefficient `clip_grad_norm_` left for the next update, handed
+        over (None when the gradients were not clipped): for updates made one part at a
+        time (`update`)."""
+        coef, self._coef = self._coef, None
+        return coef
+
+    @torch.no_grad()
+    def update(self, params, coef: torch.Tensor | None = None) -> None:
+        """`step` for `params` only (some of this optimizer's parameters, those with a
+        gradient), their gradients scaled by `coef`: the same arithmetic, one part of the
+        model at a time (`switches.deferred_adamw`)."""
+        chosen = {id(p) for p in params}
+        for group in self.param_groups:
+            self._update_group(group, [p for p in group["params"]
+                                       if id(p) in chosen and p.grad is not None], coef)
+
+    def _update_group(self, group: dict, params: list, coef) -> None:
+        if not params:
+            return
+        found_inf = getattr(self, "found_inf", None)
+        states = [self._state(p) for p in params]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1.0)
+        if found_inf is not None:  # a skipped step does not count
+            torch._foreach_sub_(steps, [found_inf.reshape(()).to(steps[0].device)]
+                                * len(steps))
+        beta1, beta2 = group["betas"]
+        masters = [s.get("master_lo", s.get("master")) for s in states]
+        adamw_step(
+            [p.detach() for p in params], [p.grad for p in params],
+            None if all(m is None for m in masters) else masters,
+            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], steps,
+            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            coef=None if coef is None else coef.to(params[0].device),
+            found_inf=None if found_inf is None else found_inf.to(params[0].device),
+            seeds=[self._seeds.get(p, 0) for p in params])
 
     def state_dict(self) -> dict:
         """`Optimizer.state_dict` with every master in fp32 under `master` (split ones

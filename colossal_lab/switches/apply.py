@@ -52,6 +52,7 @@ from colossal_lab.switches import (
     attention,
     checkpointing,
     data_parallel,
+    deferred_adamw,
     embedding,
     fp8,
     loss,
@@ -108,6 +109,7 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
         fp8.check_with_checkpointing(switches.extra, switches.gradient_checkpoint_config)
     precision.optimizer_backend(switches.enable_fused_optimizer, device)  # validates
     precision.adamw_moments(switches)  # validates
+    deferred_adamw.check(switches, device)
     compile_switch.check(switches, device)
     pipeline_parallel.check(switches)
     tensor_parallel.resolve_mode(switches.enable_sequence_parallelism,

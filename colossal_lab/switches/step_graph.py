@@ -85,6 +85,7 @@ class GraphedStep:
     def __init__(self, step, optimizer, device):
         self.step, self.optimizer, self.device = step, optimizer, torch.device(device)
         self.scaler, self.precision = step.scaler, step.precision
+        self.flush = step.flush  # (a deferred update is refused with a graph)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.key = None
         self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -1,0 +1,81 @@
+"""`extra["adamw_defer"]` (`switches.deferred_adamw`): our AdamW's update of step k
+applied during step k+1's forward, part by part. The same kernels on the same tensors in
+the same order, so the trajectory must be the plain step's bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colossal_lab.config import Switches, tiny
+from colossal_lab.model import build_model
+from colossal_lab.switches import deferred_adamw
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.train import make_optimizer, make_step
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SW = Switches(precision="bf16-pure", enable_fused_optimizer="triton",
+              extra={"adamw_moments": "bf16"})
+
+
+def _run(switches, n_steps=4, flush=True):
+    torch.manual_seed(0)
+    model = apply_switches(build_model(tiny(), DEVICE), switches)
+    opt = make_optimizer(model, 1e-3)
+    step = make_step(model, opt, clip=0.5)  # clipping that bites: the coefficient moves
+    g = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(n_steps):
+        ids = torch.randint(0, tiny().vocab_size, (2, 17), generator=g).to(DEVICE)
+        losses.append(step(ids[:, :-1], ids[:, 1:]).item())
+    if flush:
+        step.flush()
+    return model, opt, step, losses
+
+
+def test_deferred_update_is_the_plain_step_bit_for_bit():
+    """Four steps, then `flush`: the same losses, weights, masters and moments as the
+    plain step; before `flush` the last update is pending and the weights are those of
+    the step before; after, the gradients are released as `zero_grad` leaves them."""
+    model, opt, _, losses = _run(SW)
+    d_model, d_opt, d_step, d_losses = _run(
+        SW.replace(extra={**SW.extra, "adamw_defer": True}), flush=False)
+    assert d_step.deferred is not None and d_step.deferred.pending
+    assert d_losses == losses  # each loss comes from a forward that saw every update
+    before = [p.detach().clone() for p in d_model.parameters()]
+    d_step.flush()
+    assert not d_step.deferred.pending
+    assert any(not torch.equal(a, b) for a, b in zip(before, d_model.parameters()))
+    for a, b in zip(model.parameters(), d_model.parameters()):
+        assert torch.equal(a, b) and b.grad is None
+    for sa, sb in zip(opt.state_dict()["state"].values(),
+                      d_opt.state_dict()["state"].values()):
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+def test_parts_cover_every_parameter_once_in_forward_order():
+    model = build_model(tiny(), "cpu")
+    gates, groups = deferred_adamw.parts(model)
+    assert gates[0] is model.model and gates[-1] is model.model.norm
+    assert gates[1:-1] == list(model.model.layers)
+    ids = [id(p) for g in groups for p in g]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters()) and len(set(ids)) == len(ids)
+    assert [id(p) for p in groups[0]] == [id(model.model.embed_tokens.weight)]
+    with pytest.raises(ValueError, match="needs our LlamaForCausalLM"):
+        deferred_adamw.parts(torch.nn.Linear(2, 2))
+
+
+def test_an_option_of_our_adamw_and_its_refusals():
+    # torch's AdamW (the plain path on this device): the usual step, nothing deferred
+    _, opt, step, _ = _run(Switches(precision="fp32", enable_fused_optimizer=False,
+                                    extra={"adamw_defer": True}), n_steps=1)
+    assert step.deferred is None and not hasattr(opt, "take_coefficient")
+    for change, match in ((dict(precision="fp16"), "fp16"),
+                          (dict(overlap_communication=True), "data parallelism"),
+                          (dict(enable_sequence_parallelism=True), "tensor parallelism"),
+                          (dict(enable_compile="graph"), "enable_compile='graph'")):
+        with pytest.raises(ValueError, match=match):
+            deferred_adamw.check(SW.replace(extra={"adamw_defer": True}, **change))
+    with pytest.raises(ValueError, match="adamw_defer'\\]='yes'"):
+        deferred_adamw.requested(SW.replace(extra={"adamw_defer": "yes"}))
