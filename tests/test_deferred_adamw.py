@@ -74,7 +74,8 @@ def test_an_option_of_our_adamw_and_its_refusals():
     for change, match in ((dict(precision="fp16"), "fp16"),
                           (dict(overlap_communication=True), "data parallelism"),
                           (dict(enable_sequence_parallelism=True), "tensor parallelism"),
-                          (dict(enable_compile="graph"), "enable_compile='graph'")):
+                          (dict(enable_compile="graph"), "enable_compile"),
+                          (dict(enable_compile="layers"), "enable_compile")):
         with pytest.raises(ValueError, match=match):
             deferred_adamw.check(SW.replace(extra={"adamw_defer": True}, **change))
     with pytest.raises(ValueError, match="adamw_defer'\\]='yes'"):

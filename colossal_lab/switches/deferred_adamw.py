@@ -23,8 +23,9 @@ evaluation, an export or reading the weights, and at the end of training
 An option of our AdamW, as `extra["adamw_moments"]`: where `enable_fused_optimizer`
 picks torch's (True on a CPU), the step is the usual one. **Refused** (`check`), what
 a second stream would need more care for: data parallelism (its gradient reduction),
-tensor parallelism, the step replayed as a CUDA graph, fp16 (a skipped step decided by
-the loss scaler). Pipeline stages refuse it where they build their own step.
+tensor parallelism, `enable_compile` (a compiled layer would trace the hooks; the graph
+step does not capture a second stream yet), fp16 (a skipped step decided by the loss
+scaler). Pipeline stages build their own step, which does not defer.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def check(switches, device=None) -> None:
         "data parallelism (overlap_communication)": bool(switches.overlap_communication),
         "tensor parallelism (enable_sequence_parallelism)":
             bool(switches.enable_sequence_parallelism),
-        "enable_compile='graph'": compile_switch.resolve(switches.enable_compile) == "graph",
+        "enable_compile (a compiled layer would trace the hooks; the graph step does not "
+        "capture a second stream yet)": compile_switch.resolve(switches.enable_compile)
+        is not None,
     }
     if named := [k for k, v in refused.items() if v]:
         raise ValueError(f"extra['adamw_defer']=True does not compose with {named[0]}")
