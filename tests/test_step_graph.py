@@ -14,8 +14,8 @@ from colossal_lab.switches import compile as compile_switch
 from colossal_lab.switches import step_graph
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.train import make_optimizer, make_step
+from tests.conftest import requires_cuda
 
-GPU = torch.cuda.is_available()
 GRAPH = SWITCH_SETS["best"].replace(enable_compile="graph")
 
 
@@ -99,7 +99,7 @@ def test_wrapper_runs_eager_then_replays_and_captures_again(monkeypatch):
     assert graphed.captures == 4 and graphed.capture_s is not None
 
 
-@pytest.mark.skipif(not GPU, reason="captures a CUDA graph: on the GPU run")
+@requires_cuda  # a CUDA graph: `make test-gpu`
 def test_graphed_step_trains_as_the_eager_one():
     """Every switch of `best`, the tiny model: six steps (a shape change among them)
     with the step replayed as a graph against the eager step, from the same weights and
