@@ -196,6 +196,12 @@ def test_composed_quick_runs_every_setup():
     assert by["ours-bf16"]["precision"] == "bf16-pure"
     assert by["ours-bf16"]["loss_backend"] == "chunked"  # True on a CPU: torch chunks
     assert by["ours-bf16-s123"]["rope_backend"] == "eager"
+    # our AdamW's options: on a CPU True picks torch's, which neither defers nor keeps
+    # bf16 moments, and the rows say what ran
+    gpu = torch.cuda.is_available()
+    assert by["ours-bf16-defer"]["optimizer_deferred"] is gpu
+    assert not by["ours-bf16"]["optimizer_deferred"]
+    assert by["ours-bf16"]["optimizer_moments"] == ("bf16" if gpu else "fp32")
 
 
 def test_train_cli_on_two_processes_follows_one(tmp_path):

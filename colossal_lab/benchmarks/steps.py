@@ -185,15 +185,13 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
     and, when the setup asks, the largest batch (`find_largest_batch`) and the ratio
     chosen to fit (`auto_ratio`)."""
     from colossal_lab import memory
-    from colossal_lab.switches import deferred_adamw, precision
+    from colossal_lab.switches import precision
 
     preset_name, batch = setup.preset or preset_name, setup.batch or batch
     device, cfg, model, loss_fn, micro, opt = prepare(setup, preset_name, batch)
     quick = device.type == "cpu"
     extra = {"label": setup.label, "precision": precision.of(model),
              "optimizer": type(opt).__name__, "optimizer_moments": precision.moments_of(opt),
-             "optimizer_deferred": hasattr(opt, "take_coefficient")
-             and deferred_adamw.requested(getattr(model, "switches", None)),
              **ran_backends(model, setup)}
     probe = memory.Prober(model, loss_fn, setup, cfg, seq_len, device)
     if setup.auto_ratio:
@@ -254,6 +252,7 @@ def time_setup(model, opt, loss_fn, setup: Setup, cfg, preset_name: str, batch: 
     step.step.flush()  # a deferred update: the memory probes see the updated weights
     row = m.row()
     row["first_step_s"] = step.seconds
+    row["optimizer_deferred"] = getattr(step.step, "deferred", None) is not None  # as ran
     if hasattr(step.step, "captures"):  # `enable_compile="graph"`: in first_step_s
         row.update(graph_captures=step.step.captures, graph_capture_s=step.step.capture_s)
     # the timed steps only: warm-up (and any compilation) runs at other clocks

@@ -118,7 +118,7 @@ class GraphedStep:
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         key = self._key(input_ids, labels)
-        if self.graph is None and self.captures == 0:  # the eager step, then capture
+        if self.captures == 0:  # the eager step, then the capture
             loss = self.step(input_ids, labels)
             self._capture(input_ids, labels, key)
             return loss
