@@ -222,6 +222,65 @@ def test_table_entry_overrides_the_heuristic(table):
     assert table.launch_config(100, torch.float32, rows=1).source == "override"
 
 
+def test_small_entry_overrides_at_few_rows(table, monkeypatch):
+    """A ".../small" entry changes only the fields it sets, only where asked (launches
+    of at most SMALL_ROWS rows), and says so in the source."""
+    from colossal_lab.kernels import norm_table
+
+    entries = dict(norm_table.TABLES["NVIDIA H200"])
+    entries["128/float32/bwd/small"] = {"num_warps": 2, "programs_per_sm": 1}
+    monkeypatch.setattr(norm_table, "TABLES", {"NVIDIA H200": entries})
+    table.launch_config.cache_clear()
+    big = table.launch_config(100, torch.float32, backward=True)
+    few = table.launch_config(100, torch.float32, backward=True, small=True)
+    assert (big.num_warps, big.programs_per_sm, big.source) == (4, 3, "table:NVIDIA H200")
+    assert (few.rows, few.num_warps, few.programs_per_sm, few.num_stages,
+            few.min_rows_per_program) == (4, 2, 1, 1, 5)
+    assert few.source == "table:NVIDIA H200/small"
+    fwd = table.launch_config(100, torch.float32, small=True)  # no forward small entry
+    assert (fwd.rows, fwd.source) == (2, "table:NVIDIA H200")
+
+
+def test_rms_norm_plans_take_the_small_entry_by_row_count(table, monkeypatch):
+    """The launchers ask for the small entry at <= SMALL_ROWS rows and not above, and
+    the kernels stay correct with it."""
+    from colossal_lab.kernels import _norm_common, norm_table, rms_norm
+    from colossal_lab.switches import norm
+
+    entries = dict(norm_table.TABLES["NVIDIA H200"])
+    entries["128/float32/fwd/small"] = {"rows": 1, "num_warps": 2}
+    monkeypatch.setattr(norm_table, "TABLES", {"NVIDIA H200": entries})
+    monkeypatch.setattr(_norm_common, "SMALL_ROWS", 8)
+    monkeypatch.setattr(rms_norm, "SMALL_ROWS", 8)
+    table.launch_config.cache_clear()
+    rms_norm._forward_plan.cache_clear()
+    rms_norm._backward_plan.cache_clear()
+    for n_rows, tile in ((7, 1), (9, 2)):
+        x = torch.randn(n_rows, 100, requires_grad=True)
+        w = (torch.randn(100) * 0.1 + 1).requires_grad_(True)
+        dy = torch.randn(n_rows, 100)
+        got = torch.autograd.grad(rms_norm.rms_norm_triton(x, w, 1e-6), (x, w), dy)
+        ref = torch.autograd.grad(norm.rms_norm_ref(x, w, 1e-6), (x, w), dy)
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+        grid, _, constexprs, warps, _ = rms_norm._forward_plan(
+            n_rows, 100, 100, 100, False, (torch.float32,) * 4, (True,) * 3, None)
+        assert constexprs["ROWS"] == tile and grid == (-(-n_rows // tile),)
+        assert warps == (2 if n_rows <= 8 else 8)
+    rms_norm._forward_plan.cache_clear()  # plans made with this test's table
+    rms_norm._backward_plan.cache_clear()
+
+
+def test_small_tune_candidates_one_per_grid():
+    """`_tune_small` times each (tile, warps, grid) once: on a CPU every grid is the
+    interpreter's 4 programs, so one backward candidate per tile and warps."""
+    fwd, bwd = fused_norm._small_candidates(1024, 1024, torch.device("cpu"))
+    tiles = [r for r in fused_norm.TUNE_SMALL_ROWS if r * 1024 <= 16384]
+    assert fwd == [(r, nw) for r in tiles for nw in fused_norm.TUNE_SMALL_WARPS]
+    assert sorted((r, nw) for r, nw, *_ in bwd) == sorted(fwd)
+    assert {p for *_, p in bwd} == {4}
+
+
 def test_kernels_correct_with_a_table_launch(table):
     from colossal_lab.kernels.rms_norm import rms_norm_triton
     from colossal_lab.switches import norm
@@ -233,8 +292,8 @@ def test_kernels_correct_with_a_table_launch(table):
     ref = torch.autograd.grad(norm.rms_norm_ref(x, w, 1e-6), (x, w), dy)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
-    used = [table.launch_config(100, torch.float32),
-            table.launch_config(100, torch.float32, backward=True)]
+    used = [table.launch_config(100, torch.float32, small=True),  # 7 rows: "small"
+            table.launch_config(100, torch.float32, backward=True, small=True)]
     assert [c.rows for c in used] == [2, 4]  # the table's tiles, not the heuristic's 32
     assert table.launch_config.cache_info().hits >= 2  # the launches asked the same
 
@@ -259,6 +318,16 @@ def test_write_table_from_tune_rows(tmp_path, monkeypatch):
               "rows": 1, "num_warps": 8, "programs_per_sm": 2, "num_stages": 2,
               "min_rows_per_program": m, "gbps": g, "tokens": t}
              for m, g, t in ((4, 1000.0, 1024), (16, 1200.0, 1024), (32, 5000.0, 4096))]
+    # whole launches tuned at few tokens: the fastest at the smallest count tuned;
+    # the row timing what ran before ("current") is never a candidate
+    small = {"kind": "tune", "small": True, "hidden": 1000, "dtype": "float32",
+             "pass": "bwd", "num_stages": 1, "prefetch": False}
+    tune += [{**small, "rows": r, "num_warps": nw, "programs_per_sm": p,
+              "min_rows_per_program": m, "gbps": g, "tokens": t}
+             for r, nw, p, m, g, t in ((4, 2, 1, 8, 500.0, 1024), (2, 4, 2, 4, 600.0, 1024),
+                                       (1, 8, 1, 1, 900.0, 2048))]
+    tune += [{**small, "rows": 8, "num_warps": 8, "gbps": 9999.0, "tokens": 1024,
+              "current": "heuristic"}]
     saved = save_results("fused_norm_tune", tune, gpu="h200")
     path = fused_norm.write_table(path=tmp_path / "norm_table.py")
     ns: dict = {}
@@ -268,7 +337,10 @@ def test_write_table_from_tune_rows(tmp_path, monkeypatch):
         "4096/bfloat16/bwd": {"rows": 1, "num_warps": 8, "programs_per_sm": 2,
                               "num_stages": 2, "prefetch": False,
                               "min_rows_per_program": 16},
-        "4096/bfloat16/fwd": {"rows": 2, "num_warps": 8}}
+        "4096/bfloat16/fwd": {"rows": 2, "num_warps": 8},
+        "1024/float32/bwd/small": {"rows": 2, "num_warps": 4, "programs_per_sm": 2,
+                                   "num_stages": 1, "prefetch": False,
+                                   "min_rows_per_program": 4}}
 
 
 def test_tune_rows_save_and_merge(tmp_path, monkeypatch):

@@ -868,10 +868,13 @@ power of two itself; sizes between two (5120, 13824) get their bucket's entry.""
 
 
 TUNE_SMALL_TOKENS = 4096
-"""At this many tokens or fewer `--tune` times only the backward's grid cap
-(`min_rows_per_program`), every other setting as `launch_config` gives it (the table's
-large-token entry, where the bandwidth is decided): tune the large token count first."""
+"""At this many tokens or fewer `--tune` times whole launches for the table's
+".../small" entries (`_tune_small`), which `launch_config` takes at up to
+`_norm_common.SMALL_ROWS` rows; tune at 1024 tokens (the sweep's smallest)."""
 MIN_ROWS_CANDIDATES = (1, 2, 4, 8, 16, 32)
+TUNE_SMALL_ROWS = (1, 2, 4, 8)
+"""Rows per tile `_tune_small` tries (those with rows x next_power_of_2(H) <= 16384)."""
+TUNE_SMALL_WARPS = (2, 4, 8)
 
 
 def tune(tokens=(16384,), hidden=TUNE_HIDDEN, dtypes=(torch.bfloat16,)) -> list[dict]:
@@ -919,16 +922,7 @@ def _tune_hidden(tokens: int, h: int, dtype, device) -> list[dict]:
 
     rows = []
     if tokens <= TUNE_SMALL_TOKENS:
-        bwd = launch_config(h, dtype, backward=True)  # what runs, but for the grid cap
-        for min_rows in MIN_ROWS_CANDIDATES:
-            row = {**base, "pass": "bwd", "rows": bwd.rows, "num_warps": bwd.num_warps,
-                   "programs_per_sm": bwd.programs_per_sm, "num_stages": bwd.num_stages,
-                   "prefetch": bwd.prefetch, "config_source": bwd.source,
-                   "min_rows_per_program": min_rows}
-            rows.append(timed(row, bwd_bytes, lambda m=min_rows: rms_norm_backward(
-                dy, x, w, rstd, config=bwd, min_rows=m)))
-        _print_best(rows, base, bwd, ("bwd",))
-        return rows
+        return _tune_small(x, w, dy, rstd, base, fwd_bytes, bwd_bytes, device)
     candidates = sorted({1, max(1, default.rows // 2), default.rows, 2 * default.rows})
     for r in candidates:
         for nw in (4, 8, 16, 32):
@@ -950,6 +944,85 @@ def _tune_hidden(tokens: int, h: int, dtype, device) -> list[dict]:
                                                         prefetch=f)))
     _print_best(rows, base, default, ("fwd", "bwd"))
     return rows
+
+
+def _small_candidates(n_rows: int, h: int, device) -> tuple[list, list]:
+    """The launches `_tune_small` times: forward (rows, warps); backward (rows, warps,
+    programs per SM, fewest rows per program), one per distinct grid."""
+    from colossal_lab.kernels._norm_common import next_power_of_2, persistent_programs
+
+    block = next_power_of_2(h)
+    tiles = [r for r in TUNE_SMALL_ROWS if r * block <= 16384]
+    fwd = [(r, nw) for r in tiles for nw in TUNE_SMALL_WARPS]
+    bwd, grids = [], set()
+    for r in tiles:
+        for nw in TUNE_SMALL_WARPS:
+            for pps in (1, 2, 4):
+                for m in MIN_ROWS_CANDIDATES:
+                    programs = persistent_programs(n_rows, r, nw, device, pps, m)
+                    if (r, nw, programs) not in grids:
+                        grids.add((r, nw, programs))
+                        bwd.append((r, nw, pps, m, programs))
+    return fwd, bwd
+
+
+def _tune_small(x, w, dy, rstd, base, fwd_bytes, bwd_bytes, device) -> list[dict]:
+    """`--tune` at `TUNE_SMALL_TOKENS` tokens or fewer: whole launches (tile, warps and,
+    for the backward, the grid), each timed by CUDA-graph replay with L2 flushed, as
+    the sweep times the ops: a call here lasts a few microseconds, so eager timing
+    would time the launches. The winners become the table's ".../small" entries
+    (`_norm_common.SMALL_ROWS`). The launch that runs without them is timed too
+    (`current`)."""
+    from colossal_lab.kernels._norm_common import launch_config
+    from colossal_lab.kernels.rms_norm import rms_norm_backward, rms_norm_forward
+
+    base = {**base, "small": True}
+    h, dtype = base["hidden"], x.dtype
+
+    def timed(row, nbytes, fn):
+        try:
+            t, how = time_kernels(fn, device=device)
+            row.update(ms=t.median_ms, gbps=gbps(nbytes, t.median_ms), timing=how)
+        except Exception as e:  # e.g. out of registers
+            row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        return row
+
+    rows = []
+    for pas in ("fwd", "bwd"):  # what runs today, for the printout and the notes
+        cfg = launch_config(h, dtype, backward=pas == "bwd", small=True)
+        row = {**base, "pass": pas, "rows": cfg.rows, "num_warps": cfg.num_warps,
+               "current": cfg.source}
+        rows.append(timed(row, fwd_bytes if pas == "fwd" else bwd_bytes,
+                          (lambda c=cfg: rms_norm_forward(x, w, EPS, config=c))
+                          if pas == "fwd" else
+                          (lambda: rms_norm_backward(dy, x, w, rstd))))
+    fwd, bwd = _small_candidates(x.shape[0], h, device)
+    for r, nw in fwd:
+        cfg = launch_config(h, rows=r, num_warps=nw)
+        rows.append(timed({**base, "pass": "fwd", "rows": r, "num_warps": nw}, fwd_bytes,
+                          lambda c=cfg: rms_norm_forward(x, w, EPS, config=c)))
+    for r, nw, pps, m, programs in bwd:
+        cfg = launch_config(h, rows=r, num_warps=nw)
+        row = {**base, "pass": "bwd", "rows": r, "num_warps": nw, "programs_per_sm": pps,
+               "min_rows_per_program": m, "num_stages": 1, "prefetch": False,
+               "programs": programs}
+        rows.append(timed(row, bwd_bytes, lambda c=cfg, p=pps, mr=m: rms_norm_backward(
+            dy, x, w, rstd, config=c, programs_per_sm=p, num_stages=1, min_rows=mr,
+            prefetch=False)))
+    for pas in ("fwd", "bwd"):
+        cur = next(r for r in rows if r["pass"] == pas and "current" in r)
+        ok = [r for r in rows if r["pass"] == pas and "current" not in r and "ms" in r]
+        best = min(ok, key=lambda r: r["ms"], default=None)
+        if best is not None and "ms" in cur:
+            print(f"  {base['tokens']} x {h:<6} {base['dtype']} {pas} (small): current "
+                  f"{cur['ms'] * 1e3:.2f} us ({cur['current']}); best "
+                  f"{best['ms'] * 1e3:.2f} us {_launch_of(best)}", flush=True)
+    return rows
+
+
+def _launch_of(row: dict) -> dict:
+    keys = ("rows", "num_warps", "programs_per_sm", "min_rows_per_program", "programs")
+    return {k: row[k] for k in keys if k in row}
 
 
 def _print_best(rows, base, default, passes) -> None:
@@ -974,17 +1047,26 @@ def table_from_tune(rows: list[dict]) -> dict[str, dict[str, int]]:
     `_norm_common.table_entry` looks it up: "<next_power_of_2(H)>/<dtype>/<pass>".
     Tile, warps, programs per SM and stages come from the largest token count tuned;
     a backward's `min_rows_per_program` from the smallest one tuned for it (rows that
-    vary it, `TUNE_SMALL_TOKENS` or fewer tokens)."""
+    vary it alone, from before `_tune_small`). Whole launches tuned at few tokens
+    (`_tune_small`'s rows) give "<bucket>/<dtype>/<pass>/small", the fastest at the
+    smallest token count tuned."""
     from colossal_lab.kernels._norm_common import next_power_of_2
 
     def key(r):
         return f"{next_power_of_2(r['hidden'])}/{r.get('dtype', 'bfloat16')}/{r['pass']}"
 
-    tuned = [r for r in rows if r.get("kind") == "tune" and r.get("gbps")]
+    tuned = [r for r in rows if r.get("kind") == "tune" and r.get("gbps")
+             and "current" not in r]
     best: dict[str, dict] = {}
     small: dict[str, dict] = {}
+    few: dict[str, dict] = {}  # whole launches tuned at few tokens: ".../small"
     for r in tuned:
         k = key(r)
+        if r.get("small"):
+            cur = few.get(k)
+            if cur is None or (r["tokens"], -r["gbps"]) < (cur["tokens"], -cur["gbps"]):
+                few[k] = r
+            continue
         if "min_rows_per_program" in r:
             cur = small.get(k)
             if cur is None or (r["tokens"], -r["gbps"]) < (cur["tokens"], -cur["gbps"]):
@@ -999,6 +1081,9 @@ def table_from_tune(rows: list[dict]) -> dict[str, dict[str, int]]:
     table = {k: {f: r[f] for f in fields[r["pass"]] if f in r} for k, r in best.items()}
     for k, r in small.items():
         table.setdefault(k, {})["min_rows_per_program"] = r["min_rows_per_program"]
+    fields["bwd"] += ("min_rows_per_program",)
+    for k, r in few.items():
+        table[f"{k}/small"] = {f: r[f] for f in fields[r["pass"]] if f in r}
     return dict(sorted(table.items()))
 
 

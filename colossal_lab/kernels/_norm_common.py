@@ -76,6 +76,13 @@ class Defaults:
 
 DEFAULTS = Defaults()
 
+SMALL_ROWS = 2048
+"""At this many rows or fewer, RMSNorm's launches take the table's
+"<block>/<dtype>/<pass>/small" entry where the GPU has one (`bench fused_norm --tune
+--tokens 1024`, timed by graph replay). Such a call is a few microseconds of GPU work,
+mostly launch latency and the tail of one wave: the tile, warps and grid that keep
+16k rows' bytes in flight are not the fastest there (1024 x 1024 bf16 on the H200)."""
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -158,25 +165,30 @@ def _gpu_name() -> str | None:
 
 
 def table_entry(block: int, dtype: torch.dtype | None, backward: bool,
-                gpu: str | None = None) -> dict | None:
+                gpu: str | None = None, small: bool = False) -> dict | None:
     """The tuned launch of (hidden bucket `block`, `dtype`, pass) for `gpu` (default
-    this one) from `colossal_lab.kernels.norm_table`, or None."""
+    this one) from `colossal_lab.kernels.norm_table`, or None. With `small` (a launch of
+    at most `SMALL_ROWS` rows) the ".../small" entry, where there is one, overrides the
+    fields it sets."""
     from colossal_lab.kernels import norm_table
 
     gpu = gpu or _gpu_name()
     if gpu is None or dtype is None:
         return None
     key = f"{block}/{str(dtype).replace('torch.', '')}/{'bwd' if backward else 'fwd'}"
-    return norm_table.TABLES.get(gpu, {}).get(key)
+    table = norm_table.TABLES.get(gpu, {})
+    entry, few = table.get(key), table.get(f"{key}/small") if small else None
+    return {**(entry or {}), **few} if few else entry
 
 
 @functools.lru_cache(maxsize=1024)
 def launch_config(n_cols: int, dtype: torch.dtype | None = None, *,
                   backward: bool = False, rows: int | None = None,
-                  num_warps: int | None = None) -> LaunchConfig:
+                  num_warps: int | None = None, small: bool = False) -> LaunchConfig:
     """Tile and warps for rows of `n_cols` elements of `dtype`, for the forward or the
-    `backward`: the tuned entry for this GPU when `norm_table` has one, the heuristic
-    otherwise; `rows`/`num_warps` override both (the tuning sweep uses them).
+    `backward`: the tuned entry for this GPU when `norm_table` has one (its ".../small"
+    entry too with `small`: at most `SMALL_ROWS` rows), the heuristic otherwise;
+    `rows`/`num_warps` override both (the tuning sweep uses them).
 
     Cached per argument tuple: every launch asks, and the answer never changes within
     a process (call `launch_config.cache_clear()` after editing `norm_table.TABLES`)."""
@@ -190,8 +202,10 @@ def launch_config(n_cols: int, dtype: torch.dtype | None = None, *,
     if rows is not None or num_warps is not None:
         source, entry = "override", {}
     else:
-        entry = table_entry(block, dtype, backward)
+        entry = table_entry(block, dtype, backward, small=small)
         source = f"table:{_gpu_name()}" if entry else "heuristic"
+        if entry and small and table_entry(block, dtype, backward) != entry:
+            source += "/small"
         entry = entry or {}
     pieces = row_pieces(n_cols)
     rows = rows or entry.get("rows") or max(1, DEFAULTS.tile_elems // block)

@@ -7,7 +7,8 @@
 (block = next_power_of_2(H), pass "fwd" or "bwd") and falls back to its heuristic for
 a GPU or key that is absent. Keys of an entry: rows, num_warps and, for "bwd",
 programs_per_sm, num_stages, prefetch (RMSNorm only) and, tuned at small token
-counts, min_rows_per_program.
+counts, min_rows_per_program. A "<block>/<dtype>/<pass>/small" entry (whole launches
+tuned at 1024 tokens) overrides its pass's entry at up to `_norm_common.SMALL_ROWS` rows.
 """
 
 # from results/h200/fused_norm_tune.json, commit 171d8d9

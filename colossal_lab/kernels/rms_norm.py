@@ -56,6 +56,7 @@ import triton.language as tl
 from colossal_lab.kernels import native
 from colossal_lab.kernels._norm_common import (
     DEFAULTS,
+    SMALL_ROWS,
     LaunchConfig,
     _piece,
     _rms_norm_partials_sum_kernel,
@@ -298,7 +299,8 @@ def _forward_plan(n_rows, n_cols, stride_x, stride_res, has_residual, dtypes, al
     Worked out once per shape, strides, dtypes (x, residual, w, y) and pointer
     alignments (x, residual, w), not per call: at small shapes an eager call is host
     time, most of it Python (`kernels.launch`)."""
-    cfg = config or launch_config(n_cols, dtypes[0])
+    cfg = config or launch_config(n_cols, dtypes[0],
+                                  small=n_rows <= SMALL_ROWS and not has_residual)
     a = alignment(n_cols, stride_x, stride_res)
     ints = (stride_x // a, stride_res // a, n_rows, n_cols // a)
     constexprs = dict(HAS_RESIDUAL=has_residual, ALIGN=a, ROWS=cfg.rows,
@@ -361,7 +363,8 @@ def _backward_plan(n_rows, n_cols, strides, has_dh_in, dtypes, aligned, device, 
     """Persistent grid, integer arguments, constexprs, warps and launch key of one
     backward shape (strides of dy, x, dh_in; dtypes of dy, x, w, dh_in; alignments of
     their pointers and rstd's): worked out once per shape, as `_forward_plan`."""
-    cfg = config or launch_config(n_cols, dtypes[1], backward=True)
+    cfg = config or launch_config(n_cols, dtypes[1], backward=True,
+                                  small=n_rows <= SMALL_ROWS and not has_dh_in)
     programs = persistent_programs(n_rows, cfg.rows, cfg.num_warps, device,
                                    programs_per_sm or cfg.programs_per_sm,
                                    min_rows or cfg.min_rows_per_program)
