@@ -134,7 +134,7 @@ def expected(row: dict) -> dict:
         want["gbps"] = timing.gbps(row["gbytes"] * 1e9, row["ms"])  # bench optimizer
         if _num(row.get("copy_gbps")):
             want["of_copy_ceiling"] = want["gbps"] / row["copy_gbps"]
-    if row.get("kind") == "tune" and _num(row.get("ms")) and row["ms"] > 0 and \
+    if row.get("kind") in ("tune", "tune-small") and _num(row.get("ms")) and row["ms"] > 0 and \
             row.get("pass") in ("fwd", "bwd") and _num(row.get("tokens")):
         from colossal_lab.benchmarks.fused_norm import moved_bytes  # bench fused_norm --tune
 

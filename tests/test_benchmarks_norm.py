@@ -320,14 +320,21 @@ def test_write_table_from_tune_rows(tmp_path, monkeypatch):
              for m, g, t in ((4, 1000.0, 1024), (16, 1200.0, 1024), (32, 5000.0, 4096))]
     # whole launches tuned at few tokens: the fastest at the smallest count tuned;
     # the row timing what ran before ("current") is never a candidate
-    small = {"kind": "tune", "small": True, "hidden": 1000, "dtype": "float32",
+    small = {"kind": "tune-small", "hidden": 1000, "dtype": "float32",
              "pass": "bwd", "num_stages": 1, "prefetch": False}
     tune += [{**small, "rows": r, "num_warps": nw, "programs_per_sm": p,
               "min_rows_per_program": m, "gbps": g, "tokens": t}
              for r, nw, p, m, g, t in ((4, 2, 1, 8, 500.0, 1024), (2, 4, 2, 4, 600.0, 1024),
                                        (1, 8, 1, 1, 900.0, 2048))]
     tune += [{**small, "rows": 8, "num_warps": 8, "gbps": 9999.0, "tokens": 1024,
-              "current": "heuristic"}]
+              "current": "heuristic", "ms": 1.0}]
+    for r in tune:
+        if r["kind"] == "tune-small" and "current" not in r:
+            r["ms"] = 500.0 / r["gbps"]  # 1.0 ms: the 600 GB/s winner beats 1.0 by 17%
+    # a forward whose best is within SMALL_MARGIN of what runs gets no small entry
+    tune += [{**small, "pass": "fwd", "rows": r, "num_warps": 4, "gbps": g, "ms": ms,
+              "tokens": 1024, **({"current": "heuristic"} if cur else {})}
+             for r, g, ms, cur in ((1, 100.0, 1.0, True), (2, 102.0, 0.98, False))]
     saved = save_results("fused_norm_tune", tune, gpu="h200")
     path = fused_norm.write_table(path=tmp_path / "norm_table.py")
     ns: dict = {}
