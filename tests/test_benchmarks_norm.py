@@ -335,6 +335,11 @@ def test_write_table_from_tune_rows(tmp_path, monkeypatch):
     tune += [{**small, "pass": "fwd", "rows": r, "num_warps": 4, "gbps": g, "ms": ms,
               "tokens": 1024, **({"current": "heuristic"} if cur else {})}
              for r, g, ms, cur in ((1, 100.0, 1.0, True), (2, 102.0, 0.98, False))]
+    # ... but a small entry that ran and is not clearly beaten stays as it ran
+    tune += [{**small, "hidden": 2048, "pass": "fwd", "rows": r, "num_warps": 4,
+              "gbps": g, "ms": ms, "tokens": 1024,
+              **({"current": "table:NVIDIA H200/small"} if cur else {})}
+             for r, g, ms, cur in ((8, 100.0, 1.0, True), (2, 102.0, 0.98, False))]
     saved = save_results("fused_norm_tune", tune, gpu="h200")
     path = fused_norm.write_table(path=tmp_path / "norm_table.py")
     ns: dict = {}
@@ -347,7 +352,8 @@ def test_write_table_from_tune_rows(tmp_path, monkeypatch):
         "4096/bfloat16/fwd": {"rows": 2, "num_warps": 8},
         "1024/float32/bwd/small": {"rows": 2, "num_warps": 4, "programs_per_sm": 2,
                                    "num_stages": 1, "prefetch": False,
-                                   "min_rows_per_program": 4}}
+                                   "min_rows_per_program": 4},
+        "2048/float32/fwd/small": {"rows": 8, "num_warps": 4}}
 
 
 def test_tune_rows_save_and_merge(tmp_path, monkeypatch):

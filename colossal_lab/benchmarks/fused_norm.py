@@ -1060,7 +1060,9 @@ def table_from_tune(rows: list[dict]) -> dict[str, dict[str, int]]:
     a backward's `min_rows_per_program` from the smallest one tuned for it (rows that
     vary it alone, from before `_tune_small`). Whole launches tuned at few tokens
     (`_tune_small`'s rows) give "<bucket>/<dtype>/<pass>/small", the fastest at the
-    smallest token count tuned, where it beats the "current" launch by `SMALL_MARGIN`."""
+    smallest token count tuned, where it beats the "current" launch by `SMALL_MARGIN`;
+    where it does not and the current launch was itself a small entry, that one stays
+    (so a second tune does not drop an entry its own winner could not clearly beat)."""
     from colossal_lab.kernels._norm_common import next_power_of_2
 
     def key(r):
@@ -1068,7 +1070,7 @@ def table_from_tune(rows: list[dict]) -> dict[str, dict[str, int]]:
 
     tuned = [r for r in rows if r.get("kind") in ("tune", "tune-small") and r.get("gbps")
              and "current" not in r]
-    current = {(key(r), r["tokens"]): r["ms"] for r in rows
+    current = {(key(r), r["tokens"]): r for r in rows
                if r.get("kind") == "tune-small" and "current" in r and r.get("ms")}
     best: dict[str, dict] = {}
     small: dict[str, dict] = {}
@@ -1095,9 +1097,16 @@ def table_from_tune(rows: list[dict]) -> dict[str, dict[str, int]]:
     for k, r in small.items():
         table.setdefault(k, {})["min_rows_per_program"] = r["min_rows_per_program"]
     fields["bwd"] += ("min_rows_per_program",)
-    for k, r in few.items():  # only a clear win over what ran without it
-        if r["ms"] <= current.get((k, r["tokens"]), float("inf")) * (1 - SMALL_MARGIN):
-            table[f"{k}/small"] = {f: r[f] for f in fields[r["pass"]] if f in r}
+    for k, r in few.items():
+        cur = current.get((k, r["tokens"]))
+        if cur is None or r["ms"] <= cur["ms"] * (1 - SMALL_MARGIN):
+            win = r  # a clear win over the launch that ran
+        elif str(cur["current"]).endswith("/small"):
+            win = cur  # the small entry that ran stays unless clearly beaten
+        else:
+            continue
+        table[f"{k}/small"] = {f: win[f] for f in fields[r["pass"]]
+                               if win.get(f) is not None}
     return dict(sorted(table.items()))
 
 

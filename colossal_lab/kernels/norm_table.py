@@ -11,14 +11,22 @@ counts, min_rows_per_program. A "<block>/<dtype>/<pass>/small" entry (whole laun
 tuned at 1024 tokens) overrides its pass's entry at up to `_norm_common.SMALL_ROWS` rows.
 """
 
-# from results/h200/fused_norm_tune.json, commit e39ca661da
+# from results/h200/fused_norm_tune.json, commit 4d581d2b1c
 TABLES: dict[str, dict[str, dict[str, int | bool]]] = (
-    {'NVIDIA H200': {'1024/bfloat16/bwd/small': {'min_rows_per_program': 1,
+    {'NVIDIA H200': {'1024/bfloat16/bwd': {'min_rows_per_program': 2},
+                     '1024/bfloat16/bwd/small': {'min_rows_per_program': 1,
                                                  'num_stages': 1,
                                                  'num_warps': 4,
                                                  'prefetch': False,
                                                  'programs_per_sm': 2,
                                                  'rows': 4},
+                     '1024/float32/bwd': {'min_rows_per_program': 1},
+                     '1024/float32/bwd/small': {'min_rows_per_program': 1,
+                                                'num_stages': 1,
+                                                'num_warps': 4,
+                                                'prefetch': False,
+                                                'programs_per_sm': 2,
+                                                'rows': 4},
                      '2048/bfloat16/bwd': {'min_rows_per_program': 4},
                      '2048/float32/bwd': {'min_rows_per_program': 4},
                      '4096/bfloat16/bwd': {'min_rows_per_program': 2,
