@@ -6,7 +6,8 @@ results file).
 The sweep (`bench fused_norm --group rms_norm`) times its host rows at the end of a long
 process; there the bf16 rows gave ours 153 µs against F.rms_norm's 106 per 16-token
 forward+backward, where a standalone probe had measured 95 against 96. This runs the
-same measurements (`fused_norm.host_us`, `fused_norm.measure(eager=True)`) first thing
+same measurements (`fused_norm.host_rows`, `fused_norm.measure` and
+`fused_norm.eager_in_turns`) first thing
 in a fresh process, for both dtypes and both providers, plus the two points where the
 sweep's targets miss (16384 x 1024 bf16 eager, 1024 x 1024 bf16 graph replay), so the
 two can be compared before the sweep's method is changed.
@@ -36,8 +37,10 @@ def main() -> None:
                 print(f"host {r['provider']:14s}{tokens} x {hidden} {r['dtype']:9s}"
                       f"{r.get('host_us', float('nan')):8.1f} us", flush=True)
     for tokens, hidden in ((16384, 1024), (1024, 1024)):
-        for provider in PROVIDERS[:2]:
-            r = fn.measure("rms_norm", provider, tokens, hidden, torch.bfloat16, eager=True)
+        case = [fn.measure("rms_norm", provider, tokens, hidden, torch.bfloat16)
+                for provider in PROVIDERS[:2]]
+        for r in fn.eager_in_turns("rms_norm", case, tokens, hidden, torch.bfloat16):
+            provider = r["provider"]
             rows.append(r)
             print(f"op   {provider:14s}{tokens} x {hidden} bf16: graph "
                   f"{r.get('fwd_bwd_ms', float('nan')) * 1e3:.1f} us, eager "

@@ -3,6 +3,7 @@ and its rows carry every field the book reads. No speed is asserted here."""
 
 import gc
 import json
+import types
 
 import pytest
 import torch
@@ -96,6 +97,48 @@ def test_sweep_rows_carry_both_timings_and_host_time(small_host):
                                    for r in hosts)
     assert [r for r in rows if r["kind"] == "ceiling"]
     json.dumps(rows)
+
+
+def test_eager_timings_take_the_providers_in_turns(monkeypatch):
+    """Every round times each provider once, the order rotated from round to round; a
+    row keeps its rounds' median; a provider that cannot run says so, the others are
+    timed."""
+    class Call:
+        def __init__(self, provider, name):
+            self.provider, self.name = provider, name
+
+    def provider_fn(op, provider):
+        if provider == "broken":
+            raise RuntimeError("no such kernel")
+        return provider
+
+    order = []
+    rounds_ms = {"torch": [3.0, 1.0, 2.0], "triton": [5.0, 9.0, 4.0]}
+
+    def fake_time_fn(f, device=None, warmup_ms=None, rep_ms=None):
+        order.append((f.provider, f.name))
+        n = sum(1 for p, name in order if (p, name) == (f.provider, f.name)) - 1
+        ms = rounds_ms[f.provider][n]
+        return types.SimpleNamespace(median_ms=ms if f.name == "fwd" else 2 * ms)
+
+    monkeypatch.setattr(fused_norm, "_provider_fn", provider_fn)
+    monkeypatch.setattr(fused_norm, "_eager_calls",
+                        lambda fn, inputs, grads: (Call(fn, "fwd"), Call(fn, "fwd_bwd")))
+    monkeypatch.setattr(fused_norm, "time_fn", fake_time_fn)
+    rows = [{"kind": "op", "provider": p, "fwd_bwd_ms": 1.0, "timing": "cuda_graph"}
+            for p in ("torch", "triton", "broken")]
+    rows.append({"kind": "op", "provider": "liger", "skipped": "too big"})
+    fused_norm.eager_in_turns("rms_norm", rows, 8, 64, torch.float32, "cpu")
+    assert [p for p, name in order if name == "fwd"] == [
+        "torch", "triton", "triton", "torch", "torch", "triton"]
+    by = {r["provider"]: r for r in rows}
+    assert by["torch"]["eager_fwd_ms"] == 2.0 and by["torch"]["eager_fwd_bwd_ms"] == 4.0
+    assert by["triton"]["eager_fwd_ms"] == 5.0 and by["triton"]["eager_fwd_bwd_ms"] == 10.0
+    assert "in turns (3 rounds" in by["torch"]["timed_as"]["eager_fwd_ms/eager_fwd_bwd_ms"]
+    assert by["torch"]["timed_as"]["fwd_ms/bwd_ms/fwd_bwd_ms"] == "cuda_graph"
+    assert "no such kernel" in by["broken"]["error"]
+    assert by["broken"]["eager_fwd_ms"] is None
+    assert "eager_fwd_ms" not in by["liger"]  # a skipped case is not timed
 
 
 def test_default_sweep_times_eager_only_at_its_one_token_count(small_host, monkeypatch):

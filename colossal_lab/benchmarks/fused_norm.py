@@ -252,12 +252,11 @@ def _as_tuple(out):
 
 
 def measure(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat16,
-            device=None, *, eager: bool = False) -> dict:
+            device=None) -> dict:
     """Time one provider on one case: forward, backward (on a retained graph) and both,
-    as CUDA-graph replays (`fwd_ms`, ...: the kernels); with `eager`, also forward and
-    fwd+bwd launched from Python (`eager_fwd_ms`, `eager_fwd_bwd_ms`: do_bench, as a
-    user times them); `timed_as` says which field was taken how. A failure becomes an
-    `error` field; the other timings are kept."""
+    as CUDA-graph replays (`fwd_ms`, ...: the kernels). The sweep adds eager timings
+    with `eager_in_turns`. A failure becomes an `error` field; the other timings are
+    kept."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     row = {"kind": "op", "op": op, "provider": provider, "tokens": tokens,
            "hidden": hidden, "dtype": str(dtype).replace("torch.", "")}
@@ -272,14 +271,7 @@ def measure(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat
     except Exception as e:  # an op a provider lacks, out of memory, ...
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         return row
-
-    def fwd():
-        return fn(*inputs)
-
-    def fwd_bwd():
-        # autograd.grad, not .backward(): no accumulation kernels into .grad
-        return torch.autograd.grad(_as_tuple(fn(*inputs)), inputs, grads)
-
+    fwd, fwd_bwd = _eager_calls(fn, inputs, grads)
     timings, methods = {}, []
     for name, make in (("fwd", lambda: fwd), ("fwd_bwd", lambda: fwd_bwd),
                        ("bwd", lambda: _backward_only(fn, inputs, grads))):
@@ -291,21 +283,6 @@ def measure(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat
             errors.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
             timings[name] = None
     row["timing"] = "/".join(dict.fromkeys(methods))
-    if eager:  # as most users call it: launches from Python, host time included
-        for name, f in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-            try:
-                with gc_between_steps():
-                    ms = time_fn(f, device=device, warmup_ms=10, rep_ms=50).median_ms
-            except Exception as e:
-                errors.append(f"eager {name}: {type(e).__name__}: {str(e)[:200]}")
-                ms = None
-            nbytes = fwd_bytes + (bwd_bytes if name == "fwd_bwd" else 0)
-            row[f"eager_{name}_ms"] = ms
-            row[f"eager_{name}_gbps"] = gbps(nbytes, ms) if ms else None
-        row["timed_as"] = {
-            "fwd_ms/bwd_ms/fwd_bwd_ms": row["timing"],
-            "eager_fwd_ms/eager_fwd_bwd_ms": ("do_bench" if device.type == "cuda"
-                                              else "perf_counter") + ", gc paused"}
     # effective bandwidth = bytes an ideal kernel moves / time (see moved_bytes)
     for name, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes),
                          ("fwd_bwd", fwd_bytes + bwd_bytes)):
@@ -315,6 +292,77 @@ def measure(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat
     if errors:
         row["error"] = "; ".join(errors)
     return row
+
+
+def _eager_calls(fn, inputs, grads):
+    """(forward, forward + backward) of one provider as a user calls them."""
+    def fwd():
+        return fn(*inputs)
+
+    def fwd_bwd():
+        # autograd.grad, not .backward(): no accumulation kernels into .grad
+        return torch.autograd.grad(_as_tuple(fn(*inputs)), inputs, grads)
+
+    return fwd, fwd_bwd
+
+
+EAGER_ROUNDS = 3
+EAGER_TIMING = ("{how} of fwd and fwd+bwd launched from Python, the providers of a case "
+                "in turns ({rounds} rounds, order rotated each round; median of the "
+                "rounds), garbage collector paused")
+
+
+def eager_in_turns(op: str, rows: list[dict], tokens: int, hidden: int,
+                   dtype=torch.bfloat16, device=None, *, rounds: int = EAGER_ROUNDS,
+                   rep_ms: float = 25.0) -> list[dict]:
+    """Add eager timings (`eager_fwd_ms`, `eager_fwd_bwd_ms`: do_bench, as a user times
+    a call) to the op rows of one case, one row per provider, with the providers timed
+    in turns: each round times every provider once, in an order rotated from round to
+    round, and a row keeps the median of its rounds.
+
+    Where a call is host-bound (few tokens, or an eager fwd+bwd whose host work outlasts
+    its kernels) its eager time is host time, and host time drifts within a process
+    (`host_rows`): timed one provider after the other, a drift between two providers'
+    turns would land in their ratio. In turns it shifts them alike. The providers share
+    one set of inputs (the same values `_inputs` gives each). `timed_as` says how each
+    field was taken; a provider that fails gets an `error`."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    fwd_bytes, bwd_bytes = moved_bytes(op, tokens, hidden, dtype.itemsize)
+    todo = [r for r in rows if r.get("kind") == "op" and "skipped" not in r
+            and r.get("fwd_bwd_ms") is not None]
+    if not todo:
+        return rows
+    inputs, grads = _inputs(op, tokens, hidden, dtype, device)
+    calls, times = {}, {}
+    for r in todo:
+        try:
+            calls[r["provider"]] = _eager_calls(_provider_fn(op, r["provider"]), inputs,
+                                                grads)
+            times[r["provider"]] = {"fwd": [], "fwd_bwd": []}
+        except Exception as e:
+            r["error"] = f"eager: {type(e).__name__}: {str(e)[:200]}"
+    order = list(calls)
+    with gc_between_steps():
+        for k in range(rounds):
+            for p in order[k % len(order):] + order[:k % len(order)] if order else ():
+                for name, f in zip(("fwd", "fwd_bwd"), calls[p]):
+                    try:
+                        times[p][name].append(time_fn(f, device=device, warmup_ms=5,
+                                                      rep_ms=rep_ms).median_ms)
+                    except Exception as e:
+                        row = next(r for r in todo if r["provider"] == p)
+                        row["error"] = f"eager {name}: {type(e).__name__}: {str(e)[:200]}"
+    for r in todo:
+        for name, nbytes in (("fwd", fwd_bytes), ("fwd_bwd", fwd_bytes + bwd_bytes)):
+            got = sorted(times.get(r["provider"], {}).get(name, []))
+            ms = got[len(got) // 2] if len(got) == rounds else None
+            r[f"eager_{name}_ms"] = ms
+            r[f"eager_{name}_gbps"] = gbps(nbytes, ms) if ms else None
+        r["timed_as"] = {
+            "fwd_ms/bwd_ms/fwd_bwd_ms": r.get("timing"),
+            "eager_fwd_ms/eager_fwd_bwd_ms": EAGER_TIMING.format(
+                how="do_bench" if device.type == "cuda" else "perf_counter", rounds=rounds)}
+    return rows
 
 
 def _backward_only(fn, inputs, grads):
@@ -646,10 +694,13 @@ def sweep(cases, providers=None, *, host: bool = True, on_row=None,
                     new.append({"kind": "op", "op": op, "provider": p, "tokens": t,
                                 "hidden": h, "dtype": d, "skipped": why})
                     continue
-                row = measure(op, p, t, h, dtype, device, eager=True)
+                row = measure(op, p, t, h, dtype, device)
                 row.update(copy_gbps=copy, gpu_free_gib=free_gib)
                 new.append(row)
-                print(format_row(row), flush=True)
+            eager_in_turns(op, new, t, h, dtype, device)
+            for row in new:
+                if "skipped" not in row:
+                    print(format_row(row), flush=True)
             rows += new
             if new and on_row is not None:
                 on_row(rows)
@@ -1149,7 +1200,9 @@ def config_of(dtype="bf16", group: str | None = None) -> dict:
                    eager_timing="do_bench of fwd and fwd+bwd launched from Python "
                                 "(eager_*_ms), next to the graph replays, the garbage "
                                 "collector paused (rows since 2026-12-03: their "
-                                "timed_as says so)",
+                                "timed_as says so); since 2026-12-03 (eighth "
+                                "session) the providers of a case in turns "
+                                "(eager_in_turns)",
                    host_timing="kind 'host' rows: each row's host_timing (host_rows())")
     return cfg
 
