@@ -4,7 +4,7 @@
                                                  [--seq-lens S ...] [--out probe.json]
         [--shape B,HQ,HKV,S,D,causal|full ...] [--schedules ...] [--schedulers ...]
         [--epilogues ...]
-        [--stages 2 3 4] [--keys 64 128] [--rounds 3]
+        [--stages 2 3 4] [--keys 64 128] [--diag-skip] [--rounds 3]
 
 A working tool for choosing `flash_attention.AUTO_HOPPER` and the forward's schedule and
 persistence, not a results file. Each variant is timed by CUDA-graph replay with the L2
@@ -48,16 +48,19 @@ SCHEDULERS = tuple(hopper.SCHEDULERS)  # --schedulers narrows it
 EPILOGUES = (hopper.DEFAULT_EPILOGUE,)  # --epilogues widens it
 STAGES = (hopper.STAGES,)  # --stages widens it
 KEYS = (None,)  # keys per step; --keys widens it (None: `hopper.block_n`)
+SKIPS = (False,)  # warpgroup 0's diagonal skip; --diag-skip adds it where it applies
 ROUNDS = 3  # interleaved repetitions of the whole set of variants (--rounds)
 
 
 def variant_name(schedule: str, scheduler: str, epilogue: str, stages: int,
-                 keys: int | None = None) -> str:
-    """e.g. "pingpong-dynamic-tma-s3" or "serial-grid-k64-s4"; defaults add nothing."""
+                 keys: int | None = None, skip: bool = False) -> str:
+    """e.g. "pingpong-dynamic-tma-s3" or "serial-grid-k64-s4-skip"; defaults add
+    nothing."""
     return (f"{schedule}-{scheduler}"
             + ("" if epilogue == hopper.DEFAULT_EPILOGUE else f"-{epilogue}")
             + ("" if keys is None else f"-k{keys}")
-            + ("" if stages == hopper.STAGES else f"-s{stages}"))
+            + ("" if stages == hopper.STAGES else f"-s{stages}")
+            + ("-skip" if skip else ""))
 
 
 def fits(d: int, stages: int, keys: int | None) -> bool:
@@ -112,14 +115,17 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
         for schedule in SCHEDULES:
             for scheduler in SCHEDULERS:
                 for epilogue in EPILOGUES:
-                    for st, kn in ((st, kn) for st in STAGES for kn in KEYS
-                                   if fits(d, st, kn)):
-                        name = variant_name(schedule, scheduler, epilogue, st, kn)
+                    for st, kn, sk in ((st, kn, sk) for st in STAGES for kn in KEYS
+                                       for sk in SKIPS if fits(d, st, kn)):
+                        if sk and not (causal and schedule != "pingpong"
+                                       and (kn or hopper.block_n(d)) == hopper.HALF_M):
+                            continue  # (`forward(diag_skip=...)`'s conditions)
+                        name = variant_name(schedule, scheduler, epilogue, st, kn, sk)
                         fwd[name] = (lambda sch=schedule, sc=scheduler, ep=epilogue,
-                                     st=st, kn=kn: hopper.forward(
+                                     st=st, kn=kn, sk=sk: hopper.forward(
                                          q, k, v, causal, d ** -0.5, o, lse, schedule=sch,
                                          scheduler=sc, epilogue=ep, stages=st,
-                                         keys_per_step=kn))
+                                         keys_per_step=kn, diag_skip=sk))
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
     def fwd_bwd(f):
@@ -147,7 +153,7 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
 
 
 def main() -> None:
-    global SCHEDULES, SCHEDULERS, EPILOGUES, STAGES, KEYS, ROUNDS
+    global SCHEDULES, SCHEDULERS, EPILOGUES, STAGES, KEYS, SKIPS, ROUNDS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes")
     p.add_argument("--head-dims", type=int, nargs="+", help="only shapes of these")
@@ -163,6 +169,9 @@ def main() -> None:
                    help="K/V slots of the Hopper forward to time (default: the default)")
     p.add_argument("--keys", nargs="+", type=int, choices=hopper.KEYS_CHOICES,
                    help="keys per step of the Hopper forward to time (default: its own)")
+    p.add_argument("--diag-skip", action="store_true",
+                   help="also time warpgroup 0's skip of each causal tile's last key tile "
+                        "(64 keys a step, not ping-pong)")
     p.add_argument("--rounds", type=int, default=ROUNDS,
                    help="time the whole set of variants this many times, interleaved")
     p.add_argument("--shape", nargs="+", type=parse_shape, default=[],
@@ -174,6 +183,7 @@ def main() -> None:
     EPILOGUES = tuple(a.epilogues or EPILOGUES)
     STAGES = tuple(a.stages or STAGES)
     KEYS = tuple(a.keys or KEYS)
+    SKIPS = (False, True) if a.diag_skip else SKIPS
     ROUNDS = a.rounds
     rows = []
     shapes = [s for s in (a.shape or SHAPES) if (not a.head_dims or s[4] in a.head_dims)

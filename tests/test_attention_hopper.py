@@ -83,6 +83,13 @@ def test_forward_refuses_stages_and_steps_that_do_not_fit():
         q = torch.zeros(1, 1, 128, d, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match=match):
             hopper.forward(q, q, q, True, 1.0, q, lse, stages=stages, keys_per_step=keys)
+    # warpgroup 0's skipped key tile: 64 keys a step, and no ping-pong turns to count
+    for d, keys, schedule, match in ((128, None, "serial", "needs 64 keys a step"),
+                                     (256, None, "pingpong", "other than 'pingpong'")):
+        q = torch.zeros(1, 1, 128, d, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=match):
+            hopper.forward(q, q, q, True, 1.0, q, lse, keys_per_step=keys,
+                           schedule=schedule, diag_skip=True)
     # (grid, dynamic) x stages 2, 3, 4 at D 128 with 64 keys a step, then 128
     assert [hopper.q_buffers(sc, 128, st, 64) for sc in ("grid", "dynamic")
             for st in hopper.STAGE_CHOICES] == [1, 1, 1, 2, 2, 2]
@@ -162,6 +169,10 @@ SM90_BUILDS = {  # name -> (module, aot_arguments(...), most spill bytes ptxas m
         "hopper", (128, True, "pingpong", True, "tma", 3), 12),
     "fwd-d128-causal-overlap-dynamic-64keys-4stages": (
         "hopper", (128, True, "overlap", True, "registers", 4, 64), 0),
+    "fwd-d128-causal-overlap-dynamic-64keys-4stages-skip": (
+        "hopper", (128, True, "overlap", True, "registers", 4, 64, True), 0),
+    "fwd-d256-causal-serial-skip": ("hopper", (256, True, "serial", False, "registers", 2,
+                                               None, True), 96),
     "bwd-d128-causal": ("hopper_bwd", (128, True), 64),
     "bwd-d128-full": ("hopper_bwd", (128, False), 32),
     "bwd-d64-causal": ("hopper_bwd", (64, True), 0),
@@ -390,7 +401,9 @@ def _every_scheduler_agrees(q, k, v, causal) -> dict:
     default schedule under every scheduler (each build compiles for a few seconds on the
     GPU's host): output and LSE bit-equal to one program per tile's with O stored from
     registers and two slots (64 keys a step: close, the sums run in another order).
-    Returns {schedule: (o, lse)} of those runs."""
+    Where the steps are 64 keys, warpgroup 0's skip of the tile's last key tile
+    (`diag_skip`, not with ping-pong) is bit-equal to the same build without it: the
+    tile it leaves out adds exact zeros. Returns {schedule: (o, lse)} of those runs."""
     b, hq, s, d = q.shape
     assert b * hq * s // hopper.BLOCK_M > 2 * hopper.sm_count(q.device)
     grid = {}
@@ -403,12 +416,20 @@ def _every_scheduler_agrees(q, k, v, causal) -> dict:
                                                        ("registers",))]
             ways += [("registers", 3, None), ("registers", 4, 64)] if more else []
             for epilogue, stages, keys in ways:
-                o, lse = torch.empty_like(q), torch.empty(b, hq, s, device="cuda")
-                hopper.forward(q, k, v, causal, d ** -0.5, o, lse, schedule=schedule,
-                               scheduler=scheduler, epilogue=epilogue, stages=stages,
-                               keys_per_step=keys)
-                outs[scheduler, epilogue, stages, keys] = (o, lse)
-        first = outs["grid", "registers", hopper.STAGES, None]
+                skips = (False, True) if causal and schedule != "pingpong" and (
+                    keys or hopper.block_n(d)) == hopper.HALF_M else (False,)
+                for skip in skips:
+                    o, lse = torch.empty_like(q), torch.empty(b, hq, s, device="cuda")
+                    hopper.forward(q, k, v, causal, d ** -0.5, o, lse, schedule=schedule,
+                                   scheduler=scheduler, epilogue=epilogue, stages=stages,
+                                   keys_per_step=keys, diag_skip=skip)
+                    outs[scheduler, epilogue, stages, keys, skip] = (o, lse)
+        for (scheduler, epilogue, stages, keys, skip), (o, lse) in outs.items():
+            if skip:
+                plain = outs[scheduler, epilogue, stages, keys, False]
+                assert torch.equal(o, plain[0]), (schedule, scheduler, keys, "skip")
+                assert torch.equal(lse, plain[1]), (schedule, scheduler, keys, "skip")
+        first = outs["grid", "registers", hopper.STAGES, None, False]
         for how, (o, lse) in outs.items():
             if how[3] is None:  # the same steps: the same sums
                 assert torch.equal(o, first[0]), (schedule, how)

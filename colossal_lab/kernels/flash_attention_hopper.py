@@ -278,13 +278,16 @@ if HAVE_GLUON:
                       o_ptr, o_desc, lse_ptr, o_sb, o_sh, o_ss, H_Q, seq_len, qk_scale,
                       WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      SCHEDULE: gl.constexpr, O_TMA: gl.constexpr):
+                      SCHEDULE: gl.constexpr, O_TMA: gl.constexpr,
+                      DIAG_SKIP: gl.constexpr):
         """One consumer warpgroup's share of one tile: rows [m0 + 64·WG, m0 + 64·WG + 64).
         c0: the K/V ring position of its first key tile, tn: the turns taken so far, it:
         the tiles taken so far (which Q buffer, and its barrier phase). Returns the new
         (c0, tn). O leaves from registers (`gl.store`), or with O_TMA through the
         warpgroup's half of the tile's Q buffer (free once the last S is done) and a TMA
-        store (`EPILOGUES`)."""
+        store (`EPILOGUES`). With DIAG_SKIP (causal, 64 keys a step) warpgroup 0 leaves
+        out the tile's last key tile, all of it after its rows (`forward(diag_skip=...)`),
+        and only releases its ring slot, after its epilogue."""
         k_ready, v_ready, k_empty, v_empty, turn = kv_bars
         Q_BUFS: gl.constexpr = q_ready.shape[0]
         qb = it % Q_BUFS
@@ -299,6 +302,10 @@ if HAVE_GLUON:
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         m0, h, b, n_unmasked, n_blocks = _fwd_tile(tile, seq_len // BLOCK_M, H_Q, GROUP,
                                                    CAUSAL, BLOCK_M, BLOCK_N, seq_len)
+        # the key tiles this warpgroup computes: warpgroup 0's rows end HALF = BLOCK_N
+        # keys before the tile's last key tile starts, so all of that tile is masked
+        SKIP: gl.constexpr = DIAG_SKIP and CAUSAL and WG == 0 and BLOCK_N == HALF
+        n_mine = n_blocks - 1 if SKIP else n_blocks
         rows = m0 + WG * HALF + gl.arange(0, HALF, layout=s_rows)
         m_i = gl.full([HALF], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([HALF], gl.float32, s_rows)
@@ -326,13 +333,13 @@ if HAVE_GLUON:
                                     o_rows, BLOCK_N, STAGES, False, SCHEDULE, WG)
         if CAUSAL:
             acc, p, l_i, m_i = _consume(q, k_smem, v_smem, kv_bars, acc, p, l_i, m_i, rows,
-                                        gl.maximum(n_unmasked, 1), n_blocks, c0, tn,
+                                        gl.maximum(n_unmasked, 1), n_mine, c0, tn,
                                         qk_scale, s_layout, p_layout, o_rows, BLOCK_N,
                                         STAGES, True, SCHEDULE, WG)
         if not O_TMA:
             mbarrier.arrive(q_empty.index(qb), count=1)  # every S of the tile done: Q free
         # the last P V
-        last = c0 + n_blocks - 1
+        last = c0 + n_mine - 1
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
@@ -359,6 +366,13 @@ if HAVE_GLUON:
             o_ptrs = (o_ptr + o_base + gl.expand_dims(o_r.to(gl.int64) * o_ss, 1)
                       + gl.expand_dims(o_d, 0))
             gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty))
+        if SKIP:  # the skipped key tile's slot: released once loaded (its phase is
+            # this use's only then: waiting first keeps the count of arrivals right)
+            sk = c0 + n_blocks - 1
+            mbarrier.wait(k_ready.index(sk % STAGES), (sk // STAGES) & 1)
+            mbarrier.arrive(k_empty.index(sk % STAGES), count=1)
+            mbarrier.wait(v_ready.index(sk % STAGES), (sk // STAGES) & 1)
+            mbarrier.arrive(v_empty.index(sk % STAGES), count=1)
         return c0 + n_blocks, tn + n_blocks - 1  # steps 1 .. n_blocks - 1 took a turn each
 
     @gluon.jit
@@ -386,7 +400,7 @@ if HAVE_GLUON:
     def _consumer(smem, bars, descs, ptrs, strides, dims, qk_scale, WG: gl.constexpr,
                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
-                  DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
+                  DYNAMIC: gl.constexpr, O_TMA: gl.constexpr, DIAG_SKIP: gl.constexpr):
         """One consumer warpgroup: its 64 rows of each tile the program takes."""
         o_desc = descs[3]
         q_smem, k_smem, v_smem, tile_smem = smem
@@ -405,7 +419,8 @@ if HAVE_GLUON:
                 c0, tn = _consume_tile(tile, c0, tn, it, q_smem, k_smem, v_smem, q_ready,
                                        q_empty, kv_bars, o_ptr, o_desc, lse_ptr, o_sb,
                                        o_sh, o_ss, H_Q, seq_len, qk_scale, WG, GROUP,
-                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, O_TMA)
+                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, O_TMA,
+                                       DIAG_SKIP)
                 it += 1
                 tile = _receive_tile(tile_smem, tile_ready, tile_empty, it)
         else:
@@ -413,7 +428,8 @@ if HAVE_GLUON:
                 c0, tn = _consume_tile(tile, c0, tn, it, q_smem, k_smem, v_smem, q_ready,
                                        q_empty, kv_bars, o_ptr, o_desc, lse_ptr, o_sb,
                                        o_sh, o_ss, H_Q, seq_len, qk_scale, WG, GROUP,
-                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, O_TMA)
+                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, O_TMA,
+                                       DIAG_SKIP)
                 it += 1
 
     @gluon.jit
@@ -460,7 +476,7 @@ if HAVE_GLUON:
     def _producer(smem, bars, descs, ptrs, strides, dims, qk_scale, WG: gl.constexpr,
                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
-                  DYNAMIC: gl.constexpr, O_TMA: gl.constexpr):
+                  DYNAMIC: gl.constexpr, O_TMA: gl.constexpr, DIAG_SKIP: gl.constexpr):
         """The load warp (the consumers' signature). With DYNAMIC it also fetches the
         program's next tile from a global counter (the next tile nobody has taken) and
         publishes each tile's id to the consumers; otherwise tiles p, p + P, ..."""
@@ -507,7 +523,7 @@ if HAVE_GLUON:
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCHEDULE: gl.constexpr,
         DYNAMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        Q_BUFS: gl.constexpr, O_TMA: gl.constexpr,
+        Q_BUFS: gl.constexpr, O_TMA: gl.constexpr, DIAG_SKIP: gl.constexpr,
     ):
         """Program p takes tiles p, p + P, p + 2P, ... of the n_tiles (one each when the
         grid has n_tiles programs; a persistent share when it has one per SM), or, with
@@ -556,11 +572,14 @@ if HAVE_GLUON:
         # concatenating them would turn the constexprs into runtime values)
         gl.warp_specialize([
             (_consumer, (smem, bars, descs, ptrs, strides, dims, qk_scale, 0, GROUP,
-                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC, O_TMA)),
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC, O_TMA,
+                         DIAG_SKIP)),
             (_consumer, (smem, bars, descs, ptrs, strides, dims, qk_scale, 1, GROUP,
-                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC, O_TMA)),
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC, O_TMA,
+                         DIAG_SKIP)),
             (_producer, (smem, bars, descs, ptrs, strides, dims, qk_scale, 0, GROUP,
-                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC, O_TMA))],
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL, SCHEDULE, DYNAMIC, O_TMA,
+                         DIAG_SKIP))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -625,14 +644,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             sm_scale: float, o: torch.Tensor, lse: torch.Tensor, *,
             schedule: str = DEFAULT_SCHEDULE, scheduler: str | None = None,
             epilogue: str = DEFAULT_EPILOGUE, stages: int = STAGES,
-            keys_per_step: int | None = None) -> None:
+            keys_per_step: int | None = None, diag_skip: bool = False) -> None:
     """Fill o (B, Hq, S, D), any strides but a contiguous last dimension, and lse
     (B, Hq, S, fp32, contiguous) for inputs that `unsupported` accepted, with one of
     `SCHEDULES` (what each step buys is measured by running them side by side) and one
     of `SCHEDULERS` (default `default_scheduler(causal)`), one of `EPILOGUES` ("tma"
     where o has q's dtype and a 2-D TMA view, else "registers"), K/V slots from
     `STAGE_CHOICES` and keys per step from `KEYS_CHOICES` (default `block_n`), as far
-    as shared memory holds them (`shared_bytes`)."""
+    as shared memory holds them (`shared_bytes`). `diag_skip` (causal, 64 keys a step,
+    not "pingpong"): warpgroup 0 leaves out each tile's last key tile, which its rows
+    never see (`DIAG_SKIP`)."""
     d = q.shape[3]
     bn = keys_per_step or block_n(d)
     if stages not in STAGE_CHOICES:
@@ -647,6 +668,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                          f"memory, more than the {SHARED_LIMIT // 1024} KiB there is")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; choose from {SCHEDULES}")
+    if diag_skip and (bn != HALF_M or schedule == "pingpong"):
+        raise ValueError(f"diag_skip needs {HALF_M} keys a step (here {bn}) and a schedule "
+                         f"other than 'pingpong', whose turns count every step (here "
+                         f"{schedule!r})")
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue={epilogue!r}; choose from {EPILOGUES}")
     scheduler = scheduler or default_scheduler(causal)
@@ -682,12 +707,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         STAGES=stages, SCHEDULE=SCHEDULES.index(schedule),
         DYNAMIC=scheduler == "dynamic", CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, Q_BUFS=q_buffers(scheduler, d, stages, bn),
-        O_TMA=o_view is not None, num_warps=4)
+        O_TMA=o_view is not None, DIAG_SKIP=bool(diag_skip and causal), num_warps=4)
 
 
 def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
                   dynamic: bool = False, epilogue: str = DEFAULT_EPILOGUE,
-                  stages: int = STAGES, keys_per_step: int | None = None) -> tuple:
+                  stages: int = STAGES, keys_per_step: int | None = None,
+                  diag_skip: bool = False) -> tuple:
     """(kernel, signature, constexprs) to compile the forward for sm_90 without a GPU
     (`sm90_compile.compile_sm90`), for bf16 inputs of one head dim."""
     from triton.runtime.jit import mangle_type
@@ -709,5 +735,5 @@ def aot_arguments(head_dim: int, causal: bool, schedule: str = DEFAULT_SCHEDULE,
                   STAGES=stages, SCHEDULE=SCHEDULES.index(schedule), DYNAMIC=dynamic,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                   Q_BUFS=q_buffers("dynamic" if dynamic else "grid", head_dim, stages, bn),
-                  O_TMA=epilogue == "tma")
+                  O_TMA=epilogue == "tma", DIAG_SKIP=bool(diag_skip and causal))
     return kern, sig, consts
