@@ -591,9 +591,15 @@ def fp32_reference(q, k, v, causal: bool) -> tuple[torch.Tensor, int]:
 
 def measure_case(batch: int, heads: int, seq_len: int, head_dim: int, causal: bool,
                  providers, *, kv_heads: int | None = None, dtype=torch.bfloat16,
-                 device=None, quick: bool = False, timing: str = "graph") -> list[dict]:
+                 device=None, quick: bool = False, timing: str = "graph",
+                 rounds: int = 1) -> list[dict]:
     """Time every provider's fwd and fwd+bwd on one set of random tensors: q
-    (B, H, S, D), k and v (B, Hkv, S, D) with Hkv = `kv_heads` (default H)."""
+    (B, H, S, D), k and v (B, Hkv, S, D) with Hkv = `kv_heads` (default H).
+
+    `rounds` > 1: after the first pass (which also checks each provider's error), time
+    the providers that ran `rounds - 1` more times in turns (`_in_turns`), so that a
+    drift of the clocks between one provider's timing and the next reaches them alike;
+    a row then keeps the median of its rounds."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kv_heads = kv_heads or heads
     case = Case(batch, heads, kv_heads, seq_len, head_dim, causal, tuple(providers),
@@ -606,7 +612,7 @@ def measure_case(batch: int, heads: int, seq_len: int, head_dim: int, causal: bo
     do = torch.randn_like(q)
     ref, ref_rows = fp32_reference(q, k, v, causal)
     flops = attention_flops(batch, heads, seq_len, head_dim, causal)
-    rows = []
+    rows, timed = [], {}
     for provider in providers:
         row = {"kind": "speed", "provider": provider, "batch": batch, "heads": heads,
                "kv_heads": kv_heads, "layout": case.layout, "seq_len": seq_len,
@@ -652,6 +658,7 @@ def measure_case(batch: int, heads: int, seq_len: int, head_dim: int, causal: bo
                                fwd_bwd_tflops=tflops(FWD_BWD_FACTOR * flops, t_all.median_ms),
                                fwd_bwd_spread=round(t_all.spread, 3), reps=t_all.n,
                                timing="/".join(dict.fromkeys((how_fwd, how_all))))
+                timed[provider] = (row, fwd, fwd_bwd if "fwd_bwd_ms" in row else None)
         except Exception as e:  # one provider failing must not stop the others
             row["error"] = (str(e) if isinstance(e, _FirstCallFailed)
                             else f"{type(e).__name__}: {e}")[:400]
@@ -661,7 +668,46 @@ def measure_case(batch: int, heads: int, seq_len: int, head_dim: int, causal: bo
         row["wall_s"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
         print(_format(row, row["wall_s"]), flush=True)
+    if rounds > 1 and timed:
+        _in_turns(timed, rounds, flops, device, timing, quick)
+        for row in rows:
+            if "rounds" in row:
+                print(_format(row), flush=True)
     return rows
+
+
+def _in_turns(timed: dict, rounds: int, flops: float, device, timing: str,
+              quick: bool) -> None:
+    """Rounds 2 .. `rounds` of `measure_case`: each round times every provider in
+    `timed` ({provider: (row, fwd, fwd_bwd or None)}) once, fwd then fwd+bwd, the order
+    rotated from round to round; each row's `fwd_ms` / `fwd_bwd_ms` becomes the median
+    of its rounds (all kept in `*_ms_rounds`), the first round's spread stays."""
+    names = list(timed)
+    per = {p: {"fwd": [row["fwd_ms"]], "fwd_bwd": [row.get("fwd_bwd_ms")]}
+           for p, (row, _, _) in timed.items()}
+    for r in range(1, rounds):
+        for p in names[r % len(names):] + names[:r % len(names)]:
+            row, fwd, fwd_bwd = timed[p]
+            try:
+                with _strict():
+                    per[p]["fwd"].append(time_provider(fwd, device, timing, quick)[0].median_ms)
+                    if fwd_bwd is not None:
+                        per[p]["fwd_bwd"].append(
+                            time_provider(fwd_bwd, device, timing, quick)[0].median_ms)
+            except Exception as e:  # keep the first round's numbers, say what failed
+                row["rounds_error"] = f"{type(e).__name__}: {e}"[:300]
+    for p, (row, _, fwd_bwd) in timed.items():
+        for key, factor in (("fwd", 1.0), ("fwd_bwd", FWD_BWD_FACTOR)):
+            ms = sorted(x for x in per[p][key] if x is not None)
+            if key == "fwd_bwd" and fwd_bwd is None or len(ms) != rounds:
+                continue
+            row[f"{key}_ms_rounds"] = per[p][key]
+            row[f"{key}_ms"] = ms[len(ms) // 2]
+            row[f"{key}_tflops"] = tflops(factor * flops, row[f"{key}_ms"])
+        if "fwd_ms_rounds" in row:
+            row["rounds"] = rounds
+            row["timing"] = (f"{row.get('timing')}; {rounds} rounds in turns with the "
+                             "case's other providers, median")
 
 
 def measure_memory(seq_len: int, providers=MEM_PROVIDERS, *, batch: int = 1, heads: int = 32,
@@ -702,7 +748,8 @@ def measure_memory(seq_len: int, providers=MEM_PROVIDERS, *, batch: int = 1, hea
 
 
 def run_cases(cases: list[Case], *, quick: bool = False, timing: str = "graph",
-              on_rows: Callable[[list[dict]], None] | None = None) -> list[dict]:
+              on_rows: Callable[[list[dict]], None] | None = None,
+              rounds: int = 1) -> list[dict]:
     """Measure `cases` in order; one progress line per case with the time spent and an
     estimate of the time left (`estimate_s`, rescaled by how far off it was so far);
     `on_rows(rows_so_far)` after every case (for saving)."""
@@ -723,7 +770,7 @@ def run_cases(cases: list[Case], *, quick: bool = False, timing: str = "graph",
             rows += measure_case(case.batch, case.heads, case.seq_len, case.head_dim,
                                  case.causal, case.providers, kv_heads=case.kv_heads,
                                  dtype=getattr(torch, case.dtype), quick=quick,
-                                 timing=timing)
+                                 timing=timing, rounds=rounds)
         if on_rows:
             on_rows(rows)
     print(f"[flash_attention] done in {time.perf_counter() - t_start:.0f} s", flush=True)
@@ -1008,6 +1055,9 @@ def main(argv=None) -> None:
     p.add_argument("--timing", choices=TIMINGS, default="graph",
                    help="graph: CUDA-graph replay; events: eager do_bench")
     p.add_argument("--no-memory", action="store_true", help="skip the memory rows")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each case's providers this many times, in turns (order "
+                        "rotated each round), and keep each row's median (default 1)")
     p.add_argument("--resume", action="store_true",
                    help="keep the results file's rows and measure only what it lacks "
                         "(rows with an error run again)")
@@ -1025,6 +1075,8 @@ def main(argv=None) -> None:
                                  "lacks (default this machine's folder), e.g. h200")
     argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: time each provider at least once")
     name = a.out_name or (None if a.quick else "flash_attention")
     if a.resume and not name:
         p.error("--resume continues a saved file; --quick saves only with --out-name")
@@ -1068,6 +1120,7 @@ def main(argv=None) -> None:
         extra = [x for flag, x in ((a.providers, ["--providers", *(a.providers or [])]),
                                    (a.exclude, ["--exclude", *a.exclude]),
                                    (a.timing != "graph", ["--timing", a.timing]),
+                                   (a.rounds != 1, ["--rounds", str(a.rounds)]),
                                    (a.no_memory, ["--no-memory"])) if flag]
         base = " ".join(["python -m colossal_lab bench flash_attention",
                          *(shlex.join(x) for x in extra)])
@@ -1083,7 +1136,7 @@ def main(argv=None) -> None:
                 tiles[kernel] = {**tiles.get(kernel, {}), **picked}
             return save_results(name, merged(kept, rows), config=config, command=command)
 
-    rows = run_cases(cases, quick=a.quick, timing=a.timing, on_rows=save)
+    rows = run_cases(cases, quick=a.quick, timing=a.timing, on_rows=save, rounds=a.rounds)
     print(summary(merged(kept, rows)))
     path = save(rows)
     if path:
