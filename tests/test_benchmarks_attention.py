@@ -279,50 +279,49 @@ def test_grouped_query_and_skips_on_cpu(capsys):
 
 
 def test_rounds_time_the_providers_in_turns(monkeypatch, capsys):
-    """With rounds, the providers that ran are timed again in turns (order rotated each
-    round, fwd before fwd+bwd) and each row keeps the median of its rounds; a provider
-    with a forward only is timed for that; a failed one is left out."""
-    from colossal_lab.switches.attention import attention_ref
-    from colossal_lab.timing import Timing
+    """With rounds, every round measures the case's providers once, the order rotated
+    from round to round; each row is its first round's with the median of the rounds'
+    timings; a pass not timed in every round keeps the first round's, a failed provider
+    its error."""
+    ms = {"triton": [3.0, 1.0, 2.0], "sdpa": [5.0, 9.0, 4.0], "naive": [None] * 3}
+    orders = []
 
-    def make_fn(provider, q, k, v, causal):
-        if provider == "naive":
-            return lambda: (_ for _ in ()).throw(RuntimeError("no kernel"))
-        if provider == "sdpa":  # a forward only
-            return lambda: attention_ref(q.detach(), k.detach(), v.detach(), causal)
-        return lambda: attention_ref(q, k, v, causal)
+    def measure_case(b, h, s, d, causal, providers, **kw):
+        orders.append(list(providers))
+        n = len(orders) - 1
+        rows = []
+        for p in providers:
+            row = {"kind": "speed", "provider": p, "seq_len": s, "timing": "cuda_graph",
+                   "round": n, "max_abs_err_vs_fp32": 0.0}
+            if p == "naive":
+                row["error"] = "no kernel"
+            else:
+                row.update(fwd_ms=ms[p][n], fwd_tflops=1.0)
+                if p == "triton" or n == 0:  # sdpa's fwd+bwd: first round only
+                    row.update(fwd_bwd_ms=3 * ms[p][n], fwd_bwd_tflops=1.0)
+            rows.append(row)
+        return rows
 
-    order, ms = [], {"triton": [3.0, 1.0, 2.0], "sdpa": [5.0, 9.0, 4.0]}
-
-    def time_provider(fn, device, timing="graph", quick=False):
-        provider = "sdpa" if fn in made["sdpa"] else "triton"
-        order.append((provider, "fwd" if fn in made[provider][:1] else "fwd_bwd"))
-        n = sum(1 for o in order if o == order[-1]) - 1
-        t = ms[provider][n] * (1 if order[-1][1] == "fwd" else 3)
-        return Timing(median_ms=t, p10_ms=t, p90_ms=t, n=5), "cuda_graph"
-
-    made = {"triton": [], "sdpa": []}
-    real_make = make_fn
-
-    def recording_make(provider, q, k, v, causal):
-        fn = real_make(provider, q, k, v, causal)
-        made.setdefault(provider, []).append(fn)
-        return fn
-
-    monkeypatch.setattr(bench_fa, "make_fn", recording_make)
-    monkeypatch.setattr(bench_fa, "time_provider", time_provider)
-    rows = bench_fa.measure_case(1, 2, 16, 32, False, ("naive", "triton", "sdpa"),
-                                 dtype=torch.float32, quick=True, rounds=3)
+    monkeypatch.setattr(bench_fa, "measure_case", measure_case)
+    case = bench_fa.Case(1, 2, 2, 16, 32, False, ("naive", "triton", "sdpa"))
+    rows = bench_fa.measure_in_turns(case, 3)
+    assert orders == [["naive", "triton", "sdpa"], ["triton", "sdpa", "naive"],
+                      ["sdpa", "naive", "triton"]]
     by = {r["provider"]: r for r in rows}
-    assert "error" in by["naive"] and "rounds" not in by["naive"]
-    fwd_order = [p for p, what in order if what == "fwd"]
-    assert fwd_order == ["triton", "sdpa", "sdpa", "triton", "triton", "sdpa"]
-    assert by["triton"]["fwd_ms_rounds"] == [3.0, 1.0, 2.0]
+    assert [r["provider"] for r in rows] == ["naive", "triton", "sdpa"]
+    assert by["naive"]["error"] == "no kernel" and "rounds" not in by["naive"]
+    assert by["triton"]["round"] == 0 and by["triton"]["fwd_ms_rounds"] == [3.0, 1.0, 2.0]
     assert by["triton"]["fwd_ms"] == 2.0 and by["triton"]["fwd_bwd_ms"] == 6.0
-    assert by["sdpa"]["fwd_ms"] == 5.0 and "fwd_bwd_ms" not in by["sdpa"]
-    assert by["triton"]["rounds"] == 3 and "3 rounds in turns" in by["triton"]["timing"]
     assert by["triton"]["fwd_tflops"] == pytest.approx(
         bench_fa.tflops(bench_fa.attention_flops(1, 2, 16, 32, False), 2.0))
+    assert by["sdpa"]["fwd_ms"] == 5.0 and by["sdpa"]["fwd_bwd_ms"] == 15.0
+    assert "fwd_bwd_ms_rounds" not in by["sdpa"]
+    assert by["triton"]["rounds"] == 3 and "median of 3 rounds" in by["triton"]["timing"]
+    orders.clear()  # one round: measure_case once, its rows as they are
+    one = bench_fa.measure_in_turns(case, 1)
+    assert orders == [["naive", "triton", "sdpa"]]
+    assert [r.get("fwd_ms") for r in one] == [None, 3.0, 5.0]
+    assert all("rounds" not in r for r in one)
     capsys.readouterr()
 
 

@@ -591,15 +591,9 @@ def fp32_reference(q, k, v, causal: bool) -> tuple[torch.Tensor, int]:
 
 def measure_case(batch: int, heads: int, seq_len: int, head_dim: int, causal: bool,
                  providers, *, kv_heads: int | None = None, dtype=torch.bfloat16,
-                 device=None, quick: bool = False, timing: str = "graph",
-                 rounds: int = 1) -> list[dict]:
+                 device=None, quick: bool = False, timing: str = "graph") -> list[dict]:
     """Time every provider's fwd and fwd+bwd on one set of random tensors: q
-    (B, H, S, D), k and v (B, Hkv, S, D) with Hkv = `kv_heads` (default H).
-
-    `rounds` > 1: after the first pass (which also checks each provider's error), time
-    the providers that ran `rounds - 1` more times in turns (`_in_turns`), so that a
-    drift of the clocks between one provider's timing and the next reaches them alike;
-    a row then keeps the median of its rounds."""
+    (B, H, S, D), k and v (B, Hkv, S, D) with Hkv = `kv_heads` (default H)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kv_heads = kv_heads or heads
     case = Case(batch, heads, kv_heads, seq_len, head_dim, causal, tuple(providers),
@@ -612,7 +606,7 @@ def measure_case(batch: int, heads: int, seq_len: int, head_dim: int, causal: bo
     do = torch.randn_like(q)
     ref, ref_rows = fp32_reference(q, k, v, causal)
     flops = attention_flops(batch, heads, seq_len, head_dim, causal)
-    rows, timed = [], {}
+    rows = []
     for provider in providers:
         row = {"kind": "speed", "provider": provider, "batch": batch, "heads": heads,
                "kv_heads": kv_heads, "layout": case.layout, "seq_len": seq_len,
@@ -658,7 +652,6 @@ def measure_case(batch: int, heads: int, seq_len: int, head_dim: int, causal: bo
                                fwd_bwd_tflops=tflops(FWD_BWD_FACTOR * flops, t_all.median_ms),
                                fwd_bwd_spread=round(t_all.spread, 3), reps=t_all.n,
                                timing="/".join(dict.fromkeys((how_fwd, how_all))))
-                timed[provider] = (row, fwd, fwd_bwd if "fwd_bwd_ms" in row else None)
         except Exception as e:  # one provider failing must not stop the others
             row["error"] = (str(e) if isinstance(e, _FirstCallFailed)
                             else f"{type(e).__name__}: {e}")[:400]
@@ -668,46 +661,7 @@ def measure_case(batch: int, heads: int, seq_len: int, head_dim: int, causal: bo
         row["wall_s"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
         print(_format(row, row["wall_s"]), flush=True)
-    if rounds > 1 and timed:
-        _in_turns(timed, rounds, flops, device, timing, quick)
-        for row in rows:
-            if "rounds" in row:
-                print(_format(row), flush=True)
     return rows
-
-
-def _in_turns(timed: dict, rounds: int, flops: float, device, timing: str,
-              quick: bool) -> None:
-    """Rounds 2 .. `rounds` of `measure_case`: each round times every provider in
-    `timed` ({provider: (row, fwd, fwd_bwd or None)}) once, fwd then fwd+bwd, the order
-    rotated from round to round; each row's `fwd_ms` / `fwd_bwd_ms` becomes the median
-    of its rounds (all kept in `*_ms_rounds`), the first round's spread stays."""
-    names = list(timed)
-    per = {p: {"fwd": [row["fwd_ms"]], "fwd_bwd": [row.get("fwd_bwd_ms")]}
-           for p, (row, _, _) in timed.items()}
-    for r in range(1, rounds):
-        for p in names[r % len(names):] + names[:r % len(names)]:
-            row, fwd, fwd_bwd = timed[p]
-            try:
-                with _strict():
-                    per[p]["fwd"].append(time_provider(fwd, device, timing, quick)[0].median_ms)
-                    if fwd_bwd is not None:
-                        per[p]["fwd_bwd"].append(
-                            time_provider(fwd_bwd, device, timing, quick)[0].median_ms)
-            except Exception as e:  # keep the first round's numbers, say what failed
-                row["rounds_error"] = f"{type(e).__name__}: {e}"[:300]
-    for p, (row, _, fwd_bwd) in timed.items():
-        for key, factor in (("fwd", 1.0), ("fwd_bwd", FWD_BWD_FACTOR)):
-            ms = sorted(x for x in per[p][key] if x is not None)
-            if key == "fwd_bwd" and fwd_bwd is None or len(ms) != rounds:
-                continue
-            row[f"{key}_ms_rounds"] = per[p][key]
-            row[f"{key}_ms"] = ms[len(ms) // 2]
-            row[f"{key}_tflops"] = tflops(factor * flops, row[f"{key}_ms"])
-        if "fwd_ms_rounds" in row:
-            row["rounds"] = rounds
-            row["timing"] = (f"{row.get('timing')}; {rounds} rounds in turns with the "
-                             "case's other providers, median")
 
 
 def measure_memory(seq_len: int, providers=MEM_PROVIDERS, *, batch: int = 1, heads: int = 32,
@@ -747,6 +701,44 @@ def measure_memory(seq_len: int, providers=MEM_PROVIDERS, *, batch: int = 1, hea
     return rows
 
 
+def measure_in_turns(case: Case, rounds: int = 1, *, quick: bool = False,
+                     timing: str = "graph") -> list[dict]:
+    """`measure_case` of one case `rounds` times, the providers' order rotated from
+    round to round, so that a drift of the clocks between one provider's timing and the
+    next reaches them alike (each round on fresh random tensors); each provider's row is
+    its first round's with `fwd_ms` / `fwd_bwd_ms` (and TFLOP/s) the median of the
+    rounds that timed it, all of them kept in `*_ms_rounds`. One round: `measure_case`."""
+    providers = list(case.providers)
+    by_round = []
+    for r in range(rounds):
+        order = providers[r % len(providers):] + providers[:r % len(providers)]
+        got = measure_case(case.batch, case.heads, case.seq_len, case.head_dim,
+                           case.causal, order, kv_heads=case.kv_heads,
+                           dtype=getattr(torch, case.dtype), quick=quick, timing=timing)
+        by_round.append({row["provider"]: row for row in got})
+    if rounds == 1:
+        return list(by_round[0].values())
+    flops = attention_flops(case.batch, case.heads, case.seq_len, case.head_dim,
+                            case.causal)
+    rows = []
+    for p in providers:
+        row = by_round[0][p]
+        for key, factor in (("fwd", 1.0), ("fwd_bwd", FWD_BWD_FACTOR)):
+            ms = [rnd[p].get(f"{key}_ms") for rnd in by_round]
+            if None in ms:  # not timed in every round: the first round's stands
+                continue
+            row[f"{key}_ms_rounds"] = ms
+            row[f"{key}_ms"] = sorted(ms)[len(ms) // 2]
+            row[f"{key}_tflops"] = tflops(factor * flops, row[f"{key}_ms"])
+        if "fwd_ms_rounds" in row:
+            row["rounds"] = rounds
+            row["timing"] = (f"{row.get('timing')}; median of {rounds} rounds, the case's "
+                             "providers in turns")
+            print(_format(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def run_cases(cases: list[Case], *, quick: bool = False, timing: str = "graph",
               on_rows: Callable[[list[dict]], None] | None = None,
               rounds: int = 1) -> list[dict]:
@@ -767,10 +759,7 @@ def run_cases(cases: list[Case], *, quick: bool = False, timing: str = "graph",
                                    heads=case.heads, head_dim=case.head_dim,
                                    causal=case.causal)
         else:
-            rows += measure_case(case.batch, case.heads, case.seq_len, case.head_dim,
-                                 case.causal, case.providers, kv_heads=case.kv_heads,
-                                 dtype=getattr(torch, case.dtype), quick=quick,
-                                 timing=timing, rounds=rounds)
+            rows += measure_in_turns(case, rounds, quick=quick, timing=timing)
         if on_rows:
             on_rows(rows)
     print(f"[flash_attention] done in {time.perf_counter() - t_start:.0f} s", flush=True)
