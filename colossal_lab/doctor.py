@@ -507,9 +507,12 @@ def check_mfu(ctx: Context):
 
 def check_compile(ctx: Context):
     """Ours: element-wise chains left to eager PyTorch: compile them, or fuse them."""
+    from colossal_lab.switches import compile as compile_switch
+
     sw, p = ctx.plan.switches, ctx.plan
-    graphs = p.cuda_graphs or sw.enable_compile == "graph"  # the step replayed
-    compiled = p.compile or (sw.enable_compile and not graphs)  # the wrapper, or in place
+    mode = compile_switch.resolve(sw.enable_compile)
+    graphs = p.cuda_graphs or mode == "graph"  # the step replayed
+    compiled = p.compile or mode in ("layers", "model")  # the wrapper, or in place
     if compiled or graphs:
         return Verdict("ours: compile / CUDA graphs", "ok",
                        "torch.compile" if compiled else "CUDA graphs")

@@ -55,6 +55,16 @@ def quantile_10_90(times: list[float]) -> tuple[float, float]:
     return max(q[0], s[0]), min(q[-1], s[-1])
 
 
+def in_turns(items, rounds: int):
+    """`rounds` orders of `items` for timing them in turns, each rotated one place from
+    the one before (a, b, c; b, c, a; c, a, b; ...): a drift of the clocks or the host
+    during a round then reaches every item, and no item always goes first."""
+    items = list(items)
+    for r in range(rounds):
+        k = r % len(items) if items else 0
+        yield items[k:] + items[:k]
+
+
 def _on_cuda(device: torch.device | str | None) -> bool:
     if device is None:
         return torch.cuda.is_available()

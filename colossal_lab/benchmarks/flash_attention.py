@@ -56,6 +56,7 @@ import torch
 from colossal_lab.results import save_results
 from colossal_lab.timing import (
     Timing,
+    in_turns,
     peak_memory_gib,
     reset_peak_memory,
     tflops,
@@ -710,8 +711,7 @@ def measure_in_turns(case: Case, rounds: int = 1, *, quick: bool = False,
     rounds that timed it, all of them kept in `*_ms_rounds`. One round: `measure_case`."""
     providers = list(case.providers)
     by_round = []
-    for r in range(rounds):
-        order = providers[r % len(providers):] + providers[:r % len(providers)]
+    for order in in_turns(providers, rounds):
         got = measure_case(case.batch, case.heads, case.seq_len, case.head_dim,
                            case.causal, order, kv_heads=case.kv_heads,
                            dtype=getattr(torch, case.dtype), quick=quick, timing=timing)

@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 from colossal_lab.hardware import measure_copy_gbps
 from colossal_lab.results import save_results
 from colossal_lab.switches import norm
-from colossal_lab.timing import gbps, time_fn, time_kernels
+from colossal_lab.timing import gbps, in_turns, time_fn, time_kernels
 from colossal_lab.train import gc_between_steps
 
 OPS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu")
@@ -343,8 +343,8 @@ def eager_in_turns(op: str, rows: list[dict], tokens: int, hidden: int,
             r["error"] = f"eager: {type(e).__name__}: {str(e)[:200]}"
     order = list(calls)
     with gc_between_steps():
-        for k in range(rounds):
-            for p in order[k % len(order):] + order[:k % len(order)] if order else ():
+        for turn in in_turns(order, rounds):
+            for p in turn:
                 for name, f in zip(("fwd", "fwd_bwd"), calls[p]):
                     try:
                         times[p][name].append(time_fn(f, device=device, warmup_ms=5,
@@ -423,8 +423,8 @@ def host_rows(op: str, providers, tokens: int, hidden: int, dtype=torch.bfloat16
             rows[p]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     order = list(calls_of)
     with gc_between_steps():
-        for r in range(repeats):
-            for p in order[r % len(order):] + order[:r % len(order)] if order else ():
+        for turn in in_turns(order, repeats):
+            for p in turn:
                 try:
                     sync()
                     t0 = time.perf_counter()
@@ -954,6 +954,21 @@ def tune(tokens=(16384,), hidden=TUNE_HIDDEN, dtypes=(torch.bfloat16,)) -> list[
     return rows
 
 
+def _timed(row: dict, nbytes: int, fn, *, graph: bool = False) -> dict:
+    """A tuning row with its time and GB/s: eager (do_bench), or with `graph` by
+    CUDA-graph replay (`time_kernels`, which says how in `timing`); a launch that cannot
+    run (out of registers or shared memory) becomes an `error`."""
+    try:
+        if graph:
+            t, row["timing"] = time_kernels(fn)
+        else:
+            t = time_fn(fn)
+        row.update(ms=t.median_ms, gbps=gbps(nbytes, t.median_ms))
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+    return row
+
+
 def _tune_hidden(tokens: int, h: int, dtype, device) -> list[dict]:
     from colossal_lab.kernels._norm_common import launch_config
     from colossal_lab.kernels.rms_norm import rms_norm_backward, rms_norm_forward
@@ -967,14 +982,6 @@ def _tune_hidden(tokens: int, h: int, dtype, device) -> list[dict]:
     base = {"kind": "tune", "tokens": tokens, "hidden": h,
             "dtype": str(dtype).replace("torch.", "")}
 
-    def timed(row, nbytes, fn):
-        try:
-            ms = time_fn(fn).median_ms
-            row.update(ms=ms, gbps=gbps(nbytes, ms))
-        except Exception as e:  # e.g. out of registers or shared memory
-            row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-        return row
-
     rows = []
     if tokens <= TUNE_SMALL_TOKENS:
         return _tune_small(x, w, dy, rstd, base, fwd_bytes, bwd_bytes, device)
@@ -984,16 +991,16 @@ def _tune_hidden(tokens: int, h: int, dtype, device) -> list[dict]:
             if r * default.block > 32768:
                 continue
             cfg = launch_config(h, rows=r, num_warps=nw)
-            rows.append(timed({**base, "pass": "fwd", "rows": r, "num_warps": nw},
-                              fwd_bytes,
-                              lambda c=cfg: rms_norm_forward(x, w, EPS, config=c)))
+            rows.append(_timed({**base, "pass": "fwd", "rows": r, "num_warps": nw},
+                               fwd_bytes,
+                               lambda c=cfg: rms_norm_forward(x, w, EPS, config=c)))
             if nw == 32:
                 continue
             for pps in (1, 2, 4):
                 for stages, pf in ((1, False), (2, False), (1, True)):
                     row = {**base, "pass": "bwd", "rows": r, "num_warps": nw,
                            "programs_per_sm": pps, "num_stages": stages, "prefetch": pf}
-                    rows.append(timed(row, bwd_bytes, lambda c=cfg, p=pps, s=stages, f=pf:
+                    rows.append(_timed(row, bwd_bytes, lambda c=cfg, p=pps, s=stages, f=pf:
                                       rms_norm_backward(dy, x, w, rstd, config=c,
                                                         programs_per_sm=p, num_stages=s,
                                                         prefetch=f)))
@@ -1034,14 +1041,6 @@ def _tune_small(x, w, dy, rstd, base, fwd_bytes, bwd_bytes, device) -> list[dict
     base = {**base, "kind": "tune-small"}  # its own kind: a save keeps the "tune" rows
     h, dtype = base["hidden"], x.dtype
 
-    def timed(row, nbytes, fn):
-        try:
-            t, how = time_kernels(fn, device=device)
-            row.update(ms=t.median_ms, gbps=gbps(nbytes, t.median_ms), timing=how)
-        except Exception as e:  # e.g. out of registers
-            row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-        return row
-
     rows = []
     for pas in ("fwd", "bwd"):  # what runs today, for the printout and the notes
         cfg = launch_config(h, dtype, backward=pas == "bwd", small=True)
@@ -1054,23 +1053,23 @@ def _tune_small(x, w, dy, rstd, base, fwd_bytes, bwd_bytes, device) -> list[dict
                        programs=persistent_programs(x.shape[0], cfg.rows, cfg.num_warps,
                                                     device, cfg.programs_per_sm,
                                                     cfg.min_rows_per_program))
-        rows.append(timed(row, fwd_bytes if pas == "fwd" else bwd_bytes,
-                          (lambda c=cfg: rms_norm_forward(x, w, EPS, config=c))
-                          if pas == "fwd" else
-                          (lambda: rms_norm_backward(dy, x, w, rstd))))
+        rows.append(_timed(row, fwd_bytes if pas == "fwd" else bwd_bytes,
+                           (lambda c=cfg: rms_norm_forward(x, w, EPS, config=c))
+                           if pas == "fwd" else
+                           (lambda: rms_norm_backward(dy, x, w, rstd)), graph=True))
     fwd, bwd = _small_candidates(x.shape[0], h, device)
     for r, nw in fwd:
         cfg = launch_config(h, rows=r, num_warps=nw)
-        rows.append(timed({**base, "pass": "fwd", "rows": r, "num_warps": nw}, fwd_bytes,
-                          lambda c=cfg: rms_norm_forward(x, w, EPS, config=c)))
+        rows.append(_timed({**base, "pass": "fwd", "rows": r, "num_warps": nw}, fwd_bytes,
+                           lambda c=cfg: rms_norm_forward(x, w, EPS, config=c), graph=True))
     for r, nw, pps, m, programs in bwd:
         cfg = launch_config(h, rows=r, num_warps=nw)
         row = {**base, "pass": "bwd", "rows": r, "num_warps": nw, "programs_per_sm": pps,
                "min_rows_per_program": m, "num_stages": 1, "prefetch": False,
                "programs": programs}
-        rows.append(timed(row, bwd_bytes, lambda c=cfg, p=pps, mr=m: rms_norm_backward(
+        rows.append(_timed(row, bwd_bytes, lambda c=cfg, p=pps, mr=m: rms_norm_backward(
             dy, x, w, rstd, config=c, programs_per_sm=p, num_stages=1, min_rows=mr,
-            prefetch=False)))
+            prefetch=False), graph=True))
     for pas in ("fwd", "bwd"):
         cur = next(r for r in rows if r["pass"] == pas and "current" in r)
         ok = [r for r in rows if r["pass"] == pas and "current" not in r and "ms" in r]

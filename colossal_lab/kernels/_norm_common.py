@@ -77,7 +77,8 @@ class Defaults:
 DEFAULTS = Defaults()
 
 SMALL_ROWS = 2048
-"""At this many rows or fewer, RMSNorm's launches take the table's
+"""At this many rows or fewer, plain RMSNorm's launches (not the fused add's, which the
+small entries were not tuned on) take the table's
 "<block>/<dtype>/<pass>/small" entry where the GPU has one (`bench fused_norm --tune
 --tokens 1024`, timed by graph replay). Such a call is a few microseconds of GPU work,
 mostly launch latency and the tail of one wave: the tile, warps and grid that keep

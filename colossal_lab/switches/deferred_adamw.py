@@ -63,7 +63,7 @@ def check(switches, device=None) -> None:
         raise ValueError(f"extra['adamw_defer']=True does not compose with {named[0]}")
 
 
-def parts(model: torch.nn.Module) -> tuple[list, list[torch.nn.Module], list]:
+def parts(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[list]]:
     """(gates, groups) of our `LlamaForCausalLM`: the modules whose forward each part's
     update must precede (the decoder stack, each layer, the final norm) and the
     parameters of each part (embedding, each layer, the rest)."""
