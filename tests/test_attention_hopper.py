@@ -133,22 +133,50 @@ def test_auto_forward_plans_every_length():
     """`AUTO_FORWARD` gives every (mask, length) a plan, in order of length; "auto"
     leaves the rows that say portable to the portable forward, "hopper" runs the
     default schedule there, a named schedule keeps its name under the default
-    scheduler."""
+    scheduler with the default options."""
     for causal in (True, False):
         rows = [longest for c, longest, _ in fa.AUTO_FORWARD if c == causal]
         assert rows[-1] is None and rows[:-1] == sorted(rows[:-1])
         for s in (128, 1024, 1152, 2048, 4096, 1 << 20):
-            plan = fa._forward_plan("auto", s, causal)
-            assert plan is None or (plan[0] in hopper.SCHEDULES
-                                    and plan[1] in hopper.SCHEDULERS)
-            assert fa._forward_plan("hopper", s, causal) == (
-                plan or (hopper.DEFAULT_SCHEDULE, hopper.default_scheduler(causal)))
-            assert fa._forward_plan("hopper-pingpong", s, causal) == (
-                "pingpong", hopper.default_scheduler(causal))
-    assert fa._forward_plan("auto", 1024, True) == ("overlap", "dynamic")
-    assert fa._forward_plan("auto", 1024, False) == ("pingpong", "static")
-    assert fa._forward_plan("auto", 2048, True) == ("overlap", "dynamic")
-    assert fa._forward_plan("auto", 4096, True) == ("serial", "grid")
+            for d in (64, 128, 256):
+                plan = fa._forward_plan("auto", s, causal, d)
+                assert plan is None or (plan[0] in hopper.SCHEDULES
+                                        and plan[1] in hopper.SCHEDULERS)
+                assert fa._forward_plan("hopper", s, causal, d) == (
+                    plan or (hopper.DEFAULT_SCHEDULE, hopper.default_scheduler(causal),
+                             {}))
+                assert fa._forward_plan("hopper-pingpong", s, causal, d) == (
+                    "pingpong", hopper.default_scheduler(causal), {})
+    short = {"keys_per_step": 64, "stages": 4, "diag_skip": True}
+    assert fa._forward_plan("auto", 1024, True, 128) == ("overlap", "dynamic", short)
+    assert fa._forward_plan("auto", 1024, True, 256) == ("overlap", "dynamic",
+                                                         dict(short, stages=2))
+    assert fa._forward_plan("auto", 1024, False) == ("pingpong", "static", {})
+    assert fa._forward_plan("auto", 2048, True) == ("overlap", "dynamic", {})
+    assert fa._forward_plan("auto", 4096, True) == ("serial", "grid", {})
+
+
+def test_plan_options_fit_the_head_dim():
+    """A plan's options are cut to what `flash_attention_hopper.forward` accepts at the
+    head dim: the slots to what shared memory holds, the keys to `block_n`, the skip to
+    causal 64-key steps outside ping-pong; the plan's name says what differs from the
+    defaults, as the probe names its variants."""
+    opts = {"keys_per_step": 128, "stages": 4, "diag_skip": True}
+    for d in (64, 128, 256):
+        got = fa._fit_options(opts, d, True, "overlap")
+        keys = got["keys_per_step"]
+        assert keys == hopper.block_n(d)
+        assert hopper.shared_bytes(d, keys, got["stages"], 1) <= hopper.SHARED_LIMIT
+        assert got["diag_skip"] == (keys == hopper.HALF_M)
+    assert fa._fit_options(fa.SHORT_CAUSAL, 128, False, "overlap")["diag_skip"] is False
+    assert fa._fit_options(fa.SHORT_CAUSAL, 128, True, "pingpong")["diag_skip"] is False
+    assert fa._fit_options(fa.SHORT_CAUSAL, 256, True, "overlap")["stages"] == 2
+    assert fa._fit_options({}, 128, True, "serial") == {}
+    assert fa._plan_name(("overlap", "dynamic", fa.SHORT_CAUSAL), 128) == \
+        "hopper-overlap-dynamic-k64-s4-skip"
+    assert fa._plan_name(("overlap", "dynamic", dict(fa.SHORT_CAUSAL, stages=2)), 256) \
+        == "hopper-overlap-dynamic-skip"
+    assert fa._plan_name(("serial", "grid", {}), 128) == "hopper-serial-grid"
 
 
 SM90_BUILDS = {  # name -> (module, aot_arguments(...), most spill bytes ptxas may report)
@@ -460,10 +488,10 @@ def test_hopper_forward_at_head_dim_256_under_every_scheduler(causal):
         torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=0)
         torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
     _check_hopper_grads(q, k, v, torch.randn_like(q), causal)
-    assert fa.kernel_plan(q, k, v, "hopper", causal) == (
-        f"fwd hopper-{'overlap-dynamic' if causal else 'pingpong-static'}, bwd hopper")
+    fwd = "overlap-dynamic-skip" if causal else "pingpong-static"
+    assert fa.kernel_plan(q, k, v, "hopper", causal) == f"fwd hopper-{fwd}, bwd hopper"
     assert fa.kernel_plan(q, k, v, causal=causal) == (  # "auto" (the rules)
-        f"fwd hopper-{'overlap-dynamic' if causal else 'pingpong-static'}, bwd hopper")
+        f"fwd hopper-{fwd}, bwd hopper")
 
 
 @pytest.mark.gpu
@@ -472,7 +500,7 @@ def test_auto_picks_each_pass_by_its_rule():
     """kernel="auto" (the default) runs each pass's Hopper kernel exactly where
     `AUTO_HOPPER` and `AUTO_FORWARD` say: at S = 512, D = 128 with the mask both
     portable kernels; from S = 1024 both Hopper kernels, the forward overlapped under
-    the dynamic scheduler up to 2048."""
+    the dynamic scheduler up to 2048 (at 1024 with `SHORT_CAUSAL`'s options)."""
     q, k, v, do = (torch.randn(1, 4, 512, 128, device="cuda", dtype=torch.bfloat16)
                    for _ in range(4))
     o, lse = fa.flash_attention_forward(q, k, v, True)
@@ -490,7 +518,8 @@ def test_auto_picks_each_pass_by_its_rule():
         o_p, lse_p = fa.flash_attention_forward(q, k, v, True, kernel="portable")
         assert torch.equal(o, o_h) and not torch.equal(o, o_p)
         assert fa.kernel_plan(q, k, v, causal=True) == (
-            "fwd hopper-overlap-dynamic, bwd hopper")
+            "fwd hopper-overlap-dynamic" + ("-k64-s4-skip" if s == 1024 else "")
+            + ", bwd hopper")
         g = fa.flash_attention_backward(do, q, k, v, o_p, lse_p, True)
         g_p = fa.flash_attention_backward(do, q, k, v, o_p, lse_p, True, kernel="portable")
         assert torch.equal(g[1], fa.flash_attention_backward(

@@ -182,6 +182,30 @@ def test_dry_run_chunks_cover_every_case(group):
     commands = [line for line in text.splitlines() if "bench fused_norm" in line]
     assert "--resume" not in commands[0].split("&&")[0]
     assert all("--resume" in part for line in commands for part in line.split("&&")[1:])
+    tokens = {c[1] for c in cases}
+    assert all(f"--tokens {' '.join(map(str, sorted(tokens)))} " in part
+               for line in commands for part in line.split("&&"))
+
+
+def test_dry_run_of_a_redo_keeps_the_selection(capsys):
+    """A dry run of `--resume --redo --tokens 16384 --providers torch triton` prints
+    commands that continue the saved sweep (every one, the first included), re-measure,
+    and keep the selected tokens and providers: run as printed, they redo what the dry
+    run listed and nothing else."""
+    fused_norm.main(["--group", "rms_norm", "--ops", "rms_norm", "--tokens", "16384",
+                     "--hidden", "1024", "4096", "--providers", "torch", "triton",
+                     "--resume", "--redo", "--dry-run"])
+    text = capsys.readouterr().out
+    parts = [part for line in text.splitlines() if "bench fused_norm" in line
+             for part in line.split("] ", 1)[1].split("&&")]
+    assert len(parts) == len(fused_norm.DTYPES)
+    for part in parts:
+        flags = part.split()
+        assert flags.count("--resume") == 1 and "--redo" in flags
+        assert flags[flags.index("--tokens") + 1:flags.index("--tokens") + 3] == [
+            "16384", "--name"]
+        assert flags[flags.index("--providers") + 1:][:2] == ["torch", "triton"]
+        assert set(flags[flags.index("--hidden") + 1:][:2]) == {"1024", "4096"}
 
 
 def test_resume_appends_the_missing_cases(small_host, tmp_path, monkeypatch):

@@ -991,7 +991,8 @@ def _triton_config() -> dict:
         {True: "grid", False: "static"} else f"forward scheduler {scheduler}"
     return {"kernel": fa.DEFAULT_KERNEL, "auto_hopper": fa.AUTO_HOPPER,
             "auto_forward": [{"causal": causal, "max_seq_len": longest,
-                              "plan": "-".join(plan) if plan else "portable"}
+                              "plan": "-".join(plan[:2]) if plan else "portable",
+                              **({"options": plan[2]} if plan and plan[2:] else {})}
                              for causal, longest, plan in fa.AUTO_FORWARD],
             "hopper_schedule": hopper.DEFAULT_SCHEDULE, "hopper_persistent": persistent}
 

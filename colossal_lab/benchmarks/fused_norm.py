@@ -609,15 +609,21 @@ def chunk_estimate_s(chunk, n_providers: int) -> float:
     return commands * EST_START_S + sum(estimate_s(c, n_providers) for c in chunk)
 
 
-def chunk_command(chunk, group: str, name: str, first: bool = False) -> str:
-    """The command line that runs `chunk` (one op and dtype per command); all but the
-    `first` command of a run append to the results file (--resume)."""
+def chunk_command(chunk, group: str, name: str, first: bool = False,
+                  extra: str = "") -> str:
+    """The command line that runs `chunk` (one op and dtype per command, with the
+    chunk's hidden sizes and token counts named); all but the `first` command of a run
+    append to the results file (--resume). `extra`: flags every command carries (the
+    run's --providers, and --resume/--redo when the run continues a saved sweep)."""
     parts = []
     for (op, d), cs in _by(chunk, lambda c: (c[0], c[3])).items():
         hs = " ".join(str(h) for h in dict.fromkeys(c[2] for c in cs))
-        resume = "" if first and not parts else " --resume"
+        ts = " ".join(str(t) for t in sorted({c[1] for c in cs}))
+        resume = "" if first and not parts or "--resume" in extra.split() else \
+            " --resume"
         parts.append(f"python -m colossal_lab bench fused_norm --group {group} "
-                     f"--ops {op} --dtypes {d} --hidden {hs} --name {name}{resume}")
+                     f"--ops {op} --dtypes {d} --hidden {hs} --tokens {ts} "
+                     f"--name {name}{resume}{extra and ' ' + extra}")
     return " && ".join(parts)
 
 
@@ -629,10 +635,12 @@ def _by(items, key) -> dict:
 
 
 def dry_run(cases, providers, group: str, name: str,
-            budget_s: float = CHUNK_BUDGET_S) -> str:
+            budget_s: float = CHUNK_BUDGET_S, extra: str = "") -> str:
     """The case list, what is skipped and why, the estimated GPU time, and command
     lines that run it in chunks of < `budget_s`: the first starts the results file
-    afresh, the others append (--resume; so does a chunk run again after a cut)."""
+    afresh, the others append (--resume; so does a chunk run again after a cut).
+    `extra`: flags every command carries (`chunk_command`); with --resume in it, the
+    first command continues the saved file too."""
     n = len(providers)
     lines = [f"fused_norm --group {group}: {len(cases)} cases x {n} providers "
              f"({', '.join(providers)})"]
@@ -646,7 +654,7 @@ def dry_run(cases, providers, group: str, name: str,
                  f"provider-case + {EST_REPLAYS} passes at 3 TB/s); {len(chunks)} "
                  f"chunks of < {budget_s:.0f} s:")
     lines += [f"  [{chunk_estimate_s(ch, n):.0f} s] "
-              f"{chunk_command(ch, group, name, first=i == 0)}"
+              f"{chunk_command(ch, group, name, first=i == 0, extra=extra)}"
               for i, ch in enumerate(chunks)]
     return "\n".join(lines)
 
@@ -1285,7 +1293,10 @@ def run_group(a, p, command: str) -> None:
                             ops=a.ops)
     providers = a.providers  # None: the sweep's own (with "eager" at SWEEP_EAGER_AT)
     if a.dry_run:
-        print(dry_run(cases, providers or list(SWEEP_PROVIDERS), a.group, a.name))
+        extra = [*(["--providers", *providers] if providers else []),
+                 *(["--resume"] if a.resume else []), *(["--redo"] if a.redo else [])]
+        print(dry_run(cases, providers or list(SWEEP_PROVIDERS), a.group, a.name,
+                      extra=" ".join(extra)))
         return
     if a.quick:
         rows = sweep(cases, providers, host_shapes=((4, 64),), host_calls=3)

@@ -102,9 +102,18 @@ forward lost to the portable one at S = 512 (0.74x) and at head dim 64 (0.94x), 
 at 256 (1.3x with the mask, 1.5x without, S = 4096); its backward lost only at S = 512
 (0.87x). Inside these bounds the forward also needs a row of `AUTO_FORWARD`. The sweep
 (`bench flash_attention`) records both next to cuDNN at every point."""
+SHORT_CAUSAL = {"keys_per_step": 64, "stages": 4, "diag_skip": True}
+"""The Hopper forward's options for short causal rows: 64 keys a step, four K/V slots
+(as many as fit: two at head dim 256), and warpgroup 0 leaving out each tile's last key
+tile (`flash_attention_hopper.forward`). At S = 1024 they ran 378-381 TFLOP/s against
+364-368 with 128 keys and two slots at head dim 128 (MHA and GQA-4), and 407 against 391
+at 256 (graph replay, three interleaved rounds, H200:
+notes/probes/flash_attention_hopper_f2b4e06_skip_d128.json and _d256.json)."""
 AUTO_FORWARD = (
-    # (causal, longest S or None, (schedule, scheduler) or None for the portable
-    # forward): the first row that matches decides, inside `AUTO_HOPPER`'s bounds
+    # (causal, longest S or None, (schedule, scheduler[, options of
+    # `flash_attention_hopper.forward`]) or None for the portable forward): the first
+    # row that matches decides, inside `AUTO_HOPPER`'s bounds
+    (True, 1024, ("overlap", "dynamic", SHORT_CAUSAL)),
     (True, 2048, ("overlap", "dynamic")),
     (True, None, ("serial", "grid")),
     (False, 1024, ("pingpong", "static")),
@@ -112,7 +121,7 @@ AUTO_FORWARD = (
 )
 """The Hopper forward's plan per mask and length, from H200 probes at D = 128
 (notes/probes/). With the mask, "overlap" under the dynamic scheduler: at S = 1024 it
-ran 0.79x cuDNN against the portable forward's 0.73x, MHA and GQA-8 alike (graph replay,
+ran 0.79x cuDNN against the portable forward's 0.73x (0.82x with `SHORT_CAUSAL`), MHA and GQA-8 alike (graph replay,
 three interleaved rounds, p10-p90 within 1%: notes/probes/
 flash_attention_hopper_9cb8826_s1024.json; the eager probes before it had the portable
 one ahead, inside their noise), and at S = 2048 (GQA-8) 404-423 TFLOP/s against 335-394
@@ -694,19 +703,55 @@ def _scale(sm_scale: float | None, head_dim: int) -> float:
     return scale
 
 
-def _forward_plan(kernel: str, s: int, causal: bool) -> tuple[str, str] | None:
-    """(schedule, scheduler) of the Hopper forward that `kernel` asks for at length s:
-    "auto" and "hopper" take the `AUTO_FORWARD` row for (causal, s), "hopper" the
-    default plan where that row says portable (None for "auto"); the named schedules
-    ("hopper-serial", ...) take `default_scheduler(causal)`."""
+def _forward_plan(kernel: str, s: int, causal: bool, d: int = 128
+                  ) -> tuple[str, str, dict] | None:
+    """(schedule, scheduler, options) of the Hopper forward that `kernel` asks for at
+    length s and head dim d: "auto" and "hopper" take the `AUTO_FORWARD` row for
+    (causal, s), "hopper" the default plan where that row says portable (None for
+    "auto"); the named schedules ("hopper-serial", ...) take `default_scheduler(causal)`
+    and the default options. The options are keywords of `flash_attention_hopper.forward`
+    cut to what head dim d allows (`_fit_options`)."""
     schedule = kernel.partition("-")[2]
     if schedule:
-        return schedule, hopper.default_scheduler(causal)
+        return schedule, hopper.default_scheduler(causal), {}
     plan = next(plan for row_causal, longest, plan in AUTO_FORWARD
                 if row_causal == bool(causal) and (longest is None or s <= longest))
-    if plan is None and kernel != "auto":
-        return hopper.DEFAULT_SCHEDULE, hopper.default_scheduler(causal)
-    return plan
+    if plan is None:
+        return None if kernel == "auto" else (
+            hopper.DEFAULT_SCHEDULE, hopper.default_scheduler(causal), {})
+    schedule, scheduler, *options = plan
+    return schedule, scheduler, _fit_options(options[0] if options else {}, d, causal,
+                                             schedule)
+
+
+def _fit_options(options: dict, d: int, causal: bool, schedule: str) -> dict:
+    """A plan's options at head dim d: keys a step at most `block_n(d)`, the most K/V
+    slots up to the asked number that shared memory holds, the diagonal skip only where
+    `forward` takes it (causal, 64 keys a step, not "pingpong")."""
+    out = dict(options)
+    keys = min(out.get("keys_per_step") or hopper.block_n(d), hopper.block_n(d))
+    if "keys_per_step" in out:
+        out["keys_per_step"] = keys
+    if "stages" in out:
+        out["stages"] = max(n for n in hopper.STAGE_CHOICES if n <= out["stages"] and (
+            n == min(hopper.STAGE_CHOICES)
+            or hopper.shared_bytes(d, keys, n, 1) <= hopper.SHARED_LIMIT))
+    if out.get("diag_skip"):
+        out["diag_skip"] = causal and keys == hopper.HALF_M and schedule != "pingpong"
+    return out
+
+
+def _plan_name(plan: tuple[str, str, dict], d: int) -> str:
+    """"hopper-overlap-dynamic", with "-k64" (keys a step other than `block_n(d)`),
+    "-s4" (K/V slots other than `STAGES`) and "-skip" (the diagonal skip) as they apply:
+    the names of notes/probe_flash_attention_hopper.py."""
+    schedule, scheduler, options = plan
+    keys = options.get("keys_per_step") or hopper.block_n(d)
+    stages = options.get("stages", hopper.STAGES)
+    return (f"hopper-{schedule}-{scheduler}"
+            + (f"-k{keys}" if keys != hopper.block_n(d) else "")
+            + (f"-s{stages}" if stages != hopper.STAGES else "")
+            + ("-skip" if options.get("diag_skip") else ""))
 
 
 def _why_not_hopper(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -717,7 +762,8 @@ def _why_not_hopper(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if kernel == "auto" and (q.shape[3] not in rule["head_dims"]
                              or q.shape[2] < rule["min_seq_len"]
                              or which == "forward"
-                             and _forward_plan(kernel, q.shape[2], causal) is None):
+                             and _forward_plan(kernel, q.shape[2], causal,
+                                               q.shape[3]) is None):
         return f"the portable {which} is faster here (AUTO_HOPPER, AUTO_FORWARD)"
     if INTERPRET:
         why = "Gluon has no interpreter"
@@ -750,7 +796,8 @@ def kernel_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if kernel != "portable":
             try:
                 if _why_not_hopper(kernel, q, k, v, which, causal) is None:
-                    name = "hopper-" + "-".join(_forward_plan(kernel, q.shape[2], causal)) \
+                    name = _plan_name(_forward_plan(kernel, q.shape[2], causal,
+                                                    q.shape[3]), q.shape[3]) \
                         if which == "forward" else "hopper"
             except ValueError:  # an explicit "hopper" that cannot run: it would raise
                 name = "error"
@@ -783,9 +830,9 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if s == 0 or b == 0:
         return o, lse
     if kernel != "portable" and _why_not_hopper(kernel, q, k, v, causal=causal) is None:
-        schedule, scheduler = _forward_plan(kernel, s, causal)
+        schedule, scheduler, options = _forward_plan(kernel, s, causal, d)
         hopper.forward(q, k, v, causal, sm_scale, o, lse, schedule=schedule,
-                       scheduler=scheduler)
+                       scheduler=scheduler, **options)
         return o, lse
 
     def grid(meta):
