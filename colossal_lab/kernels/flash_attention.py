@@ -121,8 +121,8 @@ AUTO_FORWARD = (
 )
 """The Hopper forward's plan per mask and length, from H200 probes at D = 128
 (notes/probes/). With the mask, "overlap" under the dynamic scheduler: at S = 1024 it
-ran 0.79x cuDNN against the portable forward's 0.73x (0.82x with `SHORT_CAUSAL`), MHA and GQA-8 alike (graph replay,
-three interleaved rounds, p10-p90 within 1%: notes/probes/
+ran 0.79x cuDNN against the portable forward's 0.73x (0.82x with `SHORT_CAUSAL`), MHA
+and GQA-8 alike (graph replay, three interleaved rounds, p10-p90 within 1%: notes/probes/
 flash_attention_hopper_9cb8826_s1024.json; the eager probes before it had the portable
 one ahead, inside their noise), and at S = 2048 (GQA-8) 404-423 TFLOP/s against 335-394
 for "serial" on the grid, which stays from 4096 on (level there, ahead at 16k). Without
