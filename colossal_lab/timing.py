@@ -130,23 +130,31 @@ CAPTURE_FAILED = "capture failed"
 """What a `time_kernels` label holds when the graph capture failed and events timed it."""
 
 
-def time_kernels(fn: Callable[[], object], *, device=None, reps: int = 100
-                 ) -> tuple[Timing, str]:
+def time_kernels(fn: Callable[[], object], *, device=None, reps: int = 100,
+                 captures: int = 2) -> tuple[Timing, str]:
     """The GPU time of `fn`'s kernels and how it was taken: CUDA-graph replay
-    ("cuda_graph", `time_cuda_graph`); where capture fails, eagerly with `do_bench`
+    ("cuda_graph", `time_cuda_graph`), the capture tried up to `captures` times (each on
+    a pool and stream of its own); where every try fails, eagerly with `do_bench`
     ("events (capture failed: why)": Python launch gaps included, and said so); on a
     CPU a loop ("perf_counter"). On the H200 with torch 2.11 a backward's capture fails
-    now and then in a long sweep process (about one row per run; the same capture alone
-    in a fresh process succeeded 4 of 4 times): that row says so, and `--resume`
-    measures it again (`results.fell_back`)."""
+    now and then (about one row per sweep process, and on 2026-12-03 twice running
+    F.rms_norm's fp32 fwd+bwd at 16384 x 1000 as a fresh process's first case, with
+    one try): that row says so, and `--resume` measures it again (`results.fell_back`)."""
     if not _on_cuda(device):
         return time_fn(fn, device=device), "perf_counter"
-    try:
-        return time_cuda_graph(fn, reps=reps), "cuda_graph"
-    except Exception as e:  # e.g. an op that cannot be captured: say which
-        why = str(e).strip().splitlines()[0][:80] if str(e).strip() else ""
-        return time_fn(fn, device=device), f"events ({CAPTURE_FAILED}: " \
-            f"{type(e).__name__}" + (f": {why})" if why else ")")
+    error: Exception = RuntimeError("no capture tried")
+    for _ in range(captures):
+        try:
+            return time_cuda_graph(fn, reps=reps), "cuda_graph"
+        except Exception as e:  # e.g. an op that cannot be captured: say which
+            error = e
+            try:  # (an invalidated capture's error is not sticky: try again)
+                torch.cuda.synchronize()
+            except Exception:
+                pass
+    why = str(error).strip().splitlines()[0][:80] if str(error).strip() else ""
+    return time_fn(fn, device=device), f"events ({CAPTURE_FAILED}: " \
+        f"{type(error).__name__}" + (f": {why})" if why else ")")
 
 
 def time_fn(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,

@@ -251,9 +251,16 @@ def test_targets_on_synthetic_rows():
     assert [c["ok"] for c in bad] == [False, False, False, False]
     assert bad[0]["failing"][0]["at"] == (16384, 4096, "bfloat16")
     assert round(bad[0]["worst"], 2) == 0.9 and bad[3]["worst"] == 40.0
-    eager_capture = _pair(4096, 4096, 1.0, 2.0)
-    eager_capture[0]["timing"] = "events (capture failed: X)"  # not graph replay
-    assert fused_norm.targets(eager_capture)[0]["ok"] is None
+    # a row that graph replay did not time (a capture fell back to events), ours or
+    # torch's, fails the graph check however its ratio reads
+    for who in (0, 1):
+        eager_capture = _pair(4096, 4096, 1.0, 2.0) + _pair(1024, 4096, 1.0, 2.0)
+        eager_capture[who]["timing"] = "cuda_graph/events (capture failed: X)"
+        check = fused_norm.targets(eager_capture)[0]
+        assert check["ok"] is False and check["points"] == 2
+        provider = eager_capture[who]["provider"]
+        assert check["failing"] == [{"at": (4096, 4096, "bfloat16"), "not_graph_replay": {
+            provider: "cuda_graph/events (capture failed: X)"}}]
     # the checks of another provider of ours (the C++ path) read that provider's rows
     native = [{**r, "provider": "triton-native", "fwd_bwd_ms": 0.5}
               for r in slow if r["provider"] == "triton"]
