@@ -221,7 +221,8 @@ def fell_back(row: dict) -> bool:
 
 def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved run",
                  carry: tuple[str, ...] = (), grown: tuple[str, ...] = (),
-                 may_change: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
+                 may_change: tuple[str, ...] = (),
+                 retry: Callable[[dict], bool] | None = None) -> tuple[list[dict], dict]:
     """(rows kept, config) for an invocation that continues `recorded` (`--resume`):
     a results document (a dict with "config", "provenance" and "rows", as
     `save_partial` writes it) or a `Results`, or None when nothing was saved.
@@ -229,6 +230,9 @@ def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved
     The rows kept are the finished ones (a row with an `error`, or one whose timing
     fell back to another method, `fell_back`, runs again), each with
     `measured_at`, the commit it was measured at (the resuming run's rows have none).
+    With `retry`, only the failed rows it accepts (those the resuming run measures) are
+    left out; the others stay as recorded, their failure on them, rather than vanish
+    from the file when a narrower run continues it.
     The config is `config` with `resumed_from`, the provenance of every invocation
     before this one, and the entries named in `carry` (ones each invocation adds to)
     taken over from `recorded`. `error` (argparse's) refuses a missing `what` of `name`
@@ -262,7 +266,8 @@ def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved
               f"in {', '.join(diff)}): {old}, not {want}")
     prov = recorded["provenance"]
     kept = [dict(r, measured_at=r.get("measured_at") or prov.get("git_sha"))
-            for r in recorded["rows"] if "error" not in r and not fell_back(r)]
+            for r in recorded["rows"] if ("error" not in r and not fell_back(r))
+            or retry is not None and not retry(r)]
     earlier = recorded["config"].get("resumed_from", [])
     carried = {k: recorded["config"][k] for k in carry if k in recorded["config"]}
     prov = {**prov, "config_then": then} if then else prov

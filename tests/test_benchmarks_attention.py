@@ -192,6 +192,17 @@ def test_redo_replaces_the_selected_points_and_keeps_the_rule_it_replaced(capsys
     _, same = resumed_rows("fa", recorded, recorded["config"], error,
                            may_change=("triton",))
     assert same["resumed_from"] == [{"git_sha": "abc"}]  # unchanged: nothing to keep
+    # failed rows: measured again where the run covers them (`retry`), kept elsewhere
+    failed = [dict(row(c1024, "triton"), error="boom"),
+              dict(row(c2048, "triton"), timing="cuda_graph/events (capture failed: X)")]
+    recorded_failed = {**recorded, "rows": [*rows[1:3], *failed]}
+    everything, _ = resumed_rows("fa", recorded_failed, recorded["config"], error)
+    assert all("error" not in r and "timing" not in r for r in everything)
+    selected = {c1024.key(p) for p in c1024.providers}
+    kept, _ = resumed_rows("fa", recorded_failed, recorded["config"], error,
+                           retry=lambda r: bench_fa.row_key(r) in selected)
+    assert [r for r in kept if "timing" in r or "error" in r] == [
+        dict(failed[1], measured_at="abc")]
     with pytest.raises(SystemExit):
         bench_fa.main(["--redo", "--dry-run"])
     assert "use it with --resume" in capsys.readouterr().err

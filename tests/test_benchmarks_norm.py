@@ -519,6 +519,34 @@ def test_redo_drops_the_selected_points_and_their_host_rows():
         ("ceiling", None, None)}
 
 
+def test_resume_keeps_failed_rows_it_does_not_measure(small_host, tmp_path, monkeypatch):
+    """A failed row (an error, or a capture that fell back) is measured again by a run
+    that covers its point, and stays as recorded, failure and all, through a narrower
+    run that does not: it does not silently drop out of the file."""
+    monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
+    args = ["--group", "rms_norm", "--providers", "torch", "triton", "--dtypes",
+            "float32", "--tokens", "8", "--name", "sweep_test"]
+    fused_norm.main([*args, "--hidden", "100", "64"])
+    path = next(tmp_path.glob("*/sweep_test.json"))
+    doc = json.loads(path.read_text())
+    failed = "cuda_graph/events (capture failed: X)"
+    for r in doc["rows"]:  # (the test's own file: a row as a failed capture leaves it)
+        if r.get("kind") == "op" and (r["hidden"], r["provider"]) == (64, "torch"):
+            r["timing"] = failed
+    path.write_text(json.dumps(doc))
+
+    def timing_of(hidden, provider):
+        rows = json.loads(path.read_text())["rows"]
+        return [r["timing"] for r in rows if r.get("kind") == "op"
+                and (r["hidden"], r["provider"]) == (hidden, provider)]
+
+    fused_norm.main([*args, "--hidden", "100", "--resume", "--redo"])
+    assert timing_of(64, "torch") == [failed] and len(timing_of(100, "torch")) == 1
+    fused_norm.main([*args, "--hidden", "64", "--resume"])
+    assert timing_of(64, "torch") == ["perf_counter"]
+    assert timing_of(64, "triton") == ["perf_counter"]
+
+
 def test_redo_needs_a_resumed_sweep(capsys):
     with pytest.raises(SystemExit) as e:
         fused_norm.main(["--redo", "--group", "rms_norm"])

@@ -1095,9 +1095,12 @@ def main(argv=None) -> None:
             recorded = load_results(name, gpu=a.gpu or hardware.detect().slug)
         except FileNotFoundError:
             recorded = None
+        selected = {case.key(p) for case in cases for p in case.providers}
         kept, config = resumed_rows(name, recorded, config, p.error, what="results file",
                                     carry=("triton_tiles",), grown=("canonical_extras",),
-                                    may_change=("triton",) if a.redo else ())
+                                    may_change=("triton",) if a.redo else (),
+                                    retry=lambda r: "provider" not in r
+                                    or row_key(r) in selected)
         if a.redo:
             kept = redone(cases, kept)
         cases = pending(cases, kept)

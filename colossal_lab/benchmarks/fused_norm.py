@@ -1321,7 +1321,8 @@ def run_group(a, p, command: str) -> None:
             old = None  # the first chunk: nothing to keep
         if old is not None:
             kept, config = resumed_rows(a.name, old, config, p.error, what="results file",
-                                        may_change=("eager_timing", "host_timing"))
+                                        may_change=("eager_timing", "host_timing"),
+                                        retry=lambda r: _selected(r, cases))
             if a.redo:
                 kept = redo_rows(kept, cases)
             print(f"[fused_norm] resuming: {len(kept)} rows kept", flush=True)
@@ -1336,6 +1337,15 @@ def run_group(a, p, command: str) -> None:
         for t in targets(kept + rows, ours=ours):
             print(f"  {ours}: {t['check']}: {t['ok']} (worst {t['worst']} at {t['at']})")
     print(f"saved {len(kept + rows)} rows")
+
+
+def _selected(row: dict, cases) -> bool:
+    """Whether a run of `cases` measures `row`'s point: an op row of one of its cases,
+    a host row of one of its (op, dtype)s."""
+    if row.get("kind") == "host":
+        return (row.get("op"), row.get("dtype")) in {(c[0], c[3]) for c in cases}
+    return (row.get("op"), row.get("tokens"), row.get("hidden"), row.get("dtype")) in set(
+        map(tuple, cases))
 
 
 def redo_rows(kept: list[dict], cases) -> list[dict]:
