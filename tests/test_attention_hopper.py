@@ -199,6 +199,8 @@ SM90_BUILDS = {  # name -> (module, aot_arguments(...), most spill bytes ptxas m
         "hopper", (128, True, "overlap", True, "registers", 4, 64), 0),
     "fwd-d128-causal-overlap-dynamic-64keys-4stages-skip": (
         "hopper", (128, True, "overlap", True, "registers", 4, 64, True), 0),
+    "fwd-d128-causal-overlap-dynamic-64keys-4stages-tma-skip": (
+        "hopper", (128, True, "overlap", True, "tma", 4, 64, True), 0),
     "fwd-d256-causal-serial-skip": ("hopper", (256, True, "serial", False, "registers", 2,
                                                None, True), 96),
     "bwd-d128-causal": ("hopper_bwd", (128, True), 64),
@@ -426,9 +428,10 @@ def _every_scheduler_agrees(q, k, v, causal) -> dict:
     """Each schedule under each scheduler, at more tiles than SMs, the TMA epilogue with
     the default schedule under every scheduler and with every schedule under the dynamic
     one, and (head dim <= 128) three K/V slots, and 64 keys a step in four, with the
-    default schedule under every scheduler (each build compiles for a few seconds on the
-    GPU's host): output and LSE bit-equal to one program per tile's with O stored from
-    registers and two slots (64 keys a step: close, the sums run in another order).
+    default schedule under every scheduler, with the TMA epilogue too under the dynamic
+    one (each build compiles for a few seconds on the GPU's host): output and LSE
+    bit-equal to one program per tile's with O stored from registers and two slots (64
+    keys a step: close, the sums run in another order).
     Where the steps are 64 keys, warpgroup 0's skip of the tile's last key tile
     (`diag_skip`, not with ping-pong) is bit-equal to the same build without it: the
     tile it leaves out adds exact zeros. Returns {schedule: (o, lse)} of those runs."""
@@ -443,6 +446,7 @@ def _every_scheduler_agrees(q, k, v, causal) -> dict:
             ways = [(e, hopper.STAGES, None) for e in (hopper.EPILOGUES if tma else
                                                        ("registers",))]
             ways += [("registers", 3, None), ("registers", 4, 64)] if more else []
+            ways += [("tma", 4, 64)] if more and scheduler == "dynamic" else []
             for epilogue, stages, keys in ways:
                 skips = (False, True) if causal and schedule != "pingpong" and (
                     keys or hopper.block_n(d)) == hopper.HALF_M else (False,)
