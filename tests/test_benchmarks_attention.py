@@ -448,6 +448,13 @@ def test_targets_met_missed_and_not_measured():
     # nothing measured at the canonical point: said, not invented
     empty = bench_fa.targets([])
     assert [c["status"] for c in empty] == ["not measured", "not measured"]
+    # a figure timed by a fallback (the graph capture failed) counts as no figure
+    fell = "cuda_graph/events (capture failed: RuntimeError)"
+    checks = bench_fa.targets([_speed("triton", fwd=460, all_=400),
+                               _speed("cudnn", fwd=500, all_=480, timing=fell)])
+    canon = {c["metric"]: c for c in checks if c["check"] == "canonical"}
+    assert canon["fwd"]["status"] == "not measured" and canon["fwd"]["ratio"] is None
+    assert canon["fwd"]["why"] == f"cudnn: {fell}"
 
 
 def test_dry_run_resume_plans_what_a_gpu_file_lacks(tmp_path, monkeypatch, capsys):

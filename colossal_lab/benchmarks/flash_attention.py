@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from colossal_lab.results import save_results
+from colossal_lab.results import fell_back, save_results
 from colossal_lab.timing import (
     Timing,
     in_turns,
@@ -820,7 +820,8 @@ def targets(rows: list[dict], *, numerator: str = "triton",
     Each dict: "check", "metric" ("fwd" or "fwd_bwd"), the point's fields and "layout",
     "ratio" (`numerator` / `denominator` TFLOP/s, None when not measured), "target",
     "status" ("met", "not met" or "not measured") and "why" (for "not measured": which
-    provider has no figure and its `error` / `skipped`; else None). Where a point has
+    provider has no figure and its `error` / `skipped`, or a timing that fell back,
+    `results.fell_back`; else None). Where a point has
     several rows of a provider (a re-measured one), the last counts."""
     speed = [r for r in rows if r.get("kind", "speed") == "speed" and "provider" in r]
     last = {(r["provider"], _point(r)): r for r in speed}
@@ -839,6 +840,8 @@ def targets(rows: list[dict], *, numerator: str = "triton",
                 why = "no row" if r is None else (r.get("error") or r.get(f"{metric}_error")
                                                   or r.get("skipped") or "no figure")
                 missing.append(f"{p}: {why}"[:120])
+            elif fell_back(r):  # timed by a fallback: a failed measurement, not a figure
+                missing.append(f"{p}: {r['timing']}"[:120])
         if missing:
             return {**out, "status": "not measured", "why": "; ".join(missing)}
         ratio = (last[(numerator, point)][f"{metric}_tflops"]
