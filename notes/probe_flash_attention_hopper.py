@@ -16,8 +16,9 @@ within one run only. The sweep
 (`python -m colossal_lab bench flash_attention`) is what the book records. Per shape it
 prints forward TFLOP/s for cuDNN, the portable forward and each Hopper schedule under
 each scheduler (`flash_attention_hopper.SCHEDULERS`), and fwd+bwd TFLOP/s for cuDNN,
-the portable kernels, the Hopper kernels and "auto"; and the largest gradient
-differences against cuDNN's.
+the portable kernels, the Hopper kernels and "auto"; the largest gradient differences
+against cuDNN's, and each forward variant's largest output difference (`fwd_err`): a
+variant that is fast and wrong shows there.
 """
 
 from __future__ import annotations
@@ -143,6 +144,11 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
     for name, f in both.items():
         row["grad_err"][name] = [round((g.float() - r.float()).abs().max().item(), 4)
                                  for g, r in zip(f(), ref)]
+    ref_o, row["fwd_err"] = cudnn(q, k, v, causal), {}
+    for name, f in fwd.items():  # each variant's output, not only its time
+        out = f()  # (cuDNN: o; portable: (o, lse); Hopper variants fill `o`)
+        got = out if isinstance(out, torch.Tensor) else out[0] if out else o
+        row["fwd_err"][name] = round((got.float() - ref_o.float()).abs().max().item(), 4)
     for key, fns, scale in (("fwd", fwd, 1.0), ("fwd_bwd", both, 3.5)):
         for name, (ms, p10, p90, each) in timed(fns, ROUNDS).items():
             row[key][name] = {"tflops": round(scale * flop / ms / 1e9, 1),
@@ -198,6 +204,9 @@ def main() -> None:
             print(f"  {key:8s}", "  ".join(f"{n} {v['tflops']:.0f}"
                                           for n, v in r[key].items()), flush=True)
         print("  max |grad - cuDNN's|", r["grad_err"], flush=True)
+        worst = max(r["fwd_err"].items(), key=lambda kv: kv[1])
+        print(f"  max |o - cuDNN's|: {worst[1]} ({worst[0]}, the worst variant)",
+              flush=True)
 
 
 if __name__ == "__main__":
