@@ -118,9 +118,9 @@ def probe(b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> dict:
                 for epilogue in EPILOGUES:
                     for st, kn, sk in ((st, kn, sk) for st in STAGES for kn in KEYS
                                        for sk in SKIPS if fits(d, st, kn)):
-                        if sk and not (causal and schedule != "pingpong"
-                                       and (kn or hopper.block_n(d)) == hopper.HALF_M):
-                            continue  # (`forward(diag_skip=...)`'s conditions)
+                        if sk and not hopper.diag_skip_applies(
+                                causal, kn or hopper.block_n(d), schedule):
+                            continue
                         name = variant_name(schedule, scheduler, epilogue, st, kn, sk)
                         fwd[name] = (lambda sch=schedule, sc=scheduler, ep=epilogue,
                                      st=st, kn=kn, sk=sk: hopper.forward(

@@ -167,6 +167,8 @@ def test_plan_options_fit_the_head_dim():
         keys = got["keys_per_step"]
         assert keys == hopper.block_n(d)
         assert hopper.shared_bytes(d, keys, got["stages"], 1) <= hopper.SHARED_LIMIT
+        assert all(n <= got["stages"] or hopper.shared_bytes(d, keys, n, 1)
+                   > hopper.SHARED_LIMIT for n in hopper.STAGE_CHOICES)  # the most that fit
         assert got["diag_skip"] == (keys == hopper.HALF_M)
     assert fa._fit_options(fa.SHORT_CAUSAL, 128, False, "overlap")["diag_skip"] is False
     assert fa._fit_options(fa.SHORT_CAUSAL, 128, True, "pingpong")["diag_skip"] is False
@@ -448,8 +450,8 @@ def _every_scheduler_agrees(q, k, v, causal) -> dict:
             ways += [("registers", 3, None), ("registers", 4, 64)] if more else []
             ways += [("tma", 4, 64)] if more and scheduler == "dynamic" else []
             for epilogue, stages, keys in ways:
-                skips = (False, True) if causal and schedule != "pingpong" and (
-                    keys or hopper.block_n(d)) == hopper.HALF_M else (False,)
+                skips = (False, True) if hopper.diag_skip_applies(
+                    causal, keys or hopper.block_n(d), schedule) else (False,)
                 for skip in skips:
                     o, lse = torch.empty_like(q), torch.empty(b, hq, s, device="cuda")
                     hopper.forward(q, k, v, causal, d ** -0.5, o, lse, schedule=schedule,

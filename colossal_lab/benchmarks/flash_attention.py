@@ -256,9 +256,14 @@ def pending(cases: list[Case], done_rows: Iterable[dict]) -> list[Case]:
     return out
 
 
+def measured_keys(cases: list[Case]) -> set[tuple]:
+    """The `row_key`s of the rows a run of `cases` measures."""
+    return {case.key(p) for case in cases for p in case.providers}
+
+
 def redone(cases: list[Case], rows: list[dict]) -> list[dict]:
     """`rows` less those of `cases`' providers (`--redo`: they are measured again)."""
-    again = {case.key(p) for case in cases for p in case.providers}
+    again = measured_keys(cases)
     return [r for r in rows if "provider" not in r or row_key(r) not in again]
 
 
@@ -1098,7 +1103,7 @@ def main(argv=None) -> None:
             recorded = load_results(name, gpu=a.gpu or hardware.detect().slug)
         except FileNotFoundError:
             recorded = None
-        selected = {case.key(p) for case in cases for p in case.providers}
+        selected = measured_keys(cases)
         kept, config = resumed_rows(name, recorded, config, p.error, what="results file",
                                     carry=("triton_tiles",), grown=("canonical_extras",),
                                     may_change=("triton",) if a.redo else (),

@@ -1322,7 +1322,7 @@ def run_group(a, p, command: str) -> None:
         if old is not None:
             kept, config = resumed_rows(a.name, old, config, p.error, what="results file",
                                         may_change=("eager_timing", "host_timing"),
-                                        retry=lambda r: _selected(r, cases))
+                                        retry=measured_by(cases))
             if a.redo:
                 kept = redo_rows(kept, cases)
             print(f"[fused_norm] resuming: {len(kept)} rows kept", flush=True)
@@ -1339,26 +1339,24 @@ def run_group(a, p, command: str) -> None:
     print(f"saved {len(kept + rows)} rows")
 
 
-def _selected(row: dict, cases) -> bool:
-    """Whether a run of `cases` measures `row`'s point: an op row of one of its cases,
-    a host row of one of its (op, dtype)s."""
-    if row.get("kind") == "host":
-        return (row.get("op"), row.get("dtype")) in {(c[0], c[3]) for c in cases}
-    return (row.get("op"), row.get("tokens"), row.get("hidden"), row.get("dtype")) in set(
-        map(tuple, cases))
-
-
-def redo_rows(kept: list[dict], cases) -> list[dict]:
-    """`kept` without the rows `--redo` measures again: the op rows of `cases` (every
-    provider) and the host rows of their (op, dtype) pairs."""
+def measured_by(cases):
+    """Whether a run of `cases` measures a row: an op row of one of its cases, a host
+    row of one of its (op, dtype) pairs (what `--redo` replaces, and the failed rows a
+    resume may drop)."""
     points = {(op, t, h, d) for op, t, h, d in cases}
     pairs = {(op, d) for op, _, _, d in cases}
 
-    def again(r):
+    def measures(r: dict) -> bool:
         if r.get("kind") == "op":
             return (r.get("op"), r.get("tokens"), r.get("hidden"), r.get("dtype")) in points
         return r.get("kind") == "host" and (r.get("op"), r.get("dtype")) in pairs
 
+    return measures
+
+
+def redo_rows(kept: list[dict], cases) -> list[dict]:
+    """`kept` without the rows `--redo` measures again (`measured_by`)."""
+    again = measured_by(cases)
     return [r for r in kept if not again(r)]
 
 

@@ -737,7 +737,7 @@ def _fit_options(options: dict, d: int, causal: bool, schedule: str) -> dict:
             n == min(hopper.STAGE_CHOICES)
             or hopper.shared_bytes(d, keys, n, 1) <= hopper.SHARED_LIMIT))
     if out.get("diag_skip"):
-        out["diag_skip"] = causal and keys == hopper.HALF_M and schedule != "pingpong"
+        out["diag_skip"] = hopper.diag_skip_applies(causal, keys, schedule)
     return out
 
 

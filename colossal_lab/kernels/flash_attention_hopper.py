@@ -640,6 +640,13 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return None
 
 
+def diag_skip_applies(causal: bool, keys_per_step: int, schedule: str) -> bool:
+    """Whether warpgroup 0's diagonal skip (`forward(diag_skip=True)`) applies: causal,
+    64 (`HALF_M`) keys a step, so that the tile's last key tile lies wholly after
+    warpgroup 0's rows, and not "pingpong", whose turns count every step."""
+    return bool(causal) and keys_per_step == HALF_M and schedule != "pingpong"
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             sm_scale: float, o: torch.Tensor, lse: torch.Tensor, *,
             schedule: str = DEFAULT_SCHEDULE, scheduler: str | None = None,
@@ -668,7 +675,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                          f"memory, more than the {SHARED_LIMIT // 1024} KiB there is")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; choose from {SCHEDULES}")
-    if diag_skip and (bn != HALF_M or schedule == "pingpong"):
+    if diag_skip and not diag_skip_applies(True, bn, schedule):
         raise ValueError(f"diag_skip needs {HALF_M} keys a step (here {bn}) and a schedule "
                          f"other than 'pingpong', whose turns count every step (here "
                          f"{schedule!r})")
