@@ -71,14 +71,16 @@ def _on_cuda(device: torch.device | str | None) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 3) -> Timing:
+def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 3,
+                    capture_mode: str | None = None) -> Timing:
     """GPU time of `fn` captured once as a CUDA graph and replayed `reps` times, each
     replay bracketed by events with the L2 cache flushed before it.
 
     A short memory-bound op launched from Python can take less GPU time than its
     launches take CPU time; timed eagerly, the GPU then idles between kernels and the
     figure measures Python. In a training step those launches hide behind the matmuls
-    that precede them, so graph replay times what the kernels themselves cost."""
+    that precede them, so graph replay times what the kernels themselves cost.
+    `capture_mode`: the capture's error mode (`_capture`)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
@@ -86,7 +88,7 @@ def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    _capture(fn, graph)
+    _capture(fn, graph, capture_mode)
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -99,8 +101,11 @@ def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 
     return _summary([a.elapsed_time(b) for a, b in zip(starts, ends)])
 
 
-def _capture(fn: Callable[[], object], graph: torch.cuda.CUDAGraph) -> None:
-    """Capture `fn()` into `graph`, on a memory pool and a capture stream of its own.
+def _capture(fn: Callable[[], object], graph: torch.cuda.CUDAGraph,
+             mode: str | None = None) -> None:
+    """Capture `fn()` into `graph`, on a memory pool and a capture stream of its own,
+    under CUDA's capture error `mode` (default `CAPTURE_MODES[0]`, or the environment's
+    COLOSSAL_LAB_CAPTURE_MODE, which overrides every mode asked for).
 
     Why not plain `torch.cuda.graph(graph)`: seen on the H200, after the first capture
     of a process failed, a sweep's memory grew case by case until everything ran out
@@ -113,10 +118,9 @@ def _capture(fn: Callable[[], object], graph: torch.cuda.CUDAGraph) -> None:
     flat through the whole recorded sweep (`gpu_free_gib` in fused_norm.json)."""
     pool = torch.cuda.graph_pool_handle()
     try:
-        # "thread_local": the autograd engine's worker thread may touch CUDA in capture
+        mode = os.environ.get("COLOSSAL_LAB_CAPTURE_MODE") or mode or CAPTURE_MODES[0]
         with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(),
-                              capture_error_mode=os.environ.get(
-                                  "COLOSSAL_LAB_CAPTURE_MODE", "thread_local")):
+                              capture_error_mode=mode):
             fn()
     except Exception:
         try:
@@ -126,6 +130,15 @@ def _capture(fn: Callable[[], object], graph: torch.cuda.CUDAGraph) -> None:
         raise
 
 
+CAPTURE_MODES = ("thread_local", "global")
+"""The capture error modes `time_kernels` tries, in turn. "thread_local" first: the
+autograd engine's worker thread may touch CUDA during a capture. "global", torch's own
+default, second: on the H200 (torch 2.11; notes/probe_norm_capture.py, 2026-12-03) the
+backward alone of F.rms_norm at 16384 x 1000 fp32, replayed on a graph its forward built
+outside the capture, failed under "thread_local" in every try ("operation failed due to
+a previous error during capture") and was captured under "global" and "relaxed", at the
+same time to 0.4 µs. A row's timing label does not say which mode captured it."""
+
 CAPTURE_FAILED = "capture failed"
 """What a `time_kernels` label holds when the graph capture failed and events timed it."""
 
@@ -133,19 +146,21 @@ CAPTURE_FAILED = "capture failed"
 def time_kernels(fn: Callable[[], object], *, device=None, reps: int = 100,
                  captures: int = 2) -> tuple[Timing, str]:
     """The GPU time of `fn`'s kernels and how it was taken: CUDA-graph replay
-    ("cuda_graph", `time_cuda_graph`), the capture tried up to `captures` times (each on
-    a pool and stream of its own); where every try fails, eagerly with `do_bench`
-    ("events (capture failed: why)": Python launch gaps included, and said so); on a
-    CPU a loop ("perf_counter"). On the H200 with torch 2.11 a backward's capture fails
-    now and then (about one row per sweep process, and on 2026-12-03 twice running
-    F.rms_norm's fp32 fwd+bwd at 16384 x 1000 as a fresh process's first case, with
-    one try): that row says so, and `--resume` measures it again (`results.fell_back`)."""
+    ("cuda_graph", `time_cuda_graph`), the capture tried up to `captures` times, each on
+    a pool and stream of its own and under the next of `CAPTURE_MODES`; where every try
+    fails, eagerly with `do_bench` ("events (capture failed: why)": Python launch gaps
+    included, and said so); on a CPU a loop ("perf_counter"). On the H200 with torch
+    2.11 the backward-only pass of F.rms_norm failed its "thread_local" captures at some
+    shapes, every time (`CAPTURE_MODES`); such a row says so, and `--resume` measures it
+    again (`results.fell_back`)."""
     if not _on_cuda(device):
         return time_fn(fn, device=device), "perf_counter"
     error: Exception = RuntimeError("no capture tried")
-    for _ in range(captures):
+    for i in range(captures):
         try:
-            return time_cuda_graph(fn, reps=reps), "cuda_graph"
+            return time_cuda_graph(fn, reps=reps,
+                                   capture_mode=CAPTURE_MODES[i % len(CAPTURE_MODES)]
+                                   ), "cuda_graph"
         except Exception as e:  # e.g. an op that cannot be captured: say which
             error = e
             try:  # (an invalidated capture's error is not sticky: try again)

@@ -147,7 +147,7 @@ def test_auto_forward_plans_every_length():
                              {}))
                 assert fa._forward_plan("hopper-pingpong", s, causal, d) == (
                     "pingpong", hopper.default_scheduler(causal), {})
-    short = {"keys_per_step": 64, "stages": 4, "diag_skip": True}
+    short = {"keys_per_step": 64, "stages": 4, "diag_skip": True, "epilogue": "tma"}
     assert fa._forward_plan("auto", 1024, True, 128) == ("overlap", "dynamic", short)
     assert fa._forward_plan("auto", 1024, True, 256) == ("overlap", "dynamic",
                                                          dict(short, stages=2))
@@ -175,9 +175,9 @@ def test_plan_options_fit_the_head_dim():
     assert fa._fit_options(fa.SHORT_CAUSAL, 256, True, "overlap")["stages"] == 2
     assert fa._fit_options({}, 128, True, "serial") == {}
     assert fa._plan_name(("overlap", "dynamic", fa.SHORT_CAUSAL), 128) == \
-        "hopper-overlap-dynamic-k64-s4-skip"
+        "hopper-overlap-dynamic-tma-k64-s4-skip"
     assert fa._plan_name(("overlap", "dynamic", dict(fa.SHORT_CAUSAL, stages=2)), 256) \
-        == "hopper-overlap-dynamic-skip"
+        == "hopper-overlap-dynamic-tma-skip"
     assert fa._plan_name(("serial", "grid", {}), 128) == "hopper-serial-grid"
 
 
@@ -205,6 +205,8 @@ SM90_BUILDS = {  # name -> (module, aot_arguments(...), most spill bytes ptxas m
         "hopper", (128, True, "overlap", True, "tma", 4, 64, True), 0),
     "fwd-d256-causal-serial-skip": ("hopper", (256, True, "serial", False, "registers", 2,
                                                None, True), 96),
+    "fwd-d256-causal-overlap-dynamic-tma-skip": ("hopper", (256, True, "overlap", True,
+                                                            "tma", 2, None, True), 56),
     "bwd-d128-causal": ("hopper_bwd", (128, True), 64),
     "bwd-d128-full": ("hopper_bwd", (128, False), 32),
     "bwd-d64-causal": ("hopper_bwd", (64, True), 0),
@@ -494,7 +496,7 @@ def test_hopper_forward_at_head_dim_256_under_every_scheduler(causal):
         torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=0)
         torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
     _check_hopper_grads(q, k, v, torch.randn_like(q), causal)
-    fwd = "overlap-dynamic-skip" if causal else "pingpong-static"
+    fwd = "overlap-dynamic-tma-skip" if causal else "pingpong-static"
     assert fa.kernel_plan(q, k, v, "hopper", causal) == f"fwd hopper-{fwd}, bwd hopper"
     assert fa.kernel_plan(q, k, v, causal=causal) == (  # "auto" (the rules)
         f"fwd hopper-{fwd}, bwd hopper")
@@ -533,7 +535,7 @@ def test_auto_picks_each_pass_by_its_rule(monkeypatch):
         assert len(calls) == 2 and torch.equal(o, o_h) and torch.equal(lse, lse_h)
         torch.testing.assert_close(o.float(), o_p.float(), atol=1e-2, rtol=0)
         assert fa.kernel_plan(q, k, v, causal=True) == (
-            "fwd hopper-overlap-dynamic" + ("-k64-s4-skip" if s == 1024 else "")
+            "fwd hopper-overlap-dynamic" + ("-tma-k64-s4-skip" if s == 1024 else "")
             + ", bwd hopper")
         g = fa.flash_attention_backward(do, q, k, v, o_p, lse_p, True)
         g_p = fa.flash_attention_backward(do, q, k, v, o_p, lse_p, True, kernel="portable")

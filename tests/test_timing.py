@@ -10,15 +10,15 @@ def test_in_turns_rotates_one_place_a_round():
 
 
 def test_time_kernels_tries_the_capture_again_before_falling_back(monkeypatch):
-    """A capture that fails once and then succeeds is graph replay ("cuda_graph"); one
-    that fails every try falls back to events and says why, so `results.fell_back`
+    """A capture that fails once and then succeeds (under the next capture mode) is
+    graph replay ("cuda_graph"); one that fails every try falls back to events and says why, so `results.fell_back`
     flags the row for a rerun."""
     from colossal_lab import results
 
     tries = []
 
-    def flaky(fn, reps):
-        tries.append(reps)
+    def flaky(fn, reps, capture_mode):
+        tries.append((reps, capture_mode))
         if len(tries) < failures:
             raise RuntimeError("operation failed due to a previous error during capture")
         return timing._summary([1.0, 2.0, 3.0])
@@ -29,11 +29,13 @@ def test_time_kernels_tries_the_capture_again_before_falling_back(monkeypatch):
     monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
     failures = 2  # the first try fails, the second succeeds
     t, how = timing.time_kernels(lambda: None, reps=7)
-    assert how == "cuda_graph" and t.median_ms == 2.0 and tries == [7, 7]
+    assert how == "cuda_graph" and t.median_ms == 2.0
+    assert tries == [(7, "thread_local"), (7, "global")]  # `timing.CAPTURE_MODES` in turn
     tries.clear()
     failures = 99  # every try fails
     t, how = timing.time_kernels(lambda: None, reps=7, captures=3)
-    assert len(tries) == 3 and t.median_ms == 9.0
+    assert [m for _, m in tries] == ["thread_local", "global", "thread_local"]
+    assert t.median_ms == 9.0
     assert how.startswith("events (") and "RuntimeError: operation failed" in how
     assert results.fell_back({"timing": how}) and not results.fell_back(
         {"timing": "cuda_graph"})

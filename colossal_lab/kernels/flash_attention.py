@@ -102,13 +102,15 @@ forward lost to the portable one at S = 512 (0.74x) and at head dim 64 (0.94x), 
 at 256 (1.3x with the mask, 1.5x without, S = 4096); its backward lost only at S = 512
 (0.87x). Inside these bounds the forward also needs a row of `AUTO_FORWARD`. The sweep
 (`bench flash_attention`) records both next to cuDNN at every point."""
-SHORT_CAUSAL = {"keys_per_step": 64, "stages": 4, "diag_skip": True}
+SHORT_CAUSAL = {"keys_per_step": 64, "stages": 4, "diag_skip": True, "epilogue": "tma"}
 """The Hopper forward's options for short causal rows: 64 keys a step, four K/V slots
-(as many as fit: two at head dim 256), and warpgroup 0 leaving out each tile's last key
-tile (`flash_attention_hopper.forward`). At S = 1024 they ran 378-381 TFLOP/s against
-364-368 with 128 keys and two slots at head dim 128 (MHA and GQA-4), and 407 against 391
-at 256 (graph replay, three interleaved rounds, H200:
-notes/probes/flash_attention_hopper_f2b4e06_skip_d128.json and _d256.json)."""
+(as many as fit: two at head dim 256), warpgroup 0 leaving out each tile's last key
+tile, and O stored through shared memory by TMA (`flash_attention_hopper.forward`). At
+S = 1024, D = 128 (MHA and GQA-4) they ran 422-430 TFLOP/s, 0.92-0.93x cuDNN, against
+370-377 without the TMA store, and 364-368 with 128 keys and two slots, as before the
+skip (graph replay, three interleaved rounds, H200:
+notes/probes/flash_attention_hopper_9ec73cd_tma_skip.json; the skip alone at head dim 256:
+407 against 391, notes/probes/flash_attention_hopper_f2b4e06_skip_d256.json)."""
 AUTO_FORWARD = (
     # (causal, longest S or None, (schedule, scheduler[, options of
     # `flash_attention_hopper.forward`]) or None for the portable forward): the first
@@ -121,7 +123,7 @@ AUTO_FORWARD = (
 )
 """The Hopper forward's plan per mask and length, from H200 probes at D = 128
 (notes/probes/). With the mask, "overlap" under the dynamic scheduler: at S = 1024 it
-ran 0.79x cuDNN against the portable forward's 0.73x (0.82x with `SHORT_CAUSAL`), MHA
+ran 0.79x cuDNN against the portable forward's 0.73x (0.92x with `SHORT_CAUSAL`), MHA
 and GQA-8 alike (graph replay, three interleaved rounds, p10-p90 within 1%: notes/probes/
 flash_attention_hopper_9cb8826_s1024.json; the eager probes before it had the portable
 one ahead, inside their noise), and at S = 2048 (GQA-8) 404-423 TFLOP/s against 335-394
@@ -742,13 +744,16 @@ def _fit_options(options: dict, d: int, causal: bool, schedule: str) -> dict:
 
 
 def _plan_name(plan: tuple[str, str, dict], d: int) -> str:
-    """"hopper-overlap-dynamic", with "-k64" (keys a step other than `block_n(d)`),
-    "-s4" (K/V slots other than `STAGES`) and "-skip" (the diagonal skip) as they apply:
-    the names of notes/probe_flash_attention_hopper.py."""
+    """"hopper-overlap-dynamic", with "-tma" (the epilogue, where not the default),
+    "-k64" (keys a step other than `block_n(d)`), "-s4" (K/V slots other than `STAGES`)
+    and "-skip" (the diagonal skip) as they apply: the names of
+    notes/probe_flash_attention_hopper.py."""
     schedule, scheduler, options = plan
     keys = options.get("keys_per_step") or hopper.block_n(d)
     stages = options.get("stages", hopper.STAGES)
+    epilogue = options.get("epilogue", hopper.DEFAULT_EPILOGUE)
     return (f"hopper-{schedule}-{scheduler}"
+            + (f"-{epilogue}" if epilogue != hopper.DEFAULT_EPILOGUE else "")
             + (f"-k{keys}" if keys != hopper.block_n(d) else "")
             + (f"-s{stages}" if stages != hopper.STAGES else "")
             + ("-skip" if options.get("diag_skip") else ""))
