@@ -80,7 +80,8 @@ def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 
     launches take CPU time; timed eagerly, the GPU then idles between kernels and the
     figure measures Python. In a training step those launches hide behind the matmuls
     that precede them, so graph replay times what the kernels themselves cost.
-    `capture_mode`: the capture's error mode (`_capture`)."""
+    `capture_mode`: the capture's error mode (`_capture`); `fn.capture_stream`, where
+    set, the stream to capture on (a backward whose forward ran there)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
@@ -88,7 +89,7 @@ def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    _capture(fn, graph, capture_mode)
+    _capture(fn, graph, capture_mode, getattr(fn, "capture_stream", None))
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -102,10 +103,10 @@ def time_cuda_graph(fn: Callable[[], object], *, reps: int = 100, warmup: int = 
 
 
 def _capture(fn: Callable[[], object], graph: torch.cuda.CUDAGraph,
-             mode: str | None = None) -> None:
-    """Capture `fn()` into `graph`, on a memory pool and a capture stream of its own,
-    under CUDA's capture error `mode` (default `CAPTURE_MODES[0]`, or the environment's
-    COLOSSAL_LAB_CAPTURE_MODE, which overrides every mode asked for).
+             mode: str | None = None, stream: torch.cuda.Stream | None = None) -> None:
+    """Capture `fn()` into `graph`, on a memory pool and a capture stream of its own
+    (or `stream`), under CUDA's capture error `mode` (default `CAPTURE_MODES[0]`, or the
+    environment's COLOSSAL_LAB_CAPTURE_MODE, which overrides every mode asked for).
 
     Why not plain `torch.cuda.graph(graph)`: seen on the H200, after the first capture
     of a process failed, a sweep's memory grew case by case until everything ran out
@@ -119,7 +120,7 @@ def _capture(fn: Callable[[], object], graph: torch.cuda.CUDAGraph,
     pool = torch.cuda.graph_pool_handle()
     try:
         mode = os.environ.get("COLOSSAL_LAB_CAPTURE_MODE") or mode or CAPTURE_MODES[0]
-        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(),
+        with torch.cuda.graph(graph, pool=pool, stream=stream or torch.cuda.Stream(),
                               capture_error_mode=mode):
             fn()
     except Exception:

@@ -233,6 +233,30 @@ def _pair(tokens, hidden, ours_ms, torch_ms, eager=(1.0, 1.0), dtype="bfloat16")
              "eager_fwd_bwd_ms": eager[1], "fwd_bwd_gbps": 3000.0}]
 
 
+def test_measure_labels_each_pass_where_one_fell_back(monkeypatch):
+    """A row whose passes were timed alike has one `timing`; where one pass's capture
+    fell back, `timing_by_pass` (and `timed_as`) say which, and `pass_timing` reads it."""
+    real = fused_norm.time_kernels
+
+    def bwd_falls_back(fn, device=None):
+        t, _ = real(fn, device=device)
+        return t, ("events (capture failed: X)" if getattr(fn, "capture_stream", 0) is None
+                   else "cuda_graph")
+
+    row = fused_norm.measure("rms_norm", "torch", 8, 64, torch.float32, device="cpu")
+    assert row["timing"] == "perf_counter" and "timing_by_pass" not in row
+    monkeypatch.setattr(fused_norm, "time_kernels", bwd_falls_back)
+    row = fused_norm.measure("rms_norm", "torch", 8, 64, torch.float32, device="cpu")
+    assert row["timing"] == "cuda_graph/events (capture failed: X)"
+    assert row["timing_by_pass"] == {"fwd_ms": "cuda_graph", "fwd_bwd_ms": "cuda_graph",
+                                     "bwd_ms": "events (capture failed: X)"}
+    assert fused_norm.pass_timing(row) == "cuda_graph"
+    assert fused_norm.pass_timing(row, "bwd_ms").startswith("events")
+    row["fwd_bwd_ms"] = 1.0
+    fused_norm.eager_in_turns("rms_norm", [row], 8, 64, torch.float32, device="cpu")
+    assert row["timed_as"]["bwd_ms"] == "events (capture failed: X)"
+
+
 def test_targets_on_synthetic_rows():
     host = [{"kind": "host", "op": "rms_norm", "provider": p, "tokens": 16,
              "hidden": 4096, "dtype": "bfloat16", "host_us": us}
@@ -261,6 +285,13 @@ def test_targets_on_synthetic_rows():
         provider = eager_capture[who]["provider"]
         assert check["failing"] == [{"at": (4096, 4096, "bfloat16"), "not_graph_replay": {
             provider: "cuda_graph/events (capture failed: X)"}}]
+        # the check reads the fwd+bwd's own label where the passes differ: a backward
+        # alone that fell back does not fail it, a fwd+bwd that fell back does
+        for field, ok in (("bwd_ms", True), ("fwd_bwd_ms", False)):
+            eager_capture[who]["timing_by_pass"] = {
+                "fwd_ms": "cuda_graph", "bwd_ms": "cuda_graph", "fwd_bwd_ms": "cuda_graph",
+                field: "events (capture failed: X)"}
+            assert fused_norm.targets(eager_capture)[0]["ok"] is ok
     # the checks of another provider of ours (the C++ path) read that provider's rows
     native = [{**r, "provider": "triton-native", "fwd_bwd_ms": 0.5}
               for r in slow if r["provider"] == "triton"]
