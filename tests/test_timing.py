@@ -11,8 +11,8 @@ def test_in_turns_rotates_one_place_a_round():
 
 def test_time_kernels_tries_the_capture_again_before_falling_back(monkeypatch):
     """A capture that fails once and then succeeds (under the next capture mode) is
-    graph replay ("cuda_graph"); one that fails every try falls back to events and says why, so `results.fell_back`
-    flags the row for a rerun."""
+    graph replay ("cuda_graph"); one that fails every try falls back to events and
+    says why, so `results.fell_back` flags the row for a rerun."""
     from colossal_lab import results
 
     tries = []
