@@ -84,6 +84,20 @@ def test_the_backward_alone_of_torch_rms_norm_is_captured():
     assert 0 < t.median_ms < 1.0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_sweeps_torch_row_is_timed_by_graph_replay():
+    """The sweep's torch row at 1024 x 1000 bf16, as a process's first case, fell back
+    to events in every pass with a backward while a graph of the warm-up call was kept
+    alive (`fused_norm.measure`); every pass is graph replay now."""
+    from colossal_lab.benchmarks import fused_norm
+
+    for tokens, hidden, dtype in ((1024, 1000, torch.bfloat16),
+                                  (16384, 1000, torch.float32)):
+        row = fused_norm.measure("rms_norm", "torch", tokens, hidden, dtype)
+        assert row["timing"] == "cuda_graph", row
+        assert 0 < row["bwd_ms"] < row["fwd_bwd_ms"]
+
+
 def test_resume_runs_a_fallen_back_row_again():
     from colossal_lab.results import fell_back, resumed_rows
 

@@ -267,8 +267,12 @@ def measure(op: str, provider: str, tokens: int, hidden: int, dtype=torch.bfloat
     try:
         fn = _provider_fn(op, provider)
         inputs, grads = _inputs(op, tokens, hidden, dtype, device)
-        outs = _as_tuple(fn(*inputs))  # also compiles ("compile") and JITs ("triton")
-        torch.autograd.grad(outs, inputs, grads)
+        # also compiles ("compile") and JITs ("triton"); no graph of it may stay alive:
+        # a leaf's gradient accumulator, kept by a live graph, keeps the stream it was
+        # made on (here the default one), and later backwards run it there, which
+        # invalidated torch's fwd+bwd captures on the H200 (its "AccumulateGrad node's
+        # stream does not match" warning) so the row fell back to events
+        torch.autograd.grad(_as_tuple(fn(*inputs)), inputs, grads)
     except Exception as e:  # an op a provider lacks, out of memory, ...
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         return row
