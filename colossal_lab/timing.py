@@ -138,7 +138,10 @@ default, second: on the H200 (torch 2.11; notes/probe_norm_capture.py, 2026-12-0
 backward alone of F.rms_norm at 16384 x 1000 fp32, replayed on a graph its forward built
 outside the capture, failed under "thread_local" in every try ("operation failed due to
 a previous error during capture") and was captured under "global" and "relaxed", at the
-same time to 0.4 µs. A row's timing label does not say which mode captured it."""
+same time to 0.4 µs. In the sweep the second mode did not rescue those rows: there a
+graph kept alive from the warm-up call ran the leaves' gradient accumulators on the
+default stream (fixed in `fused_norm.measure`). A row's timing label does not say which
+mode captured it."""
 
 CAPTURE_FAILED = "capture failed"
 """What a `time_kernels` label holds when the graph capture failed and events timed it."""
