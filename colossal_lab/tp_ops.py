@@ -42,6 +42,12 @@ of a replicated tensor.
   fused collectives from PyTorch (``torch.ops.symm_mem.fused_all_gather_matmul`` and
   ``fused_matmul_reduce_scatter``, symmetric memory, CUDA and NCCL only).
 
+**In a zero-bubble pipeline** (switch 7 on a pp × tp mesh) each linear's backward is
+cut in two: B computes and communicates dX at once; the weight-gradient half (its GEMM
+and whatever communication only it needs: the re-gather of x, the ring's second pass)
+is filed with the stage's store and runs in the schedule's W (`deferral`). The same
+arithmetic, moved.
+
 **Where the overlap happens.** On a GPU NCCL runs every collective and every send and
 receive on its own CUDA stream; ``async_op=True`` returns at once and ``work.wait()``
 makes the *compute* stream wait, not the host. So a GEMM issued between the launch and
@@ -224,6 +230,32 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _file(defer, job) -> None:
+    """Hand the weight gradient to a zero-bubble pipeline's W: `defer` is (store, key,
+    weight) from `deferral`; `job()` computes dW (its communication included) when the
+    schedule runs W, and the store adds it to `weight` through autograd."""
+    store, key, weight = defer
+    store.put(key, lambda: [(weight, job().to(weight.dtype))])
+
+
+def deferral(module, x: torch.Tensor):
+    """(store, key, weight) when `module`'s weight gradient goes to a zero-bubble
+    pipeline's W (`pipeline.runtime.defer_weight_grads` set ``module.wgrad_store`` and a
+    step's forward runs now), else None: then the linear computes dW in its backward.
+
+    With a store, the linear is called with its weight *detached* (no autograd edge: the
+    weight's hooks fire when W adds the gradient, not in B), and each autograd function
+    below files its weight-gradient half with the store: the same GEMMs and the same
+    communication, moved to W. Every rank of a tensor-parallel group runs the same
+    program, so a W that gathers (split_gather's re-gather of x, the ring's) meets its
+    peers there."""
+    store = getattr(module, "wgrad_store", None)
+    if store is None or store.key is None or not x.requires_grad \
+            or not module.weight.requires_grad:
+        return None
+    return store, store.key, module.weight
+
+
 # ------------------------------------------------------------- plain TP (all-reduce)
 
 
@@ -232,8 +264,8 @@ class LinearAllReduceBackward(torch.autograd.Function):
     backward dX = dY·W is all-reduced asynchronously while dW = dYᵀX is computed."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
-        ctx.group = group
+    def forward(ctx, x, weight, group, defer=None):
+        ctx.group, ctx.defer = group, defer
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight)  # (B, S, n)
 
@@ -245,11 +277,30 @@ class LinearAllReduceBackward(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = dy @ weight  # (B, S, k) partial: this rank's n/t features
             work = dist.all_reduce(dx, group=ctx.group, async_op=True)
-        if ctx.needs_input_grad[1]:
+        if ctx.defer is not None:
+            _file(ctx.defer, lambda: _wgrad(dy, x))
+        elif ctx.needs_input_grad[1]:
             dw = _wgrad(dy, x)  # runs while dX travels
         if work is not None:
             work.wait()
-        return dx, dw, None
+        return dx, dw, None, None
+
+
+class LinearDeferredGrad(torch.autograd.Function):
+    """Plain TP's row-parallel GEMM, y = h Wᵀ (the all-reduce follows outside), when its
+    weight gradient is deferred (`deferral`): dH now, dW = dYᵀH filed for W."""
+
+    @staticmethod
+    def forward(ctx, h, weight, defer):
+        ctx.defer = defer
+        ctx.save_for_backward(h, weight)
+        return F.linear(h, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, weight = ctx.saved_tensors
+        _file(ctx.defer, lambda: _wgrad(dy, h))
+        return (dy @ weight if ctx.needs_input_grad[0] else None), None, None
 
 
 # ------------------------------------------------------ sequence parallel (split_gather)
@@ -258,11 +309,12 @@ class LinearAllReduceBackward(torch.autograd.Function):
 class GatherLinear(torch.autograd.Function):
     """Sequence-parallel column linear: all-gather the (B, s, k) shard, y = x Wᵀ on the
     whole (B, S, k). Saves the *shard* only; the backward re-gathers it while dX = dY·W
-    runs, then reduce-scatters dX while dW = dYᵀX runs."""
+    runs, then reduce-scatters dX while dW = dYᵀX runs. Deferred (`deferral`): B only
+    computes and reduce-scatters dX; W re-gathers x and computes dW."""
 
     @staticmethod
-    def forward(ctx, x_shard, weight, group):
-        ctx.group = group
+    def forward(ctx, x_shard, weight, group, defer=None):
+        ctx.group, ctx.defer = group, defer
         ctx.save_for_backward(x_shard, weight)
         return F.linear(all_gather_seq(x_shard, group), weight)  # (B, S, n)
 
@@ -270,6 +322,9 @@ class GatherLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x_shard, weight = ctx.saved_tensors
         group = ctx.group
+        if ctx.defer is not None:
+            _file(ctx.defer, lambda: _wgrad(dy, all_gather_seq(x_shard, group)))
+            return reduce_scatter_seq(dy @ weight, group), None, None, None
         buf, gather = all_gather_seq(x_shard, group, async_op=True)  # (1) re-gather x
         dx_full = dy @ weight  # (2) dgrad (B, S, k) while x travels
         gather.wait()
@@ -277,16 +332,17 @@ class GatherLinear(torch.autograd.Function):
         dx, scatter = reduce_scatter_seq(dx_full, group, async_op=True)  # (3)
         dw = _wgrad(dy, x_full) if ctx.needs_input_grad[1] else None  # (4) while dX travels
         scatter.wait()
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 class LinearReduceScatter(torch.autograd.Function):
     """Sequence-parallel row linear: partial y = h Wᵀ on (B, S, k/t), reduce-scattered
-    to this rank's (B, s, n). Backward: all-gather dY, then dH = dY·W and dW = dYᵀH."""
+    to this rank's (B, s, n). Backward: all-gather dY, then dH = dY·W and dW = dYᵀH
+    (deferred: dW in W, from the gathered dY kept until then)."""
 
     @staticmethod
-    def forward(ctx, h, weight, group):
-        ctx.group = group
+    def forward(ctx, h, weight, group, defer=None):
+        ctx.group, ctx.defer = group, defer
         ctx.save_for_backward(h, weight)
         return reduce_scatter_seq(F.linear(h, weight), group)
 
@@ -295,8 +351,12 @@ class LinearReduceScatter(torch.autograd.Function):
         h, weight = ctx.saved_tensors
         dy = all_gather_seq(dy_shard, ctx.group)  # (B, S, n): both GEMMs need all of it
         dh = dy @ weight if ctx.needs_input_grad[0] else None
-        dw = _wgrad(dy, h) if ctx.needs_input_grad[1] else None
-        return dh, dw, None
+        dw = None
+        if ctx.defer is not None:
+            _file(ctx.defer, lambda: _wgrad(dy, h))
+        elif ctx.needs_input_grad[1]:
+            dw = _wgrad(dy, h)
+        return dh, dw, None, None
 
 
 # ------------------------------------------------------------------ the ring (chunked)
@@ -348,14 +408,28 @@ def ring_reduce_scatter(produce, group) -> torch.Tensor:
     return acc
 
 
+def _ring_wgrad(dy: torch.Tensor, x_shard: torch.Tensor, weight: torch.Tensor,
+                group) -> torch.Tensor:
+    """dW = Σ_j dY[j]ᵀ x_j, x gathered through the ring, each shard's GEMM while the
+    next one travels (fp32 accumulation)."""
+    s = x_shard.shape[SEQ_DIM]
+    acc = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device)
+
+    def wgrad(j, xj):
+        acc.add_(_wgrad(dy[:, j * s:(j + 1) * s], xj).to(acc.dtype))
+
+    ring_all_gather(x_shard, group, wgrad)
+    return acc.to(weight.dtype)
+
+
 class RingGatherLinear(torch.autograd.Function):
     """Column linear, ring all-gather + GEMM: y[j] = x_j Wᵀ as shard j arrives.
     Backward: dX by a ring GEMM + reduce-scatter (dY[c]·W per chunk), dW = Σ_j dY[j]ᵀx_j
-    by a ring all-gather of x."""
+    by a ring all-gather of x (deferred: that second ring runs in W)."""
 
     @staticmethod
-    def forward(ctx, x_shard, weight, group):
-        ctx.group = group
+    def forward(ctx, x_shard, weight, group, defer=None):
+        ctx.group, ctx.defer = group, defer
         ctx.save_for_backward(x_shard, weight)
         t, _ = size_and_rank(group)
         b, s, _ = x_shard.shape
@@ -375,27 +449,22 @@ class RingGatherLinear(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = ring_reduce_scatter(lambda c: dy[:, c * s:(c + 1) * s] @ weight, group)
-        if ctx.needs_input_grad[1]:
-            acc = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype),
-                              device=weight.device)
-
-            def wgrad(j, xj):
-                acc.add_(_wgrad(dy[:, j * s:(j + 1) * s], xj).to(acc.dtype))
-
-            ring_all_gather(x_shard, group, wgrad)
-            dw = acc.to(weight.dtype)
-        return dx, dw, None
+        if ctx.defer is not None:
+            _file(ctx.defer, lambda: _ring_wgrad(dy, x_shard, weight, group))
+        elif ctx.needs_input_grad[1]:
+            dw = _ring_wgrad(dy, x_shard, weight, group)
+        return dx, dw, None, None
 
 
 class RingLinearReduceScatter(torch.autograd.Function):
     """Row linear, ring GEMM + reduce-scatter: the partial of each sequence chunk,
     h[c] Wᵀ, computed while the running sum of the previous chunk travels.
     Backward: dY all-gathered through the ring, dH[j] = dY_j·W and dW += dY_jᵀ h[j] as
-    each shard arrives."""
+    each shard arrives (deferred: the shards are kept, and W computes dW from them)."""
 
     @staticmethod
-    def forward(ctx, h, weight, group):
-        ctx.group = group
+    def forward(ctx, h, weight, group, defer=None):
+        ctx.group, ctx.defer = group, defer
         ctx.save_for_backward(h, weight)
         t, _ = size_and_rank(group)
         s = h.shape[SEQ_DIM] // t
@@ -407,8 +476,12 @@ class RingLinearReduceScatter(torch.autograd.Function):
         h, weight = ctx.saved_tensors
         s = dy_shard.shape[SEQ_DIM]
         dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        defer = ctx.defer
         acc = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype),
-                          device=weight.device) if ctx.needs_input_grad[1] else None
+                          device=weight.device) \
+            if ctx.needs_input_grad[1] and defer is None else None
+        dy = dy_shard.new_empty(h.shape[:-1] + dy_shard.shape[-1:]) \
+            if defer is not None else None  # (B, S, n), kept for W
 
         def consume(j, dyj):
             hj = h[:, j * s:(j + 1) * s]
@@ -416,9 +489,13 @@ class RingLinearReduceScatter(torch.autograd.Function):
                 dh[:, j * s:(j + 1) * s] = dyj @ weight
             if acc is not None:
                 acc.add_(_wgrad(dyj, hj).to(acc.dtype))
+            if dy is not None:
+                dy[:, j * s:(j + 1) * s] = dyj
 
         ring_all_gather(dy_shard, ctx.group, consume)
-        return dh, None if acc is None else acc.to(weight.dtype), None
+        if defer is not None:
+            _file(defer, lambda: _wgrad(dy, h))
+        return dh, None if acc is None else acc.to(weight.dtype), None, None
 
 
 # ------------------------------------------------------- torch's symmetric memory
@@ -453,11 +530,11 @@ def enable_symm_mem(group) -> str:
 
 class SymmMemGatherLinear(torch.autograd.Function):
     """Column linear with torch's ``fused_all_gather_matmul`` (async TP); backward:
-    dX by ``fused_matmul_reduce_scatter``, dW from a re-gathered x."""
+    dX by ``fused_matmul_reduce_scatter``, dW from a re-gathered x (deferred: in W)."""
 
     @staticmethod
-    def forward(ctx, x_shard, weight, group, name):
-        ctx.group, ctx.name = group, name
+    def forward(ctx, x_shard, weight, group, name, defer=None):
+        ctx.group, ctx.name, ctx.defer = group, name, defer
         ctx.save_for_backward(x_shard, weight)
         _, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(
             x_shard.contiguous(), [weight.t()], SEQ_DIM, name)
@@ -466,19 +543,24 @@ class SymmMemGatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x_shard, weight = ctx.saved_tensors
+        group = ctx.group
         dx = torch.ops.symm_mem.fused_matmul_reduce_scatter(
             dy.contiguous(), weight, "sum", SEQ_DIM, ctx.name)
-        dw = _wgrad(dy, all_gather_seq(x_shard, ctx.group))
-        return dx, dw, None, None
+        dw = None
+        if ctx.defer is not None:
+            _file(ctx.defer, lambda: _wgrad(dy, all_gather_seq(x_shard, group)))
+        elif ctx.needs_input_grad[1]:
+            dw = _wgrad(dy, all_gather_seq(x_shard, group))
+        return dx, dw, None, None, None
 
 
 class SymmMemLinearReduceScatter(torch.autograd.Function):
     """Row linear with torch's ``fused_matmul_reduce_scatter``; backward: dY gathered by
-    ``fused_all_gather_matmul``, which also computes dH = dY·W."""
+    ``fused_all_gather_matmul``, which also computes dH = dY·W (dW deferred: in W)."""
 
     @staticmethod
-    def forward(ctx, h, weight, group, name):
-        ctx.group, ctx.name = group, name
+    def forward(ctx, h, weight, group, name, defer=None):
+        ctx.group, ctx.name, ctx.defer = group, name, defer
         ctx.save_for_backward(h, weight)
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(
             h.contiguous(), weight.t(), "sum", SEQ_DIM, name)
@@ -488,7 +570,12 @@ class SymmMemLinearReduceScatter(torch.autograd.Function):
         h, weight = ctx.saved_tensors
         dy, (dh,) = torch.ops.symm_mem.fused_all_gather_matmul(
             dy_shard.contiguous(), [weight], SEQ_DIM, ctx.name)
-        return dh, _wgrad(dy, h), None, None
+        dw = None
+        if ctx.defer is not None:
+            _file(ctx.defer, lambda: _wgrad(dy, h))
+        elif ctx.needs_input_grad[1]:
+            dw = _wgrad(dy, h)
+        return dh, dw, None, None, None
 
 
 # ------------------------------------------------------- vocab-parallel cross-entropy

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from colossal_lab import hardware, mfu, timing
+from colossal_lab import grad_norm, hardware, mfu, timing
 from colossal_lab.config import ModelConfig, Switches
 from colossal_lab.model import build_model
 from colossal_lab.switches import compile as compile_switch
@@ -84,10 +84,8 @@ def make_step(model, optimizer, loss_fn: LossFn = our_loss, micro_batches: int =
         sync.finish()  # every rank's gradients: the mean over the data-parallel ranks
         if scaler is not None:
             scaler.unscale_(optimizer)
-        if clip is not None and hasattr(optimizer, "clip_grad_norm_"):
-            optimizer.clip_grad_norm_(clip)  # applied inside its step (FusedAdamW)
-        elif clip is not None:
-            torch.nn.utils.clip_grad_norm_(inner.parameters(), clip)
+        if clip is not None:  # by the whole model's norm, also when split over ranks;
+            grad_norm.clip_(inner, optimizer, clip)  # FusedAdamW: inside its step
         if deferred is not None:  # applied during the next forward, or by `flush`
             deferred.defer()
             return total

@@ -1,9 +1,11 @@
-"""The two-GPU benchmarks on the CPU: `bench sequence_parallel_step` and `bench
-pipeline_measured` in their quick form (two gloo processes, the tiny model), their
-derived fields, the bubble formula, and the refusal of a measured run without CUDA."""
+"""The multi-GPU step benchmarks on the CPU: `bench sequence_parallel_step` and `bench
+pipeline_measured` in their quick form (two gloo processes, the tiny model; once more on
+four, where TP = 4 and p = 4), their derived fields, the bubble formula, and the refusal
+of a measured run without CUDA or at a world size they do not measure."""
 
 import copy
 import math
+import os
 import subprocess
 import sys
 
@@ -24,6 +26,16 @@ def sp_rows():
 @pytest.fixture(scope="module")
 def pp_rows():
     return pm.run(quick=True)
+
+
+@pytest.fixture(scope="module")
+def sp_rows_4():
+    return sps.run(quick=True, world=4)
+
+
+@pytest.fixture(scope="module")
+def pp_rows_4():
+    return pm.run(quick=True, world=4)
 
 
 # ------------------------------------------------------------- sequence_parallel_step
@@ -49,6 +61,23 @@ def test_sequence_parallel_quick_rows(sp_rows):
         assert r["activation_gib"] is None  # no allocator statistics on a CPU
     assert by["all_reduce"]["vs_tp"] == 1.0 and by["all_reduce"]["loss_diff"] == 0.0
     assert integrity.check_rows({"rows": sp_rows}) == []
+
+
+def test_sequence_parallel_quick_rows_at_four_ranks(sp_rows_4):
+    """TP = 4 (the tiny model's 2 key/value heads each on two ranks): every mode that
+    runs here agrees with plain TP, per-GPU throughput is a quarter of the group's."""
+    assert [r["mode"] for r in sp_rows_4] == list(sps.MODES)
+    by = {r["mode"]: r for r in sp_rows_4}
+    assert "symm_mem" in by["symm_mem"]["skipped"]
+    for r in sp_rows_4:
+        assert r["tp"] == r["world"] == 4
+    for mode in ("all_reduce", "split_gather", "ring"):
+        r = by[mode]
+        assert r["mode_ran"] == mode and "error" not in r
+        assert r["loss_ok"] and r["loss_step2"] != r["loss_step1"]
+        assert math.isclose(r["tokens_per_s_per_gpu"], r["tokens_per_s"] / 4)
+        assert len(r["peak_mem_gib_per_rank"]) == 4
+    assert integrity.check_rows({"rows": sp_rows_4}) == []
 
 
 def test_sequence_parallel_integrity_catches_a_bad_ratio(sp_rows):
@@ -92,6 +121,32 @@ def test_pipeline_quick_rows(pp_rows):
     assert any("bubble" in p for p in integrity.check_rows({"rows": bad}))
 
 
+def test_pipeline_quick_rows_at_four_ranks(pp_rows_4):
+    """p = 4: every schedule runs (8 layers, one per ZB-V virtual stage; m = 8) and
+    matches 1F1B's gradients and loss; the bubble is against the simulator at p = 4."""
+    rows = [r for r in pp_rows_4 if "schedule" in r]
+    assert pm.quick_sizes(4) == (8, (8,))
+    assert [r["schedule"] for r in rows] == list(pm.SCHEDULES)
+    base = rows[0]
+    for r in rows:
+        assert (r["p"], r["world"], r["m"], r["layers"]) == (4, 4, 8, 8)
+        assert "error" not in r and "skipped" not in r, r.get("error") or r.get("skipped")
+        assert r["grad_ok"] and r["loss_ok"] and r["grad_max_abs"] > 0
+        assert len(r["useful_ms_per_rank"]) == 4
+        assert 0 < r["bubble_sim"] < 1
+        assert math.isclose(r["speedup_vs_1f1b"], base["step_ms"] / r["step_ms"])
+    zbv = next(r for r in rows if r["schedule"] == "zbv")
+    assert zbv["chunks"] == 2
+    assert zbv["useful_ms_per_rank"][0] == max(zbv["useful_ms_per_rank"])  # the head
+    assert integrity.check_rows({"rows": pp_rows_4}) == []
+
+
+def test_quick_and_measured_sizes_follow_p():
+    assert pm.quick_sizes(pm.P) == (pm.QUICK["layers"], pm.QUICK["ms"])
+    assert pm.MS == {2: (4, 8, 16), 4: (8, 16, 32)}  # issue #21's m at p = 4
+    assert set(pm.MS) == set(two_gpu.WORLDS)
+
+
 FBW = [{"kind": "measure", "part": "layer", "f_ms": 1.0, "b_ms": 2.0, "w_ms": 1.0,
         "f_undivided_ms": 1.0, "full_bwd_ms": 3.0},
        {"kind": "measure", "part": "head", "f_ms": 0.5, "b_ms": 1.0, "w_ms": 0.5,
@@ -105,6 +160,14 @@ FBW = [{"kind": "measure", "part": "layer", "f_ms": 1.0, "b_ms": 2.0, "w_ms": 1.
     ("torch-zbv", [4 * 18.0, 4 * 16.0])])
 def test_useful_time_per_rank(schedule, want):
     assert pm.useful_per_rank(FBW, schedule, m=4, num_layers=8) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("schedule, want", [
+    ("1f1b", [8 * 8.0, 8 * 8.0, 8 * 8.0, 8 * 10.0]),  # 2 layers each, the head last
+    ("zbv", [8 * 10.0, 8 * 8.0, 8 * 8.0, 8 * 8.0])])  # rank 0: stages 0 and 7, the head
+def test_useful_time_per_rank_at_four(schedule, want):
+    got = pm.useful_per_rank(FBW, schedule, m=8, num_layers=8, p=4)
+    assert got == pytest.approx(want)
 
 
 def test_bubble_formula_known_numbers():
@@ -128,6 +191,10 @@ def test_simulated_bubble_is_the_simulators():
     want = pipeline_sim.simulate_rows(rows, ps=(2,), ms=(8,), schedules=("zbv",),
                                       links=(pm.SIM_LINK,), num_layers=8)[0]
     assert got["bubble_sim"] == want["bubble"] and got["sim_schedule"] == "zbv"
+    got = pm._sim(rows, "zbv", 8, 8, p=4)
+    want = pipeline_sim.simulate_rows(rows, ps=(4,), ms=(8,), schedules=("zbv",),
+                                      links=(pm.SIM_LINK,), num_layers=8)[0]
+    assert got["bubble_sim"] == want["bubble"]
 
 
 def test_compare_grads_sees_a_difference():
@@ -152,13 +219,54 @@ def test_refuses_without_cuda(name):
     assert len(lines) == 1 and "needs CUDA" in lines[0] and name in lines[0]
 
 
-def test_refuses_a_world_of_four(monkeypatch):
+def test_refusal_by_world_size(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert "exactly 2 ranks" in two_gpu.refusal(quick=False)
+    assert "exactly 2 ranks" in two_gpu.refusal(quick=False)  # composed_parallel's
+    assert two_gpu.refusal(quick=False, worlds=two_gpu.WORLDS) is None
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    why = two_gpu.refusal(quick=False, worlds=two_gpu.WORLDS)
+    assert "needs 2 or 4 ranks (world size is 3)" in why
+    assert "--nproc-per-node 2 or 4" in why
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert two_gpu.refusal(quick=False) is None
+    assert two_gpu.refusal(quick=False, worlds=two_gpu.WORLDS) is None
     assert two_gpu.refusal(quick=True) is None
+
+
+@pytest.mark.parametrize("module", [sps, pm], ids=["sequence_parallel_step",
+                                                   "pipeline_measured"])
+def test_refuses_a_world_of_three(module, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        module.main([])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and module.NAME in lines[0] and "2 or 4 ranks" in lines[0]
+    assert "NCCL_NVLS_ENABLE" not in os.environ  # refused before touching anything
+
+
+@pytest.mark.parametrize("module", [sps, pm], ids=["sequence_parallel_step",
+                                                   "pipeline_measured"])
+def test_world_flag_is_for_quick_runs(module, capsys):
+    for argv, says in ((["--quick", "--world", "3"], "invalid choice"),
+                       (["--world", "4"], "--world 4 is for --quick")):
+        with pytest.raises(SystemExit) as e:
+            module.main(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_save_writes_the_world_it_ran_at(monkeypatch):
+    from colossal_lab import results
+
+    saved = {}
+    monkeypatch.setattr(results, "save_results", lambda name, rows, **kw: saved.update(kw))
+    two_gpu.save("pipeline_measured", [], {}, ["--ms", "8"], world=4)
+    assert saved["command"] == ("torchrun --nproc-per-node 4 -m colossal_lab bench "
+                                "pipeline_measured --ms 8")
+    assert saved["gpu"].endswith("x4")
 
 
 def test_a_failing_case_becomes_its_rows_error():

@@ -41,6 +41,9 @@ from colossal_lab.switches.apply import apply_switches
 
 NAMES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]
 M = 4
+TP_PP = [("1f1b", "all_reduce"), ("zbv", "split_gather"), ("zb-h1", "ring"),
+         ("zbv", "all_reduce")]
+"""pp = 2 × tp = 2 cases: every tensor-parallel mode ours, split and unsplit backward."""
 
 
 def _cases(p: int) -> dict:
@@ -58,7 +61,10 @@ CASES_4 = {**_cases(4),
            ("switches", "zbv pp=2 dp=2 overlap"): (
                "switches", "zbv", {"pp": 2, "dp": 2, "m": M, "dp_backend": True,
                                    "overlap_p2p": False}),
-           ("switches", "interleaved pp=4"): ("switches", "interleaved", {"pp": 4, "m": M})}
+           ("switches", "interleaved pp=4"): ("switches", "interleaved", {"pp": 4, "m": M}),
+           **{("switches", f"{style} pp=2 tp=2 {mode}"): (
+               "switches", style, {"pp": 2, "tp": 2, "tp_mode": mode, "m": M})
+              for style, mode in TP_PP}}
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +168,28 @@ def test_apply_switches_pipeline_and_data_parallel(key, p, two_ranks, four_ranks
     for r in _ranks(p, two_ranks, four_ranks):
         v = r[("switches", key)]
         assert v["params"] > 0 and v["ok"] and v["loss_ok"], _verdict(v)
+        assert v["norm_ok"], (v["norm"], v["ref_norm"])  # the clipping norm, whole
+
+
+@pytest.mark.parametrize("style,mode", TP_PP)
+def test_pipeline_with_tensor_parallel_stages(style, mode, four_ranks):
+    """pp = 2 × tp = 2: each stage holds its tp rank's shards (sequence shards between
+    stages under SP, the vocabulary-parallel head and loss on the last); the gradients,
+    gathered whole, are one process's. Under a split backward every tensor-parallel
+    linear's weight gradient (communication included) runs in W: each rank's W ran
+    jobs, 4 linears a layer and the head, per micro-batch; none without the split."""
+    last = sch.make(style, 2, M).num_stages - 1  # one decoder layer per stage
+    for r in four_ranks:
+        v = r[("switches", f"{style} pp=2 tp=2 {mode}")]
+        assert v["params"] > 0 and v["ok"] and v["loss_ok"], _verdict(v)
+        assert v["counts"] == _expected_counts(style, M), v["counts"]
+        assert v["norm_ok"], (v["norm"], v["ref_norm"])
+        if style == "1f1b":
+            assert v["deferred"] == 0
+        else:
+            head = 1 if last in v["stages"] else 0
+            assert v["deferred"] == M * (4 * len(v["stages"]) + head), (v["deferred"],
+                                                                        v["stages"])
 
 
 # ------------------------------------------------------- one process, no transfers

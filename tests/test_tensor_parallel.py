@@ -28,7 +28,7 @@ import os
 import pytest
 import torch
 
-from colossal_lab import distributed
+from colossal_lab import distributed, grad_norm
 from colossal_lab.config import Switches, tiny
 from colossal_lab.correctness import max_abs_err
 from colossal_lab.fallback import BackendUnavailable
@@ -78,8 +78,12 @@ def through_apply_switches(mode: str, ckpt: bool) -> dict:
     loss.backward()
     loss_ref = ref(ids[:, :-1], ids[:, 1:])
     loss_ref.backward()
+    norm_ref = torch.stack([p.grad.norm() for p in ref.parameters()]).norm().item()
     return {**_compare(model, ref, loss.item(), loss_ref.item()), "mode": model.tp.mode,
-            "switches": model.switches == sw}
+            "switches": model.switches == sw, "norm": grad_norm.total_norm(model).item(),
+            "norm_ref": norm_ref,
+            "own_norm": torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+            .item()}
 
 
 def with_data_parallel() -> dict:
@@ -251,6 +255,18 @@ def test_through_apply_switches_with_checkpointing(world, two_ranks, four_ranks)
         for (mode, ckpt), res in out["apply"].items():
             assert res["mode"] == mode and res["switches"]
             assert res["ok"], f"rank {r}/{world}, ckpt={ckpt}: {_verdict(res)}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradient_norm_is_the_whole_models(world, two_ranks, four_ranks):
+    """`grad_norm.total_norm` of the split model is one process's norm on every rank
+    (at tp = 4 the tiny model's two key/value heads are replicated, counted once); a
+    rank's own parameters alone give another norm, which clipping must not use."""
+    ranks = two_ranks if world == 2 else four_ranks
+    for r, out in enumerate(ranks):
+        for case, res in out["apply"].items():
+            assert abs(res["norm"] - res["norm_ref"]) <= 1e-5 * res["norm_ref"], (r, case)
+            assert abs(res["own_norm"] - res["norm_ref"]) > 1e-3 * res["norm_ref"], case
 
 
 def test_tensor_and_data_parallel_on_one_mesh(four_ranks):

@@ -35,8 +35,10 @@ invocations build one file::
     torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link sockets
     python -m colossal_lab bench collectives --quick   # 2 gloo processes on this CPU
 
-`--quick` is a smoke test: 2 CPU processes on gloo over loopback, `QUICK_SIZES`, a few
-reps, nothing saved: it exercises the code, it measures no GPU.
+The world n is whatever torchrun launched (``--nproc-per-node 4`` on four GPUs: the
+rows carry ``world`` and their bus factor, and go to ``results/<gpu>x4``).
+`--quick` is a smoke test: 2 CPU processes (or ``--world 4``) on gloo over loopback,
+`QUICK_SIZES`, a few reps, nothing saved: it exercises the code, it measures no GPU.
 """
 
 from __future__ import annotations
@@ -184,13 +186,15 @@ def _quick_worker(link: str, sizes, warmup: int, reps: int) -> list[dict]:
 
 
 def run(quick: bool = False, *, link: str = "nvlink", reps: int | None = None,
-        sizes: Sequence[int] | None = None, progress: bool = True) -> list[dict]:
-    """The rows of one link setting. `quick`: 2 gloo processes on this CPU (`spawn`),
-    `QUICK_SIZES`, a few reps; rank 0's rows. Otherwise call it on every rank of a
-    torchrun job (`main` does): NCCL on the GPUs, every rank returns the rows."""
+        sizes: Sequence[int] | None = None, progress: bool = True,
+        world: int = two_gpu.WORLD) -> list[dict]:
+    """The rows of one link setting. `quick`: `world` gloo processes on this CPU
+    (`spawn`), `QUICK_SIZES`, a few reps; rank 0's rows. Otherwise call it on every rank
+    of a torchrun job (`main` does): NCCL on the GPUs, every rank returns the rows."""
     if quick:  # NCCL's link settings mean nothing to gloo: say where it ran
-        return distributed.spawn(_quick_worker, 2, QUICK_LINK, tuple(sizes or QUICK_SIZES),
-                                 QUICK_WARMUP, reps or QUICK_REPS, timeout_s=120)[0]
+        return distributed.spawn(_quick_worker, world, QUICK_LINK,
+                                 tuple(sizes or QUICK_SIZES), QUICK_WARMUP,
+                                 reps or QUICK_REPS, timeout_s=120)[0]
     reps = reps or REPS
     if reps < 20:
         raise ValueError(f"reps={reps}: time at least 20 reps, or the p10-p90 spread "
@@ -240,12 +244,15 @@ def main(argv=None) -> None:
     p.add_argument("--link", choices=LINKS, default="nvlink",
                    help="NCCL transport between the GPUs (default: nvlink)")
     p.add_argument("--quick", action="store_true",
-                   help="2 gloo processes on this CPU (link 'loopback', --link ignored), "
-                   "tiny messages, not saved")
+                   help="gloo processes on this CPU (link 'loopback', --link ignored), "
+                   "tiny messages, not saved; a measured run takes torchrun's world (2 or "
+                   "more)")
+    two_gpu.add_world_arg(p)
     p.add_argument("--reps", type=int, default=None, help=f"timed reps (default {REPS})")
     a = p.parse_args(argv)
+    world = two_gpu.quick_world(p, a)
     if a.quick:
-        rows = run(True, link=a.link, reps=a.reps)
+        rows = run(True, link=a.link, reps=a.reps, world=world)
         print(summary(rows))
         return
     two_gpu.refuse(NAME, quick=False, at_least=True)

@@ -53,10 +53,14 @@ Run once per link; each invocation replaces its link's and presets' rows in
 ``results/<gpu>x<n>/grad_overlap_measured.json`` (`results.merge_rows`)::
 
     torchrun --nproc-per-node 2 -m colossal_lab bench grad_overlap_measured --link nvlink
+    torchrun --nproc-per-node 4 -m colossal_lab bench grad_overlap_measured --link nvlink
     python -m colossal_lab bench grad_overlap_measured --quick   # 2 gloo CPU processes
 
-`--quick`: the tiny model in fp32, sequence 32, 2 gloo processes on this CPU
-(`distributed.spawn`), buckets of `QUICK_BUCKET_ELEMS`, a few steps, nothing saved.
+`--quick`: the tiny model in fp32, sequence 32, 2 gloo processes on this CPU (or
+``--world 4``; `distributed.spawn`), buckets of `QUICK_BUCKET_ELEMS`, a few steps,
+nothing saved. N is whatever torchrun launched (2 or more): the per-rank batch stays,
+the global batch is N times it, and the model's all-reduce time uses N
+(``2(N−1)/N``, cancelled by the bus bandwidth measured at the same N).
 """
 
 from __future__ import annotations
@@ -382,12 +386,13 @@ def _quick_worker(link: str) -> list[dict]:
 
 
 def run(quick: bool = False, *, link: str = "nvlink", presets: Sequence[str] = PRESETS,
-        iters: int | None = None, progress: bool = True) -> list[dict]:
-    """One link setting's rows. `quick`: 2 gloo processes on this CPU (`spawn`), rank
-    0's rows. Otherwise on every rank of a torchrun job (`main`)."""
+        iters: int | None = None, progress: bool = True,
+        world: int = two_gpu.WORLD) -> list[dict]:
+    """One link setting's rows. `quick`: `world` gloo processes on this CPU (`spawn`),
+    rank 0's rows. Otherwise on every rank of a torchrun job (`main`)."""
     if quick:
-        return distributed.spawn(_quick_worker, 2, collectives.QUICK_LINK, timeout_s=240,
-                                 collective_timeout_s=60)[0]
+        return distributed.spawn(_quick_worker, world, collectives.QUICK_LINK,
+                                 timeout_s=240, collective_timeout_s=60)[0]
     iters = iters or ITERS
     if iters < 20:
         raise ValueError(f"iters={iters}: time at least 20 steps, or the p10-p90 spread "
@@ -434,16 +439,18 @@ def main(argv=None) -> None:
     p.add_argument("--presets", nargs="+", default=list(PRESETS),
                    help=f"model presets (default: {' '.join(PRESETS)})")
     p.add_argument("--quick", action="store_true",
-                   help="tiny model, 2 gloo processes on this CPU (link 'loopback', --link "
-                   "ignored), not saved")
+                   help="tiny model, gloo processes on this CPU (link 'loopback', --link "
+                   "ignored), not saved; a measured run takes torchrun's world (2 or more)")
+    two_gpu.add_world_arg(p)
     p.add_argument("--iters", type=int, default=None, help=f"timed steps (default {ITERS})")
     a = p.parse_args(argv)
+    world = two_gpu.quick_world(p, a)
     from colossal_lab.config import preset
 
     for name in a.presets:  # an unknown name fails here, not after minutes of setup
         preset(name)
     if a.quick:
-        print(summary(run(True, link=a.link)))
+        print(summary(run(True, link=a.link, world=world)))
         return
     two_gpu.refuse(NAME, quick=False, at_least=True)
     link_env = collectives.set_link(a.link)  # before init: NCCL reads it once

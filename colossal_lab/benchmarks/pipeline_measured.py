@@ -1,15 +1,16 @@
-"""Switch 7 measured: pipeline schedules on two GPUs (p = 2), side by side in one run,
-against what `pipeline_sim`'s simulator predicts for the same p, m and costs.
+"""Switch 7 measured: pipeline schedules on p GPUs (p = the world size, 2 or 4), side
+by side in one run, against what `pipeline_sim`'s simulator predicts for the same p, m
+and costs.
 
-On two ranks (``torchrun --nproc-per-node 2``, NCCL, NVLink multicast off), `llama-7b-8l`
+On p ranks (``torchrun --nproc-per-node p``, NCCL, NVLink multicast off), `llama-7b-8l`
 at sequence 4096, micro-batch 1, the best bf16 switches but the fused cross-entropy
 (``config.SWITCH_SETS["best"]``; torch's schedules compute the loss from the logits,
-and every schedule gets the same head), for m in `MS` micro-batches and each of
-`SCHEDULES`:
+and every schedule gets the same head), for m in `MS` micro-batches (4, 8, 16 at p = 2;
+8, 16, 32 at p = 4) and each of `SCHEDULES`:
 
-* "1f1b": ours (`pipeline.runtime`), two stages of 4 layers;
+* "1f1b": ours (`pipeline.runtime`), p stages of 8/p layers;
 * "zb-h1": ours, the backward split into B and W, W filling the bubbles;
-* "zbv": ours, two chunks per rank in a V (rank 0 holds stages 0 and 3);
+* "zbv": ours, two chunks per rank in a V (rank 0 holds stages 0 and 2p − 1);
 * "torch-zbv": ``torch.distributed.pipelining.ScheduleZBVZeroBubble`` on the same
   stages (`stages.Stage`), the V placement and the same loss, or a row saying why not
   (a torch without the class).
@@ -40,11 +41,13 @@ simulator's bubble for the same schedule, p, m and costs on NVLink 4 (`SIM_LINK`
 torch's ZB-V against our ZB-V's order), ``sim_step_ms`` its step, ``bubble_vs_sim =
 bubble / bubble_sim``. ``speedup_vs_1f1b = step_ms_1f1b / step_ms`` at the same m.
 
-    torchrun --nproc-per-node 2 -m colossal_lab bench pipeline_measured
+    torchrun --nproc-per-node 2 -m colossal_lab bench pipeline_measured   # p = 2
+    torchrun --nproc-per-node 4 -m colossal_lab bench pipeline_measured   # p = 4
     python -m colossal_lab bench pipeline_measured --quick   # 2 gloo CPU processes
+    python -m colossal_lab bench pipeline_measured --quick --world 4   # p = 4 on gloo
 
-The quick run: the tiny model with 4 layers (ZB-V needs a layer per virtual stage),
-fp32, gloo, m = 4, a few steps; checks and prints, saves nothing.
+The quick run: the tiny model with 2p layers (ZB-V needs a layer per virtual stage),
+fp32, gloo, m = 2p, a few steps (`quick_sizes`); checks and prints, saves nothing.
 """
 
 from __future__ import annotations
@@ -61,7 +64,11 @@ from colossal_lab.benchmarks import two_gpu as two
 NAME = pipeline_sim.MEASURED
 PRESET, SEQ_LEN, MICRO_BATCH = "llama-7b-8l", 4096, 1
 P = 2
-MS = (4, 8, 16)
+"""The pipeline depth at two ranks (`composed_parallel`'s PP 2); this benchmark's p is
+the world size torchrun launched (`two_gpu.WORLDS`)."""
+MS = {2: (4, 8, 16), 4: (8, 16, 32)}
+"""Micro-batches per step at each p: m = 2p .. 8p, where the bubbles of 1F1B and ZB-H1
+shrink as (p − 1)/(m + p − 1) and ZB-V fills (m >= p)."""
 SCHEDULES = ("1f1b", "zb-h1", "zbv", "torch-zbv")
 WARMUP, ITERS = 2, 20
 """Untimed steps after the checking step, then timed steps (>= 20)."""
@@ -72,6 +79,14 @@ GRAD_RTOL = {"bf16-pure": 2e-2, "bf16": 2e-2, "fp32": 1e-5}
 """Largest gradient difference against 1F1B, over the largest 1F1B gradient."""
 QUICK = {"preset": "tiny", "layers": 4, "seq_len": 32, "ms": (4,), "warmup": 1,
          "iters": 3, "fbw_warmup": 1, "fbw_reps": 3}
+"""The CPU smoke test at p = 2 (`composed_parallel` reads its layers and m); at other p
+`quick_sizes` scales layers and m with p."""
+
+
+def quick_sizes(p: int) -> tuple[int, tuple[int, ...]]:
+    """(layers, ms) of the quick run at p: `QUICK`'s at p = 2, scaled by p / 2, so ZB-V
+    keeps one layer per virtual stage (2p) and m = 2p micro-batches fill its V."""
+    return QUICK["layers"] * p // P, tuple(m * p // P for m in QUICK["ms"])
 
 
 def bubble(useful_ms_per_rank, step_ms: float) -> float:
@@ -79,27 +94,28 @@ def bubble(useful_ms_per_rank, step_ms: float) -> float:
     return 1.0 - sum(useful_ms_per_rank) / (len(useful_ms_per_rank) * step_ms)
 
 
-def useful_per_rank(fbw: list[dict], schedule: str, m: int, num_layers: int) -> list[float]:
-    """m · Σ (F + B + W) of the stages each rank holds, ms, from the measured per-layer
-    costs (`pipeline_sim.measure` rows)."""
+def useful_per_rank(fbw: list[dict], schedule: str, m: int, num_layers: int,
+                    p: int = P) -> list[float]:
+    """m · Σ (F + B + W) of the stages each of the `p` ranks holds, ms, from the
+    measured per-layer costs (`pipeline_sim.measure` rows)."""
     from colossal_lab.pipeline import schedules as sch
 
     layer = next(r for r in fbw if r.get("kind") == "measure" and r["part"] == "layer")
     head = next(r for r in fbw if r.get("kind") == "measure" and r["part"] == "head")
     v = schedule in ("zbv", "torch-zbv")
-    S = P * (2 if v else 1)
+    S = p * (2 if v else 1)
     split = schedule != "1f1b"
     fs, bs, ws = pipeline_sim.stage_costs(layer, head, num_layers, S, split)
-    placement = sch.v_placement(P) if v else sch.linear_placement(P)
-    out = [0.0] * P
+    placement = sch.v_placement(p) if v else sch.linear_placement(p)
+    out = [0.0] * p
     for s, r in enumerate(placement):
         out[r] += m * (fs[s] + bs[s] + ws[s])
     return out
 
 
-def _sim(fbw: list[dict], schedule: str, m: int, num_layers: int) -> dict:
+def _sim(fbw: list[dict], schedule: str, m: int, num_layers: int, p: int = P) -> dict:
     ours = "zbv" if schedule == "torch-zbv" else schedule
-    row = pipeline_sim.simulate_rows(fbw, ps=(P,), ms=(m,), schedules=(ours,),
+    row = pipeline_sim.simulate_rows(fbw, ps=(p,), ms=(m,), schedules=(ours,),
                                      links=(SIM_LINK,), num_layers=num_layers)[0]
     return {"bubble_sim": row["bubble"], "sim_step_ms": row["step_ms"],
             "sim_schedule": ours, "sim_link": SIM_LINK}
@@ -128,9 +144,9 @@ def _ours(schedule: str, model, sw, mesh, m: int):
     return piped.step, grads, piped, opt
 
 
-def _torch_zbv(model, sw, m: int, device):
-    """(step, named grads, holder, optimizer) of torch's ZB-V on our V-placed stages, or
-    why it cannot run here."""
+def _torch_zbv(model, sw, m: int, device, p: int = P):
+    """(step, named grads, holder, optimizer) of torch's ZB-V on our V-placed stages of
+    a p-rank pipeline (the whole world), or why it cannot run here."""
     from torch.distributed import pipelining
 
     from colossal_lab.pipeline import check
@@ -144,8 +160,8 @@ def _torch_zbv(model, sw, m: int, device):
     if cls is None:
         return f"torch {torch.__version__} has no {check.TORCH_PEERS['zbv']}"
     model = apply_switches(model, sw)
-    S = 2 * P
-    placement = sch.v_placement(P)
+    S = 2 * p
+    placement = sch.v_placement(p)
     rank = distributed.rank()
     mine = build_stages(model, placement, rank)
     pipes = []
@@ -188,7 +204,7 @@ def _build(schedule: str, cfg, sw, mesh, m: int, device):
     torch.manual_seed(0)
     model = build_model(cfg, device)
     if schedule == "torch-zbv":
-        return _torch_zbv(model, sw, m, device)
+        return _torch_zbv(model, sw, m, device, mesh["pp"].size())
     return _ours(schedule, model, sw, mesh, m)
 
 
@@ -225,23 +241,26 @@ def compare_grads(mine: dict, ref: dict, device) -> tuple[float, float]:
 
 
 def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
-    """The benchmark on every rank of a two-rank group (already initialised); returns
-    the rows (the same on every rank)."""
+    """The benchmark on every rank of a group (already initialised) that is one
+    pipeline of p = its world size; returns the rows (the same on every rank)."""
     from colossal_lab import data
     from colossal_lab.config import preset
 
     e = distributed.env()
+    p = e.world_size
     q = QUICK if quick else None
     preset_name = q["preset"] if quick else PRESET
     seq_len = q["seq_len"] if quick else SEQ_LEN
-    ms = ms or (q["ms"] if quick else MS)
+    if ms is None and not quick and p not in MS:
+        raise ValueError(f"p={p} has no default m (MS has p in {sorted(MS)}): pass --ms")
+    ms = ms or (quick_sizes(p)[1] if quick else MS[p])
     warmup, iters = (q["warmup"], q["iters"]) if quick else (WARMUP, ITERS)
     cfg = preset(preset_name)
     if quick:
-        cfg = cfg.replace(num_hidden_layers=q["layers"])
+        cfg = cfg.replace(num_hidden_layers=quick_sizes(p)[0])
     L = cfg.num_hidden_layers
     sw = two.switches_for(quick)
-    mesh = distributed.make_mesh(pp=P)
+    mesh = distributed.make_mesh(pp=p)
     fbw = pipeline_sim.measure(preset_name, seq_len, MICRO_BATCH, switches=sw,
                                warmup=q["fbw_warmup"] if quick else FBW_WARMUP,
                                reps=q["fbw_reps"] if quick else FBW_REPS, device=e.device)
@@ -257,7 +276,7 @@ def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
         ref_grads, base = None, None
         for schedule in schedules:
             row = {"schedule": schedule, "impl": "torch" if schedule.startswith("torch")
-                   else "ours", "p": P, "m": m, "chunks": 2 if "zbv" in schedule else 1,
+                   else "ours", "p": p, "m": m, "chunks": 2 if "zbv" in schedule else 1,
                    "micro_batch": MICRO_BATCH, "batch": m * MICRO_BATCH,
                    "seq_len": seq_len, "preset": preset_name, "layers": L,
                    "precision": sw.precision, "world": e.world_size}
@@ -309,10 +328,10 @@ def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
             row.update(t, peak_mem_gib_per_rank=peaks,
                        peak_mem_gib=None if None in peaks else max(peaks))
             row["tokens_per_s"] = row["batch"] * seq_len / (row["step_ms"] / 1e3)
-            row["useful_ms_per_rank"] = useful_per_rank(fbw, schedule, m, L)
+            row["useful_ms_per_rank"] = useful_per_rank(fbw, schedule, m, L, p)
             row["costs_from"] = "pipeline_sim.measure"
             row["bubble"] = bubble(row["useful_ms_per_rank"], row["step_ms"])
-            row.update(_sim(fbw, schedule, m, L))
+            row.update(_sim(fbw, schedule, m, L, p))
             if row["bubble_sim"]:
                 row["bubble_vs_sim"] = row["bubble"] / row["bubble_sim"]
             if schedule == "1f1b":
@@ -336,9 +355,9 @@ def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False) -> list[dict]:
-    """Rank 0's rows (`two_gpu.run`): two gloo CPU processes with `quick`."""
-    return two.run(run_ranks, quick)
+def run(quick: bool = False, world: int = two.WORLD) -> list[dict]:
+    """Rank 0's rows (`two_gpu.run`): with `quick`, `world` gloo CPU processes (p)."""
+    return two.run(run_ranks, quick, world)
 
 
 COLUMNS = [("schedule", "schedule", ""), ("m", "m", "d"), ("step ms", "step_ms", ".1f"),
@@ -348,9 +367,9 @@ COLUMNS = [("schedule", "schedule", ""), ("m", "m", "d"), ("step ms", "step_ms",
            ("vs 1F1B", "speedup_vs_1f1b", ".3f"), ("grad diff", "grad_max_abs_diff", ".1e")]
 
 
-def config_of() -> dict:
-    return {"preset": PRESET, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "p": P,
-            "ms": list(MS), "schedules": list(SCHEDULES), "warmup": WARMUP,
+def config_of(p: int = P) -> dict:
+    return {"preset": PRESET, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "p": p,
+            "ms": list(MS.get(p, ())), "schedules": list(SCHEDULES), "warmup": WARMUP,
             "iters": ITERS, "check_steps": 1, "fbw_reps": FBW_REPS,
             "switches": repr(two.switches_for(False)), "grad_rtol": GRAD_RTOL,
             "clip": None, "sim_link": SIM_LINK,
@@ -361,15 +380,23 @@ def config_of() -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="switch 7 measured: schedules at p = 2")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--ms", type=int, nargs="*")
+    p = argparse.ArgumentParser(
+        prog=f"bench {NAME}", description="switch 7 measured: schedules at p = the world "
+        f"size ({two._either(two.WORLDS)}: torchrun's --nproc-per-node, or --world with "
+        "--quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model (2p layers), fp32, gloo processes here, not saved")
+    two.add_world_arg(p)
+    p.add_argument("--ms", type=int, nargs="*",
+                   help="micro-batches per step (default at p = 2: "
+                   f"{' '.join(map(str, MS[2]))}; at p = 4: {' '.join(map(str, MS[4]))})")
     p.add_argument("--schedules", nargs="*", choices=SCHEDULES)
     argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
-    two.refuse_or_init(NAME, a.quick)
+    world = two.quick_world(p, a)
+    two.refuse_or_init(NAME, a.quick, two.WORLDS)
     if a.quick:
-        rows = run(True)
+        rows = run(True, world)
         two.print_table([r for r in rows if "schedule" in r], COLUMNS)
         return
     schedules = a.schedules or SCHEDULES
@@ -379,5 +406,5 @@ def main(argv=None) -> None:
         rows = run_ranks(False, ms=a.ms, schedules=schedules)
     if distributed.is_main():
         two.print_table([r for r in rows if "schedule" in r], COLUMNS)
-        two.save(NAME, rows, config_of(), argv)
+        two.save(NAME, rows, config_of(distributed.world_size()), argv)
     distributed.destroy()

@@ -1,8 +1,9 @@
-"""Switch 5 measured: a training step of `llama-7b-8l` on two GPUs, tensor parallel
-(TP = 2), in each of its communication modes, side by side in one run.
+"""Switch 5 measured: a training step of `llama-7b-8l` on t GPUs, tensor parallel
+(TP = t, the world size: 2 or 4), in each of its communication modes, side by side in
+one run.
 
 `sequence_parallel_gemm` predicts from one GPU what each scheme leaves exposed; this
-benchmark runs them. On two ranks (``torchrun --nproc-per-node 2``, NCCL, NVLink
+benchmark runs them. On t ranks (``torchrun --nproc-per-node t``, NCCL, NVLink
 multicast off: ``NCCL_NVLS_ENABLE=0``), for sequence lengths `SEQ_LENS` (batch
 `BATCH[seq]`: 8192 tokens a step either way) and each mode of `MODES`:
 
@@ -25,10 +26,10 @@ in each mode; fp32 on the CPU agrees to rounding). The difference is recorded
 (``loss_diff``, the larger of the two) with ``loss_ok``.
 
 **Timing.** `WARMUP` more steps, then `ITERS` timed with CUDA events
-(`timing.time_iterations`); a step's time is the slower rank's (an all-reduce of MAX
-over the two ranks' times of that step), so ``step_ms`` is the median of those, with
-p10 and p90. tokens/s counts the batch once (both ranks work on the same tokens):
-``tokens_per_s = batch · seq / step``, ``tokens_per_s_per_gpu`` half of it.
+(`timing.time_iterations`); a step's time is the slowest rank's (an all-reduce of MAX
+over the ranks' times of that step), so ``step_ms`` is the median of those, with
+p10 and p90. tokens/s counts the batch once (every rank works on the same tokens):
+``tokens_per_s = batch · seq / step``, ``tokens_per_s_per_gpu`` 1/t of it.
 
 **Memory**, per rank: ``peak_mem_gib`` (`torch.cuda.max_memory_allocated` over the
 timed steps, optimizer step included) and the probes of `memory.memory_probe` on one
@@ -42,11 +43,15 @@ the backward's transients and the gradients). Both per rank as lists and their m
 activation_gib / activation_gib_tp``; the plain-TP figures are in the row
 (``step_ms_tp``, ``activation_gib_tp``), so `integrity` recomputes both.
 
-    torchrun --nproc-per-node 2 -m colossal_lab bench sequence_parallel_step
+    torchrun --nproc-per-node 2 -m colossal_lab bench sequence_parallel_step   # TP 2
+    torchrun --nproc-per-node 4 -m colossal_lab bench sequence_parallel_step   # TP 4
     python -m colossal_lab bench sequence_parallel_step --quick   # 2 gloo CPU processes
+    python -m colossal_lab bench sequence_parallel_step --quick --world 4   # TP 4, gloo
 
-The quick run: the tiny model, fp32, gloo, two processes of `distributed.spawn`, a few
-steps; checks and prints, saves nothing.
+The quick run: the tiny model, fp32, gloo, two (or ``--world``) processes of
+`distributed.spawn`, a few steps; checks and prints, saves nothing. At TP 4 the tiny
+model's two key/value heads are each replicated on two ranks; `llama-7b-8l`'s 32 are
+sharded at either t.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from colossal_lab import distributed
 from colossal_lab.benchmarks import two_gpu
 from colossal_lab.benchmarks.two_gpu import (
     LOSS_RTOL,
-    WORLD,
+    WORLDS,
     attempt,
     per_rank,
     print_table,
@@ -78,6 +83,8 @@ BATCH = {4096: 2, 8192: 1}
 """Sequences per step at each length: 8192 tokens a step either way."""
 MODES = ("all_reduce", "split_gather", "ring", "symm_mem")
 TP = 2
+"""The TP degree at two ranks (`composed_parallel`'s TP 2); this benchmark's t is the
+world size torchrun launched (`two_gpu.WORLDS`)."""
 WARMUP, ITERS = 3, 25
 """Untimed steps after the two checking steps, then timed steps (>= 20)."""
 QUICK = {"preset": "tiny", "seq_lens": (32,), "batch": 2, "warmup": 1, "iters": 3}
@@ -130,8 +137,8 @@ def measure_mode(mode: str, cfg, sw, mesh, seq_len: int, batch: int, *, warmup: 
 
 
 def run_ranks(quick: bool = False, seq_lens=None, modes=MODES) -> list[dict]:
-    """The benchmark on every rank of a two-rank group (already initialised); returns
-    the rows (the same on every rank)."""
+    """The benchmark on every rank of a group (already initialised), TP over all of it
+    (t = its world size); returns the rows (the same on every rank)."""
     from colossal_lab.config import preset
 
     e = distributed.env()
@@ -141,7 +148,8 @@ def run_ranks(quick: bool = False, seq_lens=None, modes=MODES) -> list[dict]:
     warmup, iters = (q["warmup"], q["iters"]) if quick else (WARMUP, ITERS)
     cfg = preset(preset_name)
     sw = switches_for(quick)
-    mesh = distributed.make_mesh(tp=TP)
+    tp = e.world_size
+    mesh = distributed.make_mesh(tp=tp)
     group = mesh.get_group("tp")
     rtol = LOSS_RTOL.get(sw.precision, 5e-3)
     rows = []
@@ -149,7 +157,7 @@ def run_ranks(quick: bool = False, seq_lens=None, modes=MODES) -> list[dict]:
         batch = q["batch"] if quick else BATCH[seq_len]
         base = None
         for mode in modes:
-            row = {"mode": mode, "seq_len": seq_len, "batch": batch, "tp": TP,
+            row = {"mode": mode, "seq_len": seq_len, "batch": batch, "tp": tp,
                    "world": e.world_size, "preset": preset_name,
                    "precision": sw.precision, "loss_rtol": rtol}
             why = unavailable(mode, group)
@@ -194,9 +202,9 @@ def run_ranks(quick: bool = False, seq_lens=None, modes=MODES) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False) -> list[dict]:
-    """Rank 0's rows (`two_gpu.run`): two gloo CPU processes with `quick`."""
-    return two_gpu.run(run_ranks, quick)
+def run(quick: bool = False, world: int = two_gpu.WORLD) -> list[dict]:
+    """Rank 0's rows (`two_gpu.run`): with `quick`, `world` gloo CPU processes (t)."""
+    return two_gpu.run(run_ranks, quick, world)
 
 
 COLUMNS = [("mode", "mode", ""), ("seq", "seq_len", "d"), ("step ms", "step_ms", ".1f"),
@@ -206,12 +214,12 @@ COLUMNS = [("mode", "mode", ""), ("seq", "seq_len", "d"), ("step ms", "step_ms",
            ("act vs TP", "act_vs_tp", ".3f"), ("loss diff", "loss_diff", ".1e")]
 
 
-def config_of(quick: bool = False) -> dict:
+def config_of(quick: bool = False, world: int = TP) -> dict:
     sw = switches_for(quick)
-    return {"preset": PRESET, "seq_lens": list(SEQ_LENS), "batch": BATCH, "tp": TP,
-            "world": WORLD, "modes": list(MODES), "warmup": WARMUP, "iters": ITERS,
+    return {"preset": PRESET, "seq_lens": list(SEQ_LENS), "batch": BATCH, "tp": world,
+            "world": world, "modes": list(MODES), "warmup": WARMUP, "iters": ITERS,
             "check_steps": 2, "switches": repr(sw), "loss_rtol": LOSS_RTOL,
-            "data": "random tokens, seed 0, the same on both ranks",
+            "data": "random tokens, seed 0, the same on every rank",
             "step_time": "per step the slower rank's (CUDA events), median/p10/p90",
             "activation": "memory.memory_probe 'saved' (forward keeps for backward), "
                           "per rank; act_peak_gib its 'activation' (peak - before)",
@@ -219,15 +227,21 @@ def config_of(quick: bool = False) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="switch 5 measured: TP=2 modes on two GPUs")
-    p.add_argument("--quick", action="store_true")
+    p = argparse.ArgumentParser(
+        prog=f"bench {NAME}", description="switch 5 measured: TP modes at t = the world "
+        f"size ({two_gpu._either(WORLDS)}: torchrun's --nproc-per-node, or --world with "
+        "--quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, fp32, gloo processes on this CPU, not saved")
+    two_gpu.add_world_arg(p)
     p.add_argument("--seq-lens", type=int, nargs="*")
     p.add_argument("--modes", nargs="*", choices=MODES)
     argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
-    refuse_or_init(NAME, a.quick)
+    world = two_gpu.quick_world(p, a)
+    refuse_or_init(NAME, a.quick, WORLDS)
     if a.quick:
-        rows = run(True)
+        rows = run(True, world)
         print_table(rows, COLUMNS)
         return
     modes = a.modes or MODES
@@ -237,5 +251,5 @@ def main(argv=None) -> None:
         rows = run_ranks(False, seq_lens=a.seq_lens, modes=modes)
     if distributed.is_main():
         print_table(rows, COLUMNS)
-        save(NAME, rows, config_of(), argv)
+        save(NAME, rows, config_of(world=distributed.world_size()), argv)
     distributed.destroy()

@@ -1,7 +1,14 @@
-"""What the two-GPU step benchmarks share (`sequence_parallel_step`,
-`pipeline_measured`): the refusal of a run that cannot measure, NCCL start with NVLink
-multicast off, each step's time on the slower rank, one value from every rank, a case's
-failure turned into its row's error, the timed steps, the table, and the base switches.
+"""What the multi-GPU step benchmarks share (`sequence_parallel_step`,
+`pipeline_measured`, `composed_parallel`): the refusal of a run that cannot measure,
+NCCL start with NVLink multicast off, each step's time on the slower rank, one value
+from every rank, a case's failure turned into its row's error, the timed steps, the
+table, and the base switches.
+
+The name is history: the benchmarks were written for two GPUs. A benchmark says which
+world sizes it measures (`refusal`'s ``worlds``): TP and the pipeline run at the
+world size torchrun launched, 2 or 4 (`WORLDS`, issue #21's four H200s);
+`composed_parallel`'s layouts are two-GPU ones (`WORLD`). The quick CPU run spawns as
+many gloo processes as asked (`run`'s ``world``; ``--quick --world 4`` on the CLIs).
 """
 
 from __future__ import annotations
@@ -15,41 +22,55 @@ import torch
 from colossal_lab import distributed, timing
 
 WORLD = 2
-"""The runs need exactly two ranks (TP = 2; the pipeline p = 2)."""
+"""The default world size: a quick run's processes, and the only one a benchmark that
+names no ``worlds`` measures (`composed_parallel`: DP 2, TP 2, PP 2)."""
+WORLDS = (2, 4)
+"""The world sizes `sequence_parallel_step` (tp = world) and `pipeline_measured` (p =
+world) measure (issue #21: four H200s): `llama-7b-8l`'s 32 heads and 8 layers split
+either way (ZB-V's 2p virtual stages: 8 at p = 4, one layer each)."""
 LOSS_RTOL = {"bf16-pure": 5e-3, "bf16": 5e-3, "fp32": 1e-5}
 """Relative tolerance of a case's loss against its baseline's, by precision."""
 
 
-def refusal(quick: bool, at_least: bool = False) -> str | None:
+def _either(worlds) -> str:
+    """"2", "2 or 4", "2, 4 or 8": `worlds` in a sentence."""
+    worlds = [str(w) for w in worlds]
+    return worlds[0] if len(worlds) == 1 else f"{', '.join(worlds[:-1])} or {worlds[-1]}"
+
+
+def refusal(quick: bool, at_least: bool = False, worlds=(WORLD,)) -> str | None:
     """Why this process cannot run a measured (non-quick) multi-GPU benchmark, or None:
-    it needs CUDA and `WORLD` ranks (with `at_least`, `WORLD` or more)."""
+    it needs CUDA and a world size (torchrun's, ``WORLD_SIZE``) among `worlds` (with
+    `at_least`, the smallest of them or more)."""
     if quick:
         return None
+    n = _either(worlds)
     if not torch.cuda.is_available():
-        return ("needs CUDA: run it on a 2-GPU node under torchrun --nproc-per-node 2, "
-                "or pass --quick for the CPU smoke test")
+        return (f"needs CUDA: run it on a {n}-GPU node under torchrun --nproc-per-node "
+                f"{n}, or pass --quick for the CPU smoke test")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if at_least and world < WORLD:
-        return (f"needs at least {WORLD} ranks (world size is {world}): launch with "
-                f"torchrun --nproc-per-node {WORLD} or more")
-    if not at_least and world != WORLD:
-        return (f"needs exactly {WORLD} ranks (world size is {world}): launch with "
-                f"torchrun --nproc-per-node {WORLD}; no other world size is measured")
+    if at_least and world < min(worlds):
+        return (f"needs at least {min(worlds)} ranks (world size is {world}): launch "
+                f"with torchrun --nproc-per-node {min(worlds)} or more")
+    if not at_least and world not in worlds:
+        exactly = "exactly " if len(worlds) == 1 else ""
+        return (f"needs {exactly}{n} ranks (world size is {world}): launch with "
+                f"torchrun --nproc-per-node {n}; no other world size is measured")
     return None
 
 
-def refuse(name: str, quick: bool, at_least: bool = False) -> None:
+def refuse(name: str, quick: bool, at_least: bool = False, worlds=(WORLD,)) -> None:
     """Exit with status 2 and one line on stderr when `refusal` says no, before anything
     (the NCCL environment, the process group) is touched."""
-    why = refusal(quick, at_least)
+    why = refusal(quick, at_least, worlds)
     if why is not None:
         print(f"{name}: {why}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
 
-def refuse_or_init(name: str, quick: bool) -> None:
+def refuse_or_init(name: str, quick: bool, worlds=(WORLD,)) -> None:
     """`refuse`; then, for a measured run, NVLink multicast off and the NCCL group."""
-    refuse(name, quick)
+    refuse(name, quick, worlds=worlds)
     if not quick:
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on this node
         distributed.init()
@@ -128,22 +149,41 @@ def switches_for(quick: bool):
     return sw
 
 
-def run(run_ranks, quick: bool = False) -> list[dict]:
-    """`run_ranks(quick)` on rank 0's side: with `quick`, two gloo CPU processes
+def run(run_ranks, quick: bool = False, world: int = WORLD) -> list[dict]:
+    """`run_ranks(quick)` on rank 0's side: with `quick`, `world` gloo CPU processes
     (`distributed.spawn`) and rank 0's rows; otherwise this process is one rank of a
-    torchrun job (`refuse_or_init` first)."""
+    torchrun job (`refuse_or_init` first) and `world` is not used: the job's is."""
     if quick:
-        return distributed.spawn(run_ranks, WORLD, True, timeout_s=300.0)[0]
+        return distributed.spawn(run_ranks, world, True, timeout_s=300.0)[0]
     return run_ranks(False)
 
 
-def save(name: str, rows: list[dict], config: dict, argv: list[str]) -> None:
-    """Rank 0: write the rows into this run's folder (`results.run_slug`, "h200x2") with
-    the torchrun command that made them."""
+def add_world_arg(parser, worlds=WORLDS) -> None:
+    """``--world N`` on a benchmark's CLI: the gloo processes of ``--quick``."""
+    parser.add_argument("--world", type=int, choices=worlds, default=None,
+                        help=f"with --quick: gloo processes to spawn ({_either(worlds)}; "
+                        f"default {WORLD}); a measured run's world size is torchrun's "
+                        "--nproc-per-node")
+
+
+def quick_world(parser, args) -> int:
+    """The quick run's world size from ``--world`` (`add_world_arg`); a usage error
+    (status 2) when ``--world`` comes without ``--quick``, where torchrun decides."""
+    if args.world is not None and not args.quick:
+        parser.error(f"--world {args.world} is for --quick; a measured run takes "
+                     f"torchrun's world: torchrun --nproc-per-node {args.world}")
+    return args.world or WORLD
+
+
+def save(name: str, rows: list[dict], config: dict, argv: list[str],
+         world: int | None = None) -> None:
+    """Rank 0: write the rows into this run's folder (`results.run_slug`, "h200x2" or
+    "h200x4") with the torchrun command that made them, at `world` ranks (default: this
+    process group's)."""
     from colossal_lab import results
 
-    path = results.save_results(
-        name, rows, config=config, gpu=results.run_slug(),
-        command=" ".join([f"torchrun --nproc-per-node {WORLD} -m colossal_lab bench {name}",
-                          *argv]))
+    world = world or distributed.world_size()
+    launch = f"torchrun --nproc-per-node {world} -m colossal_lab bench {name}"
+    path = results.save_results(name, rows, config=config, gpu=results.run_slug(world),
+                                command=" ".join([launch, *argv]))
     print(f"saved {path}")

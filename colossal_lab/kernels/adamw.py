@@ -400,6 +400,12 @@ class FusedAdamW(torch.optim.Optimizer):
                                coef)
         return loss
 
+    def set_clip_coefficient(self, coef: torch.Tensor) -> None:
+        """Scale the gradients by `coef` (a 0-dim device tensor) inside the next update:
+        `clip_grad_norm_` with a norm computed elsewhere (over the ranks of a split
+        model, `grad_norm.clip_`)."""
+        self._coef = coef
+
     def take_coefficient(self) -> torch.Tensor | None:
         """The clipping coefficient `clip_grad_norm_` left for the next update, handed
         over (None when the gradients were not clipped): for updates made one part at a

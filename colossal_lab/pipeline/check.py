@@ -21,7 +21,7 @@ from collections import Counter
 
 import torch
 
-from colossal_lab import distributed
+from colossal_lab import distributed, grad_norm
 from colossal_lab.config import ModelConfig, tiny
 from colossal_lab.correctness import max_abs_err
 from colossal_lab.model import build_model
@@ -176,24 +176,30 @@ def torch_peer(name: str, *, p: int, m: int = 4, cfg: ModelConfig | None = None,
     return out
 
 
-def through_switches(style: str, *, pp: int, dp: int = 1, m: int = 4,
+def through_switches(style: str, *, pp: int, dp: int = 1, tp: int = 1,
+                     tp_mode: str = "split_gather", m: int = 4,
                      chunks: int | None = None, cfg: ModelConfig | None = None,
                      micro_batch: int = 1, seq_len: int = 16, overlap_p2p: bool = True,
                      dp_backend="naive", rtol: float = RTOL, atol: float = ATOL,
                      seed: int = 0) -> dict:
-    """The library's own path on a pp × dp mesh (`distributed.make_mesh`):
-    `apply_switches` with ``pp_style=style`` (and data parallelism `dp_backend` when
-    dp > 1), ``model.step`` on this dp rank's shard of the global batch, then
-    ``data_parallel.of(model).finish()``; against one process on the global batch.
+    """The library's own path on a pp × dp × tp mesh (`distributed.make_mesh`):
+    `apply_switches` with ``pp_style=style`` (data parallelism `dp_backend` when dp > 1,
+    tensor parallelism in `tp_mode` when tp > 1: "all_reduce" is plain TP, the others
+    sequence parallelism), ``model.step`` on this dp rank's shard of the global batch,
+    then ``data_parallel.of(model).finish()``; against one process on the global batch,
+    the tensor-parallel gradients gathered whole (`tensor_parallel.full_tensor`).
     Returns this rank's verdict as `ours`."""
     from colossal_lab.config import Switches
     from colossal_lab.switches import data_parallel
+    from colossal_lab.switches import tensor_parallel as tpl
     from colossal_lab.switches.apply import apply_switches
 
-    mesh = distributed.make_mesh(dp=dp, pp=pp)
+    mesh = distributed.make_mesh(dp=dp, pp=pp, tp=tp)
+    sp = tp > 1 and tp_mode != "all_reduce"
     sw = Switches.naive("fp32").replace(
         pp_style=style, num_microbatches=m, num_model_chunks=chunks,
-        overlap_p2p=overlap_p2p, overlap_communication=dp_backend if dp > 1 else False)
+        overlap_p2p=overlap_p2p, overlap_communication=dp_backend if dp > 1 else False,
+        enable_sequence_parallelism=sp, sequence_parallelism_mode=tp_mode if sp else None)
     from colossal_lab.switches.pipeline_parallel import make_schedule
 
     cfg = cfg or config_for(make_schedule(sw, pp).num_stages)
@@ -204,11 +210,28 @@ def through_switches(style: str, *, pp: int, dp: int = 1, m: int = 4,
     loss = piped.step(x.chunk(dp)[d], y.chunk(dp)[d])
     data_parallel.of(piped).finish()
     (loss_mean,) = distributed.all_mean([loss.item()], group=mesh.get_group("dp"))
-    grads = {full: prm.grad for n, prm in piped.named_parameters()
-             for full in [piped.model_names()[n]]}
+    names = piped.model_names()
+    if tp > 1:  # each rank's shards, gathered whole (a collective over the tp group)
+        group = mesh.get_group("tp")
+        grads = {}
+        for n, prm in piped.named_parameters():
+            g = None if prm.grad is None else tpl.full_tensor(prm, prm.grad, group)
+            grads.update(tpl.hf_split(names[n], g, cfg) if g is not None
+                         else {names[n]: None})
+    else:
+        grads = {names[n]: prm.grad for n, prm in piped.named_parameters()}
     out = _compare(grads, ref, rtol, atol)
     loss_err = abs(loss_mean - ref_loss.item())
-    out.update(name=f"{piped.schedule.name} pp={pp} dp={dp}", loss=loss_mean,
+    stores = piped.runtime.stores.values()
+    norm = grad_norm.total_norm(piped).item()  # the whole model's, from the pieces
+    ref_norm = torch.stack([p.grad.norm() for p in ref.parameters()
+                            if p.grad is not None]).norm().item()
+    out.update(norm=norm, ref_norm=ref_norm,
+               norm_ok=abs(norm - ref_norm) <= atol + rtol * ref_norm)
+    out.update(name=f"{piped.schedule.name} pp={pp} dp={dp}" + (f" tp={tp} {tp_mode}"
+                                                                 if tp > 1 else ""),
+               deferred=sum(getattr(st, "jobs_run", 0) for st in stores),
+               loss=loss_mean,
                ref_loss=ref_loss.item(), loss_err=loss_err,
                loss_ok=loss_err <= atol + rtol * abs(ref_loss.item()),
                counts=dict(piped.runtime.counts), stages=sorted(piped.runtime.stages),

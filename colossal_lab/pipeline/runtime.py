@@ -64,7 +64,14 @@ mode can deadlock: `validate` plays the same programs with every group blocking
 (`act_dtype`, the embedding's dtype: the residual stream keeps it under every precision
 of switch 6) from the step's input shape, and messages between two ranks match in the
 order they are posted, which `validate` checks. A stage whose output has another shape or
-dtype raises before anything is sent.
+dtype raises before anything is sent. Under tensor parallelism with sequence
+parallelism (a pp × tp mesh) each rank of a stage holds (b, S/t, d) and sends it to the
+rank of the same tp index in the next stage (the "pp" group of its mesh coordinates).
+
+**Tensor-parallel stages.** Their linears carry their own weight-gradient
+communication (split_gather's re-gather of x, the ring's); in a split-backward schedule
+each files that half, communication and all, with the stage's store (`tp_ops.deferral`),
+so W runs it: the tp ranks of a stage run the same program and meet there.
 """
 
 from __future__ import annotations
@@ -100,6 +107,8 @@ class WeightGradStore:
         self.key: int | None = None
         """The micro-batch whose forward runs now (None: outside the pipeline)."""
         self.pending: dict[int, list[Callable[[], list]]] = {}
+        self.jobs_run = 0
+        """Jobs `flush` has run, over the store's life (what W did)."""
 
     @contextlib.contextmanager
     def micro_batch(self, mb: int):
@@ -117,11 +126,13 @@ class WeightGradStore:
         """Run micro-batch `key`'s jobs and add their gradients to the parameters, through
         autograd (one call; gradient hooks fire). Returns how many jobs ran."""
         jobs = self.pending.pop(key, [])
+        self.jobs_run += len(jobs)
         grads: dict[int, list] = {}  # id(param) -> [param, summed gradient]
-        for job in jobs:
-            for p, g in job():
-                slot = grads.setdefault(id(p), [p, None])
-                slot[1] = g if slot[1] is None else slot[1] + g
+        with torch.no_grad():  # as in a backward (a job may gather: no graph to build)
+            for job in jobs:
+                for p, g in job():
+                    slot = grads.setdefault(id(p), [p, None])
+                    slot[1] = g if slot[1] is None else slot[1] + g
         if grads:
             params, gs = zip(*grads.values())
             torch.autograd.backward(list(params), list(gs))
@@ -189,12 +200,18 @@ def _deferred_forward(module: nn.Linear, store: WeightGradStore, x: torch.Tensor
 
 def defer_weight_grads(stage: nn.Module, store: WeightGradStore) -> int:
     """Route every plain `nn.Linear` of `stage` through `DeferredLinear` with `store`
-    (an instance attribute ``forward``; `restore_weight_grads` removes it). Subclasses
-    (fp8 linears) are left alone. Returns how many linears defer."""
+    (an instance attribute ``forward``; `restore_weight_grads` removes it), and hand
+    `store` to every linear that defers by itself (a ``wgrad_store`` attribute: the
+    tensor-parallel linears, whose weight gradient comes with communication, see
+    `tp_ops.deferral`). Subclasses of `nn.Linear` (fp8 linears) are left alone.
+    Returns how many linears defer."""
     n = 0
     for mod in stage.modules():
         if type(mod) is nn.Linear:
             mod.forward = functools.partial(_deferred_forward, mod, store)
+            n += 1
+        elif hasattr(mod, "wgrad_store"):
+            mod.wgrad_store = store
             n += 1
     return n
 
@@ -204,6 +221,8 @@ def restore_weight_grads(stage: nn.Module) -> None:
     for mod in stage.modules():
         if type(mod) is nn.Linear and "forward" in mod.__dict__:
             del mod.forward
+        elif "wgrad_store" in mod.__dict__:
+            del mod.wgrad_store
 
 
 # --------------------------------------------------------------------------- transfers
@@ -263,6 +282,9 @@ class PipelineRuntime:
         self.program = schedule.lower("eager").programs[self.rank]
         first = next(iter(stages.values()))
         self.hidden_size = first.cfg.hidden_size
+        self.seq_shards = getattr(first, "seq_shards", 1)
+        """Sequence parallelism inside the stages: each rank sends its 1/t of the
+        sequence (`stages.Stage.seq_shards`)."""
         self.device = torch.device(device) if device is not None else \
             next(first.parameters()).device
         self.peers = {r: (dist.get_global_rank(group, r) if group is not None else r)
@@ -311,9 +333,13 @@ class PipelineRuntime:
                              f"num_microbatches={m} equal micro-batches: use a batch that "
                              f"is a multiple of {m}")
         b, seq = input_ids.shape[0] // m, input_ids.shape[1]
+        if seq % self.seq_shards:
+            raise ValueError(f"sequence length {seq} does not split into the "
+                             f"{self.seq_shards} sequence shards of the stages' tensor "
+                             f"parallelism: use a multiple of {self.seq_shards}")
         self._ids = input_ids.to(self.device).chunk(m)
         self._labels = labels.to(self.device).chunk(m)
-        self._shape = (b, seq, self.hidden_size)
+        self._shape = (b, seq // self.seq_shards, self.hidden_size)
         self._saved: dict = {}  # (mb, stage) -> (input, output) from F to B
         self._local: dict = {}  # tensors between two stages of this rank
         self._to_send: dict = {}  # (kind, mb, stage) -> tensor for SEND_F / SEND_B

@@ -27,6 +27,12 @@ the wire, `activation_shape`); the last returns the mean next-token cross-entrop
 its micro-batch when given labels, else the logits (b, S, V). Each stage computes its
 own rotary tables from the sequence length (a few element-wise ops): nothing but the
 hidden state travels between stages.
+
+**With tensor parallelism** (switch 5, applied to the model before the cut, on the
+mesh's "tp" dim) a stage holds its rank's shards of the same modules; under sequence
+parallelism the hidden state between stages is this rank's (b, S/t, d) shard
+(`seq_shards`), and the last stage ends in the vocabulary-parallel head and loss
+(`tensor_parallel.head_and_loss`).
 """
 
 from __future__ import annotations
@@ -96,6 +102,11 @@ class Stage(nn.Module):
         self.norm = body.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
         self.loss_backend = getattr(model, "loss_backend", False) if self.is_last else False
+        self.tp = getattr(model, "tp", None)  # switch 5's state, applied before the cut
+        self.seq_shards = self.tp.size if self.tp is not None \
+            and self.tp.sequence_parallel else 1
+        """Under sequence parallelism a stage holds 1/t of the sequence between layers:
+        it receives and sends (b, S/t, d)."""
         # buffers only (inv_freq, not saved): shared, not a parameter of any stage
         self.rotary_emb = body.rotary_emb
         names = {id(p): n for n, p in model.named_parameters()}  # a tied weight: 1st name
@@ -113,14 +124,19 @@ class Stage(nn.Module):
         return dict(self._names)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        seq = x.shape[1] * (1 if self.is_first else self.seq_shards)
         if self.is_first:
-            x = self.embed_tokens(x)  # (b, S) ids -> (b, S, d)
-        cos, sin = self.rotary_emb(x.shape[1], x.device)
+            x = self.embed_tokens(x)  # (b, S) ids -> (b, S, d) (b, S/t, d) under SP
+        cos, sin = self.rotary_emb(seq, x.device)  # the whole sequence's positions
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if not self.is_last:
-            return x  # (b, S, d): the activation sent to the next stage
+            return x  # (b, S, d) or (b, S/t, d): the activation sent to the next stage
         hidden = self.norm(x)
+        if self.tp is not None:
+            from colossal_lab.switches.tensor_parallel import head_and_loss
+
+            return head_and_loss(self.tp, self.lm_head, hidden, labels)
         if labels is not None and self.loss_backend:
             return loss_switch.fused_linear_cross_entropy(
                 hidden.flatten(0, 1), self.lm_head.weight, labels.flatten(),

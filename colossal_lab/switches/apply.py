@@ -15,7 +15,8 @@ order (the shape of torchtitan's `parallelize_llama`):
     7. precision and fp8       switches.precision.apply       (switch 6)
        then, on the mesh's "tp" dim when it is > 1: tensor parallelism, switch 5,
        switches.tensor_parallel.apply (`enable_sequence_parallelism`,
-       `sequence_parallelism_mode`; not yet together with pipeline stages)
+       `sequence_parallelism_mode`; with pipeline stages too: each stage holds its
+       tp rank's shards, the zero-bubble W runs their weight-gradient communication)
     8. torch.compile           switches.compile.apply         (`enable_compile`: each
                                                               layer, or the model)
        then, on the mesh's "pp" dim when it is > 1: pipeline stages, switch 7,
@@ -142,9 +143,11 @@ def _check_tensor_parallel(model, switches: Switches, mesh) -> str | None:
     if not torch.distributed.is_initialized():
         raise ValueError(f"tensor parallelism over tp={tp} ranks: launch with torchrun "
                          "and call colossal_lab.distributed.init() first")
-    if pipeline_parallel.pp_size(mesh) > 1:
-        raise NotImplementedError("tensor parallelism with pipeline stages is not composed "
-                                  "yet: make the mesh with tp=1 or pp=1")
+    if mode == "dtensor" and pipeline_parallel.pp_size(mesh) > 1:
+        raise NotImplementedError("the 'dtensor' peer is not composed with pipeline "
+                                  "stages here (its DTensor linears do not defer their "
+                                  "weight gradients): use 'split_gather' or 'ring', or "
+                                  "make the mesh with pp=1")
     if switches.enable_fused_cross_entropy:
         raise ValueError("enable_fused_cross_entropy with tensor parallelism: TP's loss is "
                          "the vocabulary-parallel cross-entropy (the logits are never "

@@ -225,7 +225,20 @@ def _compute_dtype(x: torch.Tensor, w: torch.Tensor):
 
 
 class _ParallelLinear(nn.Module):
-    """A linear layer holding one rank's block of a bias-free weight."""
+    """A linear layer holding one rank's block of a bias-free weight.
+
+    ``wgrad_store``: set by a zero-bubble pipeline (`pipeline.runtime.
+    defer_weight_grads`) to defer this linear's weight gradient, communication included,
+    to the schedule's W (`tp_ops.deferral`); None: computed in the backward."""
+
+    wgrad_store = None
+
+    def _operands(self, x: torch.Tensor):
+        """(x, w, defer): the operands in autocast's dtype, the weight detached when its
+        gradient is deferred (W adds it), and the deferral for the autograd function."""
+        defer = tp_ops.deferral(self, x)
+        x, w = _compute_dtype(x, self.weight.detach() if defer else self.weight)
+        return x, w, defer
 
     def __init__(self, weight: torch.Tensor, mode: str, group, symm_name=None):
         super().__init__()
@@ -244,15 +257,16 @@ class ColumnParallelLinear(_ParallelLinear):
     modes); output (B, S, n/t)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, w = _compute_dtype(x, self.weight)
+        x, w, defer = self._operands(x)
         with autocast_state.off(x.device.type):
             if self.mode == "all_reduce":
-                return tp_ops.LinearAllReduceBackward.apply(x, w, self.group)
+                return tp_ops.LinearAllReduceBackward.apply(x, w, self.group, defer)
             if self.mode == "split_gather":
-                return tp_ops.GatherLinear.apply(x, w, self.group)
+                return tp_ops.GatherLinear.apply(x, w, self.group, defer)
             if self.mode == "ring":
-                return tp_ops.RingGatherLinear.apply(x, w, self.group)
-            return tp_ops.SymmMemGatherLinear.apply(x, w, self.group, self.symm_name)
+                return tp_ops.RingGatherLinear.apply(x, w, self.group, defer)
+            return tp_ops.SymmMemGatherLinear.apply(x, w, self.group, self.symm_name,
+                                                    defer)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -261,16 +275,18 @@ class RowParallelLinear(_ParallelLinear):
     rank's (B, S/t, n) shard (a reduce-scatter)."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h, w = _compute_dtype(h, self.weight)
+        h, w, defer = self._operands(h)
         with autocast_state.off(h.device.type):
             if self.mode == "all_reduce":
-                return tp_ops.reduce_from_tp(F.linear(h, w), self.group)
+                y = F.linear(h, w) if defer is None else \
+                    tp_ops.LinearDeferredGrad.apply(h, w, defer)
+                return tp_ops.reduce_from_tp(y, self.group)
             if self.mode == "split_gather":
-                return tp_ops.LinearReduceScatter.apply(h, w, self.group)
+                return tp_ops.LinearReduceScatter.apply(h, w, self.group, defer)
             if self.mode == "ring":
-                return tp_ops.RingLinearReduceScatter.apply(h, w, self.group)
+                return tp_ops.RingLinearReduceScatter.apply(h, w, self.group, defer)
             return tp_ops.SymmMemLinearReduceScatter.apply(h, w, self.group,
-                                                           self.symm_name)
+                                                           self.symm_name, defer)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -427,7 +443,16 @@ def _tp_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | None = No
     if tp.sequence_parallel:
         check_sequence(input_ids.shape[1], tp.size)
     hidden = model.model(input_ids)  # (B, S/t, d) under SP, (B, S, d) otherwise
-    logits = model.lm_head(hidden)  # (B, S, V/t): this rank's vocabulary columns
+    return head_and_loss(tp, model.lm_head, hidden, labels)
+
+
+def head_and_loss(tp: TensorParallel, lm_head: nn.Module, hidden: torch.Tensor,
+                  labels: torch.Tensor | None = None) -> torch.Tensor:
+    """The vocabulary-parallel head on the final norm's output (gathered over the
+    sequence under SP), then the vocabulary-parallel loss against the whole sequence's
+    `labels`; without labels the full logits. The model's and a pipeline's last stage's
+    (`pipeline.stages.Stage`) tail."""
+    logits = lm_head(hidden)  # (B, S, V/t): this rank's vocabulary columns
     if labels is None:
         return tp_ops.gather_last_dim(logits, tp.group)
     return tp_ops.vocab_parallel_cross_entropy(logits, labels, tp.vocab_start, tp.group)
