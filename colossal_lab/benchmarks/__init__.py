@@ -13,6 +13,7 @@ BENCHMARKS = {
     "composed": "colossal_lab.benchmarks.composed",
     "collectives": "colossal_lab.benchmarks.collectives",
     "composed_curves": "colossal_lab.benchmarks.composed_curves",
+    "composed_2x2": "colossal_lab.benchmarks.composed_2x2",
     "composed_parallel": "colossal_lab.benchmarks.composed_parallel",
     "cross_entropy": "colossal_lab.benchmarks.cross_entropy",
     "flash_attention": "colossal_lab.benchmarks.flash_attention",

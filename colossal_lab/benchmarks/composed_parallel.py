@@ -94,22 +94,23 @@ def single_gpu_path() -> Path:
     return results.results_dir() / hardware.detect().slug / f"{SINGLE_GPU_NAME}.json"
 
 
-def single_gpu_best(path: Path, preset: str, seq_len: int) -> dict:
-    """The single-GPU best bf16 row (`SINGLE_GPU_SETUP`) of `path` for `preset` at
-    `seq_len`: its file, commit, MFU and tokens/s; ``mfu`` None and ``why`` when the
-    file or such a row is absent."""
-    out = {"file": str(path), "setup": SINGLE_GPU_SETUP, "git_sha": None, "mfu": None,
+def single_gpu_best(path: Path, preset: str, seq_len: int,
+                    setup: str = SINGLE_GPU_SETUP) -> dict:
+    """The single-GPU best bf16 row (`setup`, by default `SINGLE_GPU_SETUP`) of `path`
+    for `preset` at `seq_len`: its file, commit, MFU and tokens/s; ``mfu`` None and
+    ``why`` when the file or such a row is absent."""
+    out = {"file": str(path), "setup": setup, "git_sha": None, "mfu": None,
            "tokens_per_s": None}
     if not path.exists():
         return {**out, "why": f"no {path}: run `python -m colossal_lab bench "
                               f"{SINGLE_GPU_NAME}` on one GPU of this kind first"}
     doc = json.loads(path.read_text())
     out["git_sha"] = (doc.get("provenance") or {}).get("git_sha")
-    rows = [r for r in doc.get("rows", []) if r.get("setup") == SINGLE_GPU_SETUP
+    rows = [r for r in doc.get("rows", []) if r.get("setup") == setup
             and r.get("preset") == preset and r.get("seq_len") == seq_len
             and r.get("mfu") is not None]
     if not rows:
-        return {**out, "why": f"{path} has no {SINGLE_GPU_SETUP!r} row with an MFU for "
+        return {**out, "why": f"{path} has no {setup!r} row with an MFU for "
                               f"{preset} at sequence {seq_len}"}
     return {**out, "mfu": rows[0]["mfu"], "tokens_per_s": rows[0].get("tokens_per_s")}
 
