@@ -272,24 +272,11 @@ def run_ranks(quick: bool = False, setups=SETUPS, iters: int | None = None,
                "precision": ctx["sw"].precision, "ckpt_ratio": ctx["ckpt_ratio"]}
         if kind == "dp2tp2":
             row["batch_per_dp_rank"] = ctx["dp_batch"]
-        distributed.rank0_print(f"[{NAME}] {setup} ...")
-        got, error = two.attempt(MEASURE[kind], variant, ctx)
-        if error is not None or "skipped" in got:
-            key = "error" if error is not None else "skipped"
-            row[key] = error if error is not None else got["skipped"]
-            rows.append(row)
-            distributed.rank0_print(f"[{NAME}] {setup}: {key}, {row[key]}")
-            continue
-        peaks = two.per_rank(got.pop("peak_mem_gib"))
-        row.update(got, peak_mem_gib_per_rank=peaks,
-                   peak_mem_gib=None if None in peaks else max(peaks))
-        row.update(cp.per_gpu(row, cfg, world, ctx["peak"], best))
-        row.update(target_mfu=TARGET_MFU, meets_target=row["mfu_per_gpu"] >= TARGET_MFU)
+        row = cp.measure_row(NAME, row, MEASURE[kind], variant, ctx, cfg, best)
+        if row.get("mfu_per_gpu") is not None:
+            row.update(target_mfu=TARGET_MFU,
+                       meets_target=row["mfu_per_gpu"] >= TARGET_MFU)
         rows.append(row)
-        distributed.rank0_print(
-            f"[{NAME}] {setup}: {row['step_ms']:.1f} ms (p10 {row['step_ms_p10']:.1f}, "
-            f"p90 {row['step_ms_p90']:.1f}), {row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, "
-            f"MFU/GPU {row['mfu_per_gpu']:.1%}, loss {row['loss_step1']:.4f}")
     rows.append(choice(rows))
     return rows
 

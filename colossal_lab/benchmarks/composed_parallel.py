@@ -256,24 +256,33 @@ def run_ranks(quick: bool = False, setups=SETUPS, iters: int | None = None) -> l
                "world": world}
         if kind == "dp2":
             row["batch_per_rank"] = ctx["dp_batch"]
-        distributed.rank0_print(f"[{NAME}] {setup} ...")
-        got, error = two.attempt(MEASURE[kind], variant, ctx)
-        if error is not None or "skipped" in got:
-            key = "error" if error is not None else "skipped"
-            row[key] = error if error is not None else got["skipped"]
-            rows.append(row)
-            distributed.rank0_print(f"[{NAME}] {setup}: {key}, {row[key]}")
-            continue
-        peaks = two.per_rank(got.pop("peak_mem_gib"))
-        row.update(got, peak_mem_gib_per_rank=peaks,
-                   peak_mem_gib=None if None in peaks else max(peaks))
-        row.update(per_gpu(row, cfg, world, ctx["peak"], best))
-        rows.append(row)
-        distributed.rank0_print(
-            f"[{NAME}] {setup}: {row['step_ms']:.1f} ms (p10 {row['step_ms_p10']:.1f}, "
-            f"p90 {row['step_ms_p90']:.1f}), {row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, "
-            f"MFU/GPU {row['mfu_per_gpu']:.1%}")
+        rows.append(measure_row(NAME, row, MEASURE[kind], variant, ctx, cfg, best))
     return rows
+
+
+def measure_row(name: str, row: dict, measure, variant: str, ctx: dict, cfg,
+                best: dict) -> dict:
+    """`row` completed by ``measure(variant, ctx)`` on every rank (`two_gpu.attempt`):
+    its ``error`` or ``skipped``, else its timing, the larger rank's peak memory and the
+    per-GPU throughput against the single-GPU `best` (`per_gpu`); one line printed."""
+    setup, world = row["setup"], row["world"]
+    distributed.rank0_print(f"[{name}] {setup} ...")
+    got, error = two.attempt(measure, variant, ctx)
+    if error is not None or "skipped" in got:
+        key = "error" if error is not None else "skipped"
+        row[key] = error if error is not None else got["skipped"]
+        distributed.rank0_print(f"[{name}] {setup}: {key}, {row[key]}")
+        return row
+    peaks = two.per_rank(got.pop("peak_mem_gib"))
+    row.update(got, peak_mem_gib_per_rank=peaks,
+               peak_mem_gib=None if None in peaks else max(peaks))
+    row.update(per_gpu(row, cfg, world, ctx["peak"], best))
+    loss = f", loss {row['loss_step1']:.4f}" if row.get("loss_step1") is not None else ""
+    distributed.rank0_print(
+        f"[{name}] {setup}: {row['step_ms']:.1f} ms (p10 {row['step_ms_p10']:.1f}, "
+        f"p90 {row['step_ms_p90']:.1f}), {row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, "
+        f"MFU/GPU {row['mfu_per_gpu']:.1%}{loss}")
+    return row
 
 
 def run(quick: bool = False, setups=SETUPS, iters: int | None = None) -> list[dict]:
