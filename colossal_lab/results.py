@@ -342,6 +342,22 @@ def load_results(name: str, gpu: str | None = None) -> Results:
         f"run the benchmark on a GPU first (python -m colossal_lab bench {name})")
 
 
+def load_multi_gpu(name: str) -> list[Results]:
+    """Every multi-GPU run of `name` on record: ``results/<slug>x<n>/<name>.json`` for
+    this machine's GPU and the reference GPU, fewest GPUs first (two GPUs, then four),
+    one per folder; [] when none. A chapter shows each, where `load_results` returns
+    only the first."""
+    here = hardware.detect().slug
+    out = []
+    for slug in dict.fromkeys([*_multi_gpu_slugs(here), *_multi_gpu_slugs(REFERENCE_GPU)]):
+        path = results_dir() / slug / f"{name}.json"
+        if path.exists():
+            doc = json.loads(path.read_text())
+            out.append(Results(doc["name"], doc["provenance"], doc["rows"],
+                               doc.get("config", {}), path))
+    return out
+
+
 def measure_or_load(name: str, measure: Callable[[], list[dict]], *,
                     config: dict | None = None, command: str | None = None) -> Results:
     """On a GPU: run `measure()`, save, and return it (with $COLOSSAL_LAB_REUSE=1, load

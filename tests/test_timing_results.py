@@ -183,6 +183,40 @@ def test_multi_gpu_results_have_their_own_folder(tmp_results):
     assert results.load_results("dp").rows == [{"a": 1}]  # one GPU's file comes first
 
 
+def test_every_multi_gpu_run_is_shown(tmp_results, capsys):
+    """`load_multi_gpu` returns each multi-GPU folder's file, two GPUs then four;
+    `show_multi_gpu` prints each run's banner, its selected rows and its targets, or
+    one line saying nothing is on record."""
+    from colossal_lab import notebook
+
+    ref = results.REFERENCE_GPU
+    assert results.load_multi_gpu("dp") == []
+    assert notebook.show_multi_gpu("dp", "The step", {"a": None}) == []
+    assert "The step: not yet measured on several GPUs" in capsys.readouterr().out
+    results.save_results("dp", [{"a": 4, "keep": True}, {"a": 40}], gpu=f"{ref}x4")
+    results.save_results("dp", [{"a": 2, "keep": True}], gpu=f"{ref}x2")
+    results.save_results("dp", [{"a": 1}], gpu=ref)  # one GPU's: not a multi-GPU run
+    runs = results.load_multi_gpu("dp")
+    assert [r.path.parent.name for r in runs] == [f"{ref}x2", f"{ref}x4"]
+    seen = []
+
+    def targets(rows, world=None):  # the shape of every benchmark's `targets`
+        seen.append(len(rows))
+        a = min(r["a"] for r in rows)
+        return [{"check": f"a >= 3 ({len(rows)} rows)", "ok": a >= 3, "target": 3,
+                 "measured": a, "worst": a, "points": len(rows), "at": "lowest a",
+                 "failing": [] if a >= 3 else [{"at": "lowest a", "measured": a}]}]
+
+    shown = []
+    notebook.show_multi_gpu("dp", "The step", {"a": "d"}, select=lambda r: "keep" in r,
+                            targets=targets, plot=lambda rows: shown.append(rows))
+    out = capsys.readouterr().out
+    assert out.count(results.BANNER_PREFIX) == 2
+    assert seen == [1, 2]  # every row of each file to its targets
+    assert shown == [[{"a": 2, "keep": True}], [{"a": 4, "keep": True}]]
+    assert "NOT met: a >= 3 (1 rows)" in out and "met: a >= 3 (2 rows)" in out
+
+
 def test_committed_results_have_provenance():
     for path in sorted(results.REPO_ROOT.glob("results/*/*.json")):
         doc = json.loads(path.read_text())

@@ -218,6 +218,38 @@ def summary(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot_bandwidth(rows: Sequence[dict]):
+    """Bus bandwidth against message size, one line per (op, link), the p10-p90 time
+    spread shaded: where each link saturates, the ceiling the chapters hold the
+    switches' communication against. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("kind") == "collective"]
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for op, link in dict.fromkeys((r["op"], r["link"]) for r in rows):
+        pts = sorted((r["size_bytes"], r["busbw_gbps"], r["busbw_gbps_p90time"],
+                      r["busbw_gbps_p10time"]) for r in rows
+                     if r["op"] == op and r["link"] == link)
+        xs = [p[0] for p in pts]
+        line, = ax.plot(xs, [p[1] for p in pts], marker="o", ms=3, lw=1.4,
+                        label=f"{op}, {link}")
+        ax.fill_between(xs, [p[2] for p in pts], [p[3] for p in pts], alpha=0.15,
+                        color=line.get_color(), lw=0)
+    ax.set_xscale("log", base=2)
+    sizes = sorted({r["size_bytes"] for r in rows})
+    ax.set_xticks(sizes[::2])
+    ax.set_xticklabels([_size(n).replace(" ", "") for n in sizes[::2]], fontsize=8)
+    ax.set_xlabel("message size")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    world = rows[0]["world"] if rows else "?"
+    ax.set_title(f"Collectives on {world} ranks", fontsize=11)
+    ax.legend(fontsize=8, frameon=False, ncol=2)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    plt.close(fig)  # shown once, by the caller's display
+    return fig
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", MiB), ("KiB", 1024)):
         if n >= scale:

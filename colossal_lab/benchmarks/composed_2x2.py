@@ -54,7 +54,8 @@ among those that ran, and its layout: the issue's "whichever is faster".
 
 Measured rows go to ``results/<gpu>x4/composed_2x2.json`` (`results.run_slug`). The
 quick run: the tiny model with 4 layers (ZB-V's 2p = 4 stages), fp32, sequence 32,
-gloo, a few steps; prints, saves nothing.
+gloo, a few steps; prints, saves nothing. `targets(rows)` reads the issue's target off
+the rows.
 """
 
 from __future__ import annotations
@@ -224,6 +225,44 @@ def choice(rows: list[dict]) -> dict:
     return {**out, "setup": best["setup"], "layout": best["layout"],
             "mfu_per_gpu": best["mfu_per_gpu"], "step_ms": best["step_ms"],
             "meets_target": best["meets_target"]}
+
+
+def targets(rows: list[dict], world: int | None = None) -> list[dict]:
+    """Issue #21's target on these rows, each a `two_gpu.threshold` verdict: the
+    composed 7B run reaches MFU (6N) >= `TARGET_MFU` per GPU in bf16 (``mfu_per_gpu``,
+    one GPU's dense bf16 peak), first for the faster setup, the one the ``kind:
+    "choice"`` row names (`choice` of the rows where there is no such row), then for
+    each setup of `SETUPS` (and any other in the rows), one check each.
+
+    A setup absent (a run of ``--setups``), failed (out of memory) or skipped is
+    unmeasured, and so is a row of another preset than `PRESET` (the quick run's tiny
+    model) or another precision than bf16: the target is full LLaMA-7B's in bf16.
+    `world` is not used: the benchmark runs at `WORLD` only."""
+    setups = [r for r in rows if r.get("kind") == KIND]
+    by = {r["setup"]: r for r in setups}
+    picked = next((r for r in rows if r.get("kind") == "choice"), None) or choice(setups)
+
+    def point(setup: str):
+        r = by.get(setup)
+        why = two.gap(r)
+        if why is None and r.get("preset") != PRESET:
+            why = f"preset {r.get('preset')}: the target is {PRESET}'s"
+        elif why is None and not str(r.get("precision")).startswith("bf16"):
+            why = f"precision {r.get('precision')}: the target is bf16's"
+        elif why is None and r.get("mfu_per_gpu") is None:
+            why = "no mfu_per_gpu"
+        return ([], [(setup, why)]) if why else ([(setup, r["mfu_per_gpu"])], [])
+
+    def verdict(check: str, points, missing) -> dict:
+        return two.threshold(f"{check}: MFU (6N) >= {TARGET_MFU} per GPU, {PRESET} in "
+                             "bf16", TARGET_MFU, points, unmeasured=missing)
+
+    if picked.get("setup") is None:
+        first = verdict("the faster setup (choice)", [],
+                        [("choice", picked.get("why") or "no setup ran")])
+    else:
+        first = verdict("the faster setup (choice)", *point(picked["setup"]))
+    return [first, *(verdict(s, *point(s)) for s in dict.fromkeys([*SETUPS, *by]))]
 
 
 def _context(quick: bool, iters: int | None, dp_batch: int | None, pp_m: int | None,

@@ -51,6 +51,9 @@ row with its ``error``; the others still run.
 
 The quick run: the tiny model (4 layers for the pipeline), fp32, sequence 32, gloo, a
 few steps; prints, saves nothing.
+
+**No target.** Issue #20 asks for the comparison, not a number: `targets(rows)` reports
+each layout's ratio in the shape of the other benchmarks' verdicts, with no verdict.
 """
 
 from __future__ import annotations
@@ -288,6 +291,50 @@ def measure_row(name: str, row: dict, measure, variant: str, ctx: dict, cfg,
 def run(quick: bool = False, setups=SETUPS, iters: int | None = None) -> list[dict]:
     """Rank 0's rows (`two_gpu.run`): two gloo CPU processes with `quick`."""
     return two.run(functools.partial(run_ranks, setups=tuple(setups), iters=iters), quick)
+
+
+# ---------------------------------------------------------------------- the targets
+
+
+def targets(rows: list[dict], world: int | None = None) -> list[dict]:
+    """One report per layout (dp2, tp2, pp2, in the rows' order), in the shape of the
+    verdicts of `two_gpu.threshold` but with no target: ``target`` None and ``ok``
+    None, which `two_gpu.format_targets` prints as "reported". No issue holds these
+    layouts to a number; a report is neither met nor missed, so ``ok`` is never True
+    or False here, and ``why`` is set only when the layout has no figure.
+
+    ``measured`` is the layout's best ``vs_single_gpu_best`` (MFU per GPU over the
+    single-GPU best's) and ``at`` its setup; ``worst`` the lowest over the layout's
+    setups that ran; ``mfu_per_gpu`` the best setup's; ``by_setup`` every ratio;
+    ``unmeasured`` the setups that failed or were skipped. Not measured (``why``) when
+    no setup of the layout has the ratio: every one failed, or the single-GPU file was
+    absent (its ``vs_single_gpu_best_why``; ``mfu_per_gpu`` is then the layout's best
+    MFU per GPU still). Without a row, one such entry says so. `world` is not used: the
+    layouts are two-GPU ones."""
+    rows = [r for r in rows if r.get("kind") == KIND]
+    out = []
+    for kind in dict.fromkeys(r["layout"] for r in rows):
+        mine = [r for r in rows if r["layout"] == kind]
+        ran = {r["setup"]: r for r in mine if r.get("vs_single_gpu_best") is not None}
+        missing = [{"at": r["setup"], "why": two.gap(r) or r.get("vs_single_gpu_best_why")
+                    or "no vs_single_gpu_best"} for r in mine if r["setup"] not in ran]
+        check = {"check": f"{kind}: MFU per GPU against the single-GPU best "
+                          "(vs_single_gpu_best)", "target": None, "ok": None,
+                 "points": len(ran), "measured": None, "worst": None, "at": None,
+                 "failing": [], "unmeasured": missing, "mfu_per_gpu": None,
+                 "by_setup": {s: r["vs_single_gpu_best"] for s, r in ran.items()}}
+        if not ran:
+            mfus = [r["mfu_per_gpu"] for r in mine if r.get("mfu_per_gpu") is not None]
+            out.append({**check, "mfu_per_gpu": max(mfus, default=None),
+                        "why": "; ".join(f"{m['at']}: {m['why']}" for m in missing)})
+            continue
+        best = max(ran.values(), key=lambda r: r["vs_single_gpu_best"])
+        out.append({**check, "measured": best["vs_single_gpu_best"], "at": best["setup"],
+                    "worst": min(check["by_setup"].values()),
+                    "mfu_per_gpu": best["mfu_per_gpu"]})
+    return out or [{"check": "MFU per GPU against the single-GPU best", "target": None,
+                    "ok": None, "points": 0, "measured": None, "worst": None, "at": None,
+                    "failing": [], "unmeasured": [], "why": "no rows"}]
 
 
 COLUMNS = [("setup", "setup", ""), ("batch", "batch", "d"), ("step ms", "step_ms", ".1f"),

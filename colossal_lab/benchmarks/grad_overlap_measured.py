@@ -61,12 +61,15 @@ Run once per link; each invocation replaces its link's and presets' rows in
 nothing saved. N is whatever torchrun launched (2 or more): the per-rank batch stays,
 the global batch is N times it, and the model's all-reduce time uses N
 (``2(N−1)/N``, cancelled by the bus bandwidth measured at the same N).
+
+**Targets** (issues #20 and #21, at any N): `targets(rows)` reads them off the rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import sys
 from collections.abc import Sequence
 
@@ -90,6 +93,15 @@ OVERLAPPED = ("overlap", "ddp", "fsdp2")
 """The backends whose overlap efficiency is reported."""
 PROBE_REPS = 10
 """Timed all-reduces per size of the link probe (the model's bandwidth)."""
+TARGET_E = 0.8
+"""Issues #20 and #21: our overlap's E at least this wherever the communication is at
+least `TARGET_COMM_SHARE` of the backward."""
+TARGET_COMM_SHARE = 0.2
+"""The ``comm_share`` from which on `TARGET_E` holds."""
+GRAD_RTOL = {2: 2e-2, 4: 1e-5}
+"""Largest |g − g_naive| over the largest |g_naive| of gradients that equal naive's, by
+bytes per gradient element (bf16, fp32): `pipeline_measured.GRAD_RTOL`'s, keyed by what
+the rows record (``grad_bytes_per_elem``; they do not name the precision)."""
 QUICK = {"presets": ("tiny",), "seq_len": 32, "batches": (2,), "warmup": 1, "iters": 3,
          "timeline_steps": 2, "probe_reps": 3}
 QUICK_BUCKET_ELEMS = 16 * 1024
@@ -398,6 +410,86 @@ def run(quick: bool = False, *, link: str = "nvlink", presets: Sequence[str] = P
         raise ValueError(f"iters={iters}: time at least 20 steps, or the p10-p90 spread "
                          "means nothing")
     return measure(link, presets=presets, iters=iters, progress=progress)
+
+
+# ---------------------------------------------------------------- the targets
+
+
+def _share(row: dict) -> float | None:
+    """The row's ``comm_share``, else the same figure from its own fields
+    ((``t_sync_ms`` − ``t_nocomm_ms``) / ``backward_ms``); None without them."""
+    if row.get("comm_share") is not None:
+        return row["comm_share"]
+    if None in (row.get("t_sync_ms"), row.get("t_nocomm_ms")):
+        return None
+    return comm_share(row["t_sync_ms"], row["t_nocomm_ms"], row.get("backward_ms"))
+
+
+def targets(rows: Sequence[dict], world: int | None = None) -> list[dict]:
+    """The issues' targets on these rows (one world, any N: `world` only names it; by
+    default the rows' ``world``), each a `two_gpu.threshold` verdict on our backend,
+    "overlap", over every (preset, per-rank batch, link) configuration in the rows:
+
+    1. E >= `TARGET_E` wherever ``comm_share`` >= `TARGET_COMM_SHARE`: E =
+       (T_sync − T_overlap) / (T_sync − T_nocomm) (``overlap_efficiency``) and the
+       share (T_sync − T_nocomm) / T_backward, T_backward the nocomm model's backward
+       (``backward_ms``, recomputed from those fields where ``comm_share`` is absent).
+       A configuration below the share is ``exempt`` (listed with its share), not a
+       point; with none at or above it the check is None: the target applies nowhere.
+       ``comm_share`` of each point is kept: a backward of T_backward hides at most
+       that much of the all-reduce, so E stays below about min(1, 1 / share), and
+       where the share passes 1 / 0.8 = 1.25 no bucket size meets the target;
+    2. our reduced gradients equal naive's, the sync version (one forward and backward
+       on the same batch): ``grad_max_abs_diff_vs_naive / grad_max_abs <=
+       GRAD_RTOL[grad_bytes_per_elem]``.
+
+    A configuration without an overlap row (or whose row failed) is unmeasured."""
+    world = two_gpu.world_of(list(rows), world)
+    dp = [r for r in rows if r.get("kind") == "dp_step"]
+    configs = list(dict.fromkeys((r["preset"], r["batch"], r["link"]) for r in dp))
+    ours = {(r["preset"], r["batch"], r["link"]): r for r in dp if r["backend"] == "overlap"}
+    n = f", N = {world}" if world else ""
+    e_points, e_missing, exempt, shares = [], [], [], {}
+    g_points, g_missing = [], []
+    for key in configs:
+        r, at = ours.get(key), f"{key[0]} batch {key[1]} {key[2]}"
+        if two_gpu.gap(r):
+            e_missing.append((at, f"overlap {two_gpu.gap(r)}"))
+            g_missing.append((at, f"overlap {two_gpu.gap(r)}"))
+            continue
+        share = _share(r)
+        e = r.get("overlap_efficiency")
+        if e is None and None not in (r.get("t_sync_ms"), r.get("t_nocomm_ms")):
+            e = overlap_efficiency(r["t_sync_ms"], r["step_ms"], r["t_nocomm_ms"])
+        if share is None:
+            e_missing.append((at, "no comm_share (no backward_ms)"))
+        elif share < TARGET_COMM_SHARE:
+            exempt.append({"at": at, "comm_share": share})
+        elif e is None:
+            e_missing.append((at, "no overlap_efficiency"))
+        else:
+            e_points.append((at, e))
+            shares[at] = share
+        diff, scale = r.get("grad_max_abs_diff_vs_naive"), r.get("grad_max_abs")
+        if diff is None or scale is None:
+            g_missing.append((at, "no gradient comparison"))
+        else:
+            g_points.append((at, diff / scale if scale else (0.0 if diff == 0
+                                                             else math.inf)))
+    nowhere = (f"communication < {TARGET_COMM_SHARE:.0%} of the backward in every "
+               "configuration: the target applies nowhere" if exempt else "no rows")
+    esize = next((r["grad_bytes_per_elem"] for r in ours.values()
+                  if r.get("grad_bytes_per_elem") in GRAD_RTOL), 2)
+    return [
+        two_gpu.threshold(
+            f"overlap's E >= {TARGET_E} wherever comm_share >= {TARGET_COMM_SHARE} "
+            f"(communication over the backward), every preset, batch, link{n}", TARGET_E,
+            e_points, unmeasured=e_missing, empty=nowhere, exempt=exempt,
+            comm_share=shares),
+        two_gpu.threshold(
+            "overlap's gradients equal naive's (sync): max |g - g_naive| <= "
+            f"{GRAD_RTOL[esize]:g} max |g_naive|, every preset, batch, link{n}",
+            GRAD_RTOL[esize], g_points, at_most=True, unmeasured=g_missing)]
 
 
 def summary(rows: Sequence[dict]) -> str:

@@ -48,11 +48,15 @@ bubble / bubble_sim``. ``speedup_vs_1f1b = step_ms_1f1b / step_ms`` at the same 
 
 The quick run: the tiny model with 2p layers (ZB-V needs a layer per virtual stage),
 fp32, gloo, m = 2p, a few steps (`quick_sizes`); checks and prints, saves nothing.
+
+**Targets** (issue #20 at p = 2, #21 at p = 4, both at m = 8): `targets(rows)` reads
+them off the rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -77,6 +81,16 @@ FBW_WARMUP, FBW_REPS = 3, 20
 SIM_LINK = "NVLink 4"
 GRAD_RTOL = {"bf16-pure": 2e-2, "bf16": 2e-2, "fp32": 1e-5}
 """Largest gradient difference against 1F1B, over the largest 1F1B gradient."""
+TARGET_M = 8
+"""The m of the issues' targets: 8 micro-batches per step (4p at p = 2, 2p at p = 4)."""
+ZBV_VS_1F1B = {2: 1.1}
+"""Issue #20 (p = 2): ZB-V's ``speedup_vs_1f1b`` at m = `TARGET_M` at least this."""
+BUBBLE_VS_SIM = {2: 0.2}
+"""Issue #20 (p = 2): ZB-V's measured bubble within this share of the simulator's at m =
+`TARGET_M`: ``|bubble − bubble_sim| <= 0.2 · bubble_sim``."""
+ZBV_BUBBLE_VS_1F1B = {4: 1 / 3}
+"""Issue #21 (p = 4): ZB-V's measured bubble at most this share of 1F1B's at m =
+`TARGET_M`."""
 QUICK = {"preset": "tiny", "layers": 4, "seq_len": 32, "ms": (4,), "warmup": 1,
          "iters": 3, "fbw_warmup": 1, "fbw_reps": 3}
 """The CPU smoke test at p = 2 (`composed_parallel` reads its layers and m); at other p
@@ -358,6 +372,128 @@ def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
 def run(quick: bool = False, world: int = two.WORLD) -> list[dict]:
     """Rank 0's rows (`two_gpu.run`): with `quick`, `world` gloo CPU processes (p)."""
     return two.run(run_ranks, quick, world)
+
+
+# ---------------------------------------------------------------------- the targets
+
+
+def _speedup(zbv: dict, base: dict) -> tuple[float | None, str | None]:
+    """ZB-V's ``speedup_vs_1f1b`` (its row has none where 1F1B's row failed)."""
+    x = zbv.get("speedup_vs_1f1b")
+    return (x, None) if x is not None else (None, "no speedup_vs_1f1b")
+
+
+def _bubble_off_sim(zbv: dict, base: dict) -> tuple[float | None, str | None]:
+    """|bubble − bubble_sim| / bubble_sim of ZB-V's row (inf where the simulator says
+    no bubble and the run has one)."""
+    b, s = zbv.get("bubble"), zbv.get("bubble_sim")
+    if b is None or s is None:
+        return None, "no bubble or bubble_sim"
+    if s <= 0:
+        return (0.0 if b == s else math.inf), None
+    return abs(b - s) / s, None
+
+
+def _bubble_vs_1f1b(zbv: dict, base: dict) -> tuple[float | None, str | None]:
+    """ZB-V's measured bubble over 1F1B's (None where 1F1B's is not positive)."""
+    b, b1 = zbv.get("bubble"), base.get("bubble")
+    if b is None or b1 is None:
+        return None, "no bubble"
+    if b1 <= 0:
+        return None, f"1F1B's measured bubble is {b1:.3g}: no ratio to it"
+    return b / b1, None
+
+
+def targets(rows: list[dict], world: int | None = None) -> list[dict]:
+    """The issues' targets on these rows at p = `world` (default: the rows' ``world``),
+    each a `two_gpu.threshold` verdict; "ZB-V" is ours (``zbv``), torch's is a peer:
+
+    1. (p = 2) ZB-V >= `ZBV_VS_1F1B` [p] x 1F1B at m = `TARGET_M`: ``speedup_vs_1f1b
+       = step_ms_1f1b / step_ms``;
+    2. (p = 2) ZB-V's measured bubble within 20% of the simulator's at m = `TARGET_M`
+       (the issue's m): ``|bubble − bubble_sim| / bubble_sim <= 0.2``, i.e. the
+       relative error of the prediction for the same schedule, p, m and costs, at that
+       one m; the other m are in the table, not in the check;
+    3. (p = 4) ZB-V's measured bubble <= 1/3 of 1F1B's at m = `TARGET_M`: ``bubble_zbv
+       / bubble_1f1b`` (not measured where 1F1B's bubble is not positive: the costs
+       timed in isolation then overstate the useful time);
+    4. (any p) every schedule's gradients equal 1F1B's at every m: its ``grad_ok``,
+       measured ``grad_rel_diff`` (max |g − g_1F1B| over max |g_1F1B|), target
+       ``grad_rtol``;
+    5. (any p) every schedule's first loss equals 1F1B's: its ``loss_ok``, measured
+       ``loss_diff / |1F1B's loss|``, target `two_gpu.LOSS_RTOL` of the precision.
+
+    A row absent (no m = 8 in a run of ``--ms``), failed or skipped makes its point
+    unmeasured; in 4 and 5 a skipped schedule (torch's ZB-V where torch lacks it) is
+    named in ``skipped`` instead: it has nothing to compare."""
+    world = two.world_of(rows, world)
+    rows = [r for r in rows if "schedule" in r]
+    by = {(r["m"], r["schedule"]): r for r in rows}
+    zbv, base = by.get((TARGET_M, "zbv")), by.get((TARGET_M, "1f1b"))
+    at = f"m = {TARGET_M}"
+
+    def at_target_m(figure):
+        """(points, unmeasured) of `figure(zbv, base)` at m = `TARGET_M`."""
+        for name, r in (("ZB-V", zbv), ("1F1B", base)):
+            if two.gap(r):
+                return [], [(at, f"{name} {two.gap(r)}")]
+        x, why = figure(zbv, base)
+        return ([], [(at, why)]) if why else ([(at, x)], [])
+
+    out = []
+    if world in ZBV_VS_1F1B:
+        t = ZBV_VS_1F1B[world]
+        points, missing = at_target_m(_speedup)
+        out.append(two.threshold(
+            f"ZB-V >= {t}x 1F1B (step_ms_1f1b / step_ms) at m = {TARGET_M}, p = {world}",
+            t, points, unmeasured=missing))
+    if world in BUBBLE_VS_SIM:
+        t = BUBBLE_VS_SIM[world]
+        points, missing = at_target_m(_bubble_off_sim)
+        extra = {"bubble": zbv.get("bubble"), "bubble_sim": zbv.get("bubble_sim")} \
+            if zbv else {}
+        out.append(two.threshold(
+            f"ZB-V's bubble within {t:.0%} of the simulator's at m = {TARGET_M}, p = "
+            f"{world} (|bubble - bubble_sim| <= {t} bubble_sim)",
+            t, points, at_most=True, unmeasured=missing, **extra))
+    if world in ZBV_BUBBLE_VS_1F1B:
+        t = ZBV_BUBBLE_VS_1F1B[world]
+        points, missing = at_target_m(_bubble_vs_1f1b)
+        out.append(two.threshold(
+            f"ZB-V's bubble <= 1/3 of 1F1B's at m = {TARGET_M}, p = {world} "
+            "(bubble_zbv / bubble_1f1b)", t, points, at_most=True, unmeasured=missing))
+    precision = next((r["precision"] for r in rows if "precision" in r),
+                     two.switches_for(False).precision)
+    grad_rtol = next((r["grad_rtol"] for r in rows if "grad_rtol" in r),
+                     GRAD_RTOL.get(precision, 2e-2))
+    out.append(_agreement(
+        rows, by, "grad_ok", lambda r, b: r.get("grad_rel_diff"), grad_rtol,
+        "every schedule's gradients equal 1F1B's, every m (max |g - g_1F1B| <= "
+        "grad_rtol max |g_1F1B|)"))
+    out.append(_agreement(
+        rows, by, "loss_ok", lambda r, b: r["loss_diff"] / (abs(b["loss"]) or 1.0),
+        two.LOSS_RTOL.get(precision, 5e-3),
+        "every schedule's first loss equals 1F1B's, every m (|loss - loss_1F1B| <= "
+        "rtol |loss_1F1B|)"))
+    return out
+
+
+def _agreement(rows, by, flag: str, figure, target: float, check: str) -> dict:
+    """The verdict of `flag` (``grad_ok``, ``loss_ok``) on every schedule but 1F1B, with
+    `figure(row, 1F1B's row)` the measured figure."""
+    points, missing, skipped = [], [], []
+    for r in rows:
+        if r["schedule"] == "1f1b":
+            continue  # the reference, against itself
+        at, base = f"{r['schedule']} at m = {r['m']}", by.get((r["m"], "1f1b"))
+        if r.get("skipped") is not None:
+            skipped.append({"at": at, "why": two.gap(r)})
+        elif r.get(flag) is None:
+            missing.append((at, two.gap(r) or f"1F1B: {two.gap(base) or 'no ' + flag}"))
+        else:
+            points.append((at, figure(r, base), r[flag]))
+    return two.threshold(check, target, points, at_most=True, unmeasured=missing,
+                         skipped=skipped)
 
 
 COLUMNS = [("schedule", "schedule", ""), ("m", "m", "d"), ("step ms", "step_ms", ".1f"),

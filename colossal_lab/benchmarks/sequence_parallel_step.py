@@ -48,6 +48,8 @@ activation_gib / activation_gib_tp``; the plain-TP figures are in the row
     python -m colossal_lab bench sequence_parallel_step --quick   # 2 gloo CPU processes
     python -m colossal_lab bench sequence_parallel_step --quick --world 4   # TP 4, gloo
 
+**Targets** (issue #20 at TP 2, #21 at TP 4): `targets(rows)` reads them off the rows.
+
 The quick run: the tiny model, fp32, gloo, two (or ``--world``) processes of
 `distributed.spawn`, a few steps; checks and prints, saves nothing. At TP 4 the tiny
 model's two key/value heads are each replicated on two ranks; `llama-7b-8l`'s 32 are
@@ -89,6 +91,13 @@ WARMUP, ITERS = 3, 25
 """Untimed steps after the two checking steps, then timed steps (>= 20)."""
 QUICK = {"preset": "tiny", "seq_lens": (32,), "batch": 2, "warmup": 1, "iters": 3}
 """The CPU smoke test: tiny model, fp32, gloo, a few steps."""
+RING_VS_TP = {2: 1.08, 4: 1.1}
+"""Issues #20 (TP 2) and #21 (TP 4): ring's ``vs_tp`` at least this, at every sequence
+length measured."""
+ACT_VS_TP = {2: 0.6}
+"""Issue #20 (TP 2): split_gather's and ring's ``act_vs_tp`` at most this."""
+SP_MODES = ("split_gather", "ring")
+"""The sequence-parallel modes held to `ACT_VS_TP` (symm_mem: not part of the target)."""
 
 
 # ----------------------------------------------------------------------- the cases
@@ -205,6 +214,83 @@ def run_ranks(quick: bool = False, seq_lens=None, modes=MODES) -> list[dict]:
 def run(quick: bool = False, world: int = two_gpu.WORLD) -> list[dict]:
     """Rank 0's rows (`two_gpu.run`): with `quick`, `world` gloo CPU processes (t)."""
     return two_gpu.run(run_ranks, quick, world)
+
+
+# ---------------------------------------------------------------------- the targets
+
+
+def targets(rows: list[dict], world: int | None = None) -> list[dict]:
+    """The issues' targets on these rows at TP = `world` (default: the rows' ``world``),
+    each a `two_gpu.threshold` verdict:
+
+    1. ring >= `RING_VS_TP` [t] x plain TP (``vs_tp = step_ms_tp / step_ms``) at every
+       sequence length in the rows; the worst length decides (TP 2 and TP 4 only);
+    2. split_gather's and ring's saved activations <= `ACT_VS_TP` [t] x plain TP's
+       (``act_vs_tp``) at every sequence length (TP 2 only);
+    3. every mode that ran agrees with plain TP: its ``loss_ok`` (steps 1 and 2 within
+       ``loss_rtol`` of plain TP's); measured ``loss_diff / |plain TP's step-2 loss|``,
+       target ``loss_rtol``. A skipped mode (symm_mem where torch lacks the ops) has no
+       loss to check: it is named in ``skipped``, not counted; one that failed is
+       unmeasured.
+
+    A point whose row, or plain TP's at its length, is absent, failed or skipped, or
+    lacks the field (``act_vs_tp`` without allocator statistics), is unmeasured: the
+    check is then None with ``why``, unless another point misses."""
+    world = two_gpu.world_of(rows, world)
+    rows = [r for r in rows if "mode" in r]
+    by = {(r["seq_len"], r["mode"]): r for r in rows}
+    seqs = sorted({r["seq_len"] for r in rows})
+
+    def over(modes, field):
+        """(points, unmeasured) of `field` of `modes` at every length."""
+        points, missing = [], []
+        for seq in seqs:
+            base = by.get((seq, MODES[0]))
+            for mode in modes:
+                r, at = by.get((seq, mode)), f"{mode} at seq {seq}"
+                if two_gpu.gap(r):
+                    missing.append((at, two_gpu.gap(r)))
+                elif two_gpu.gap(base):
+                    missing.append((at, f"plain TP: {two_gpu.gap(base)}"))
+                elif r.get(field) is None:
+                    missing.append((at, f"no {field}"))
+                else:
+                    points.append((at, r[field]))
+        return points, missing
+
+    out = []
+    if world in RING_VS_TP:
+        points, missing = over(("ring",), "vs_tp")
+        out.append(two_gpu.threshold(
+            f"ring >= {RING_VS_TP[world]}x plain TP (step_ms_tp / step_ms) at every "
+            f"seq len, TP = {world}", RING_VS_TP[world], points,
+            unmeasured=missing))
+    if world in ACT_VS_TP:
+        points, missing = over(SP_MODES, "act_vs_tp")
+        out.append(two_gpu.threshold(
+            f"SP's saved activations <= {ACT_VS_TP[world]}x plain TP's (act_vs_tp of "
+            f"split_gather and ring) at every seq len, TP = {world}", ACT_VS_TP[world],
+            points, at_most=True, unmeasured=missing))
+    points, missing, skipped = [], [], []
+    for r in rows:
+        if r["mode"] == MODES[0]:
+            continue  # the baseline, against itself
+        at, base = f"{r['mode']} at seq {r['seq_len']}", by.get((r["seq_len"], MODES[0]))
+        if r.get("skipped") is not None:
+            skipped.append({"at": at, "why": two_gpu.gap(r)})
+        elif r.get("loss_ok") is None:
+            why = two_gpu.gap(r) or f"plain TP: {two_gpu.gap(base) or 'no loss'}"
+            missing.append((at, why))
+        else:
+            scale = abs(base["loss_step2"]) or 1.0
+            points.append((at, r["loss_diff"] / scale, r["loss_ok"]))
+    rtol = next((r["loss_rtol"] for r in rows if "loss_rtol" in r),
+                LOSS_RTOL[switches_for(False).precision])
+    out.append(two_gpu.threshold(
+        "every mode that ran: losses of steps 1, 2 within loss_rtol of plain TP's "
+        "(loss_diff / |loss_tp|)", rtol, points, at_most=True,
+        unmeasured=missing, skipped=skipped))
+    return out
 
 
 COLUMNS = [("mode", "mode", ""), ("seq", "seq_len", "d"), ("step ms", "step_ms", ".1f"),

@@ -2,7 +2,8 @@
 `pipeline_measured`, `composed_parallel`): the refusal of a run that cannot measure,
 NCCL start with NVLink multicast off, each step's time on the slower rank, one value
 from every rank, a case's failure turned into its row's error, the timed steps, the
-table, and the base switches.
+table, the base switches, and the issues' targets read off the rows (`threshold`, one
+verdict; `format_targets`, the lines a chapter prints).
 
 The name is history: the benchmarks were written for two GPUs. A benchmark says which
 world sizes it measures (`refusal`'s ``worlds``): TP and the pipeline run at the
@@ -187,3 +188,95 @@ def save(name: str, rows: list[dict], config: dict, argv: list[str],
     path = results.save_results(name, rows, config=config, gpu=results.run_slug(world),
                                 command=" ".join([launch, *argv]))
     print(f"saved {path}")
+
+
+# ------------------------------------------------------------------- the targets
+
+
+def world_of(rows: list[dict], world: int | None = None) -> int | None:
+    """`world`, else the first row's ``world`` (None: no row says): the world size a
+    benchmark's `targets` holds its rows to."""
+    if world is not None:
+        return world
+    return next((r["world"] for r in rows if r.get("world") is not None), None)
+
+
+def gap(row: dict | None) -> str | None:
+    """Why `row` holds no measurement ("no row", its error, its skip), or None: it ran."""
+    from colossal_lab.results import error_line
+
+    if row is None:
+        return "no row"
+    if row.get("error") is not None:
+        return f"error: {error_line(row['error'])[:120]}"
+    if row.get("skipped") is not None:
+        return f"skipped: {str(row['skipped'])[:120]}"
+    return None
+
+
+def threshold(check: str, target: float, points, *, at_most: bool = False,
+              unmeasured=(), empty: str = "no rows", **extra) -> dict:
+    """One target's verdict, in the shape of `fused_norm.targets`' checks.
+
+    `points`: ``(at, measured)`` pairs, or ``(at, measured, ok)`` where the row carries
+    its own verdict (``loss_ok``); each is held to ``measured >= target`` (with
+    `at_most`, ``<=``); a measured None misses. `unmeasured`: ``(at, why)`` of the points
+    the check needs whose rows are absent, failed or skipped. `extra`: more keys.
+
+    Returns ``check``, ``target``, ``ok``, ``points`` (how many were measured),
+    ``measured`` and ``worst`` (the figure nearest the wrong side of `target`, or past
+    it: the one that decides), ``at`` (where), ``failing`` (``{"at", "measured"}`` of
+    each miss), ``unmeasured`` (``{"at", "why"}``) and, when ``ok`` is None, ``why``.
+    ``ok`` is False as soon as one point misses; else None when a point is unmeasured
+    or there is none (`empty` says why then): a check never passes on what it did not
+    see; else True."""
+    failing, worst, where = [], None, None
+    for at, x, *own in points:
+        ok = own[0] if own else (x is not None  # NaN compares false: a miss
+                                 and (x <= target if at_most else x >= target))
+        if not ok:
+            failing.append({"at": at, "measured": x})
+        if x is not None and (worst is None or (x > worst if at_most else x < worst)):
+            worst, where = x, at
+    missing = [{"at": at, "why": why} for at, why in unmeasured]
+    ok = False if failing else None if missing or not points else True
+    out = {"check": check, "target": target, "ok": ok, "points": len(points),
+           "measured": worst, "worst": worst, "at": where, "failing": failing,
+           "unmeasured": missing, **extra}
+    if ok is None:
+        out["why"] = "; ".join(f"{m['at']}: {m['why']}" for m in missing) or empty
+    return out
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def format_targets(checks: list[dict]) -> str:
+    """One short line per check of a benchmark's `targets`: "met" (the deciding figure
+    and where), "NOT met" (the worst, then every miss), "not measured" (why, and what
+    was measured if anything), or "reported" for a figure held to no target
+    (``target`` None). Skipped cases (``skipped``) are named after the line."""
+    lines = []
+    for c in checks:
+        n = c.get("points", 0)
+        fig = (f"{'worst ' if n > 1 else ''}{_num(c.get('worst'))} ({c.get('at')}"
+               + (f", of {n} points)" if n > 1 else ")"))
+        if c.get("why") is not None:
+            status = "not measured"
+            tail = c["why"] + (f"; measured {fig}" if c.get("worst") is not None else "")
+        elif c.get("target") is None:
+            status = "reported"
+            tail = f"{_num(c.get('measured'))} ({c.get('at')}" + (
+                f"; lowest {_num(c.get('worst'))})" if n > 1 else ")")
+        elif c["ok"]:
+            status, tail = "met", fig
+        else:
+            status = "NOT met"
+            tail = fig + "; failing: " + ", ".join(
+                f"{f['at']} ({_num(f['measured'])})" for f in c["failing"])
+        skipped = c.get("skipped") or []
+        lines.append(f"{status}: {c['check']}: {tail}"
+                     + (f"; skipped: {', '.join(s['at'] for s in skipped)}"
+                        if skipped else ""))
+    return "\n".join(lines)
