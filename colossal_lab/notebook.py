@@ -97,13 +97,13 @@ def table(rows: list[dict], columns: dict[str, str | None], *, headers: dict | N
 
 def show_multi_gpu(name: str, what: str, columns: dict[str, str | None], *,
                    select=None, headers: dict | None = None, targets=None,
-                   plot=None) -> list:
+                   plot=None, gpus: str = "2 or 4") -> list:
     """Every multi-GPU run of benchmark `name` on record (`results.load_multi_gpu`: two
     GPUs, then four), each with its banner, its rows (those `select` keeps) as a
     `table` of `columns`, with `plot(rows)` a figure, and with `targets(rows)` (the
     benchmark's own verdicts over every row of the file) the issues' targets, met or
     not (`two_gpu.format_targets`). Without a run on record: one line saying so and the
-    command that measures it. Returns the runs."""
+    command that measures it (on `gpus` GPUs). Returns the runs."""
     from IPython.display import display
 
     from colossal_lab import results
@@ -111,8 +111,8 @@ def show_multi_gpu(name: str, what: str, columns: dict[str, str | None], *,
 
     runs = results.load_multi_gpu(name)
     if not runs:
-        print(f"{what}: not yet measured on several GPUs (torchrun --nproc-per-node 2 "
-              f"or 4 -m colossal_lab bench {name}).")
+        print(f"{what}: not yet measured on several GPUs (torchrun --nproc-per-node "
+              f"{gpus} -m colossal_lab bench {name}).")
     for res in runs:
         print(res.banner())
         rows = [r for r in res.rows if select is None or select(r)]
