@@ -122,14 +122,7 @@ def sp_rows(world: int = 2, *, ms=None, act=None, loss2=None, errors=None,
             if mode == "all_reduce":
                 base = row
             if base is not None:
-                row["loss_diff"] = max(abs(row["loss_step1"] - base["loss_step1"]),
-                                       abs(row["loss_step2"] - base["loss_step2"]))
-                row["loss_ok"] = row["loss_diff"] <= rtol * abs(base["loss_step2"])
-                row["step_ms_tp"] = base["step_ms"]
-                row["vs_tp"] = base["step_ms"] / row["step_ms"]
-                row["activation_gib_tp"] = base["activation_gib"]
-                if base["activation_gib"] and row["activation_gib"] is not None:
-                    row["act_vs_tp"] = row["activation_gib"] / base["activation_gib"]
+                sps.compare_to_plain(row, base, rtol)
             rows.append(row)
     return rows
 

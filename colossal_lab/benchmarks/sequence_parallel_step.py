@@ -145,6 +145,20 @@ def measure_mode(mode: str, cfg, sw, mesh, seq_len: int, batch: int, *, warmup: 
     return out
 
 
+def compare_to_plain(row: dict, base: dict, rtol: float) -> None:
+    """Add to `row` its comparison with plain TP's `base` row at the same length: the
+    checking steps' loss difference (``loss_ok`` within `rtol`), the speed-up
+    ``vs_tp`` and the saved-activation ratio ``act_vs_tp``."""
+    row["loss_diff"] = max(abs(row["loss_step1"] - base["loss_step1"]),
+                           abs(row["loss_step2"] - base["loss_step2"]))
+    row["loss_ok"] = row["loss_diff"] <= rtol * abs(base["loss_step2"])
+    row["step_ms_tp"] = base["step_ms"]
+    row["vs_tp"] = base["step_ms"] / row["step_ms"]
+    row["activation_gib_tp"] = base["activation_gib"]
+    if base["activation_gib"] and row["activation_gib"] is not None:
+        row["act_vs_tp"] = row["activation_gib"] / base["activation_gib"]
+
+
 def run_ranks(quick: bool = False, seq_lens=None, modes=MODES) -> list[dict]:
     """The benchmark on every rank of a group (already initialised), TP over all of it
     (t = its world size); returns the rows (the same on every rank)."""
@@ -194,14 +208,7 @@ def run_ranks(quick: bool = False, seq_lens=None, modes=MODES) -> list[dict]:
             if mode == "all_reduce":
                 base = row
             if base is not None:
-                row["loss_diff"] = max(abs(row["loss_step1"] - base["loss_step1"]),
-                                       abs(row["loss_step2"] - base["loss_step2"]))
-                row["loss_ok"] = row["loss_diff"] <= rtol * abs(base["loss_step2"])
-                row["step_ms_tp"] = base["step_ms"]
-                row["vs_tp"] = base["step_ms"] / row["step_ms"]
-                row["activation_gib_tp"] = base["activation_gib"]
-                if base["activation_gib"] and row["activation_gib"] is not None:
-                    row["act_vs_tp"] = row["activation_gib"] / base["activation_gib"]
+                compare_to_plain(row, base, rtol)
             rows.append(row)
             distributed.rank0_print(
                 f"[{NAME}] seq {seq_len} {mode}: {row['step_ms']:.1f} ms "
