@@ -124,16 +124,16 @@ def test_bf16_moments_are_rounded_without_bias():
     v = (1 − β2)·g² land on the two bf16 neighbours of their fp32 values, with means
     equal to those values (nearest rounding would be off by ~1e-4 here: 0.1 lies 9.8e-5
     from its nearest bf16); the bits are keyed by seed and step (the same ones give the
-    same rounding, another seed another one)."""
+    same rounding, another seed or step an unrelated one)."""
     n = 1 << 16
     outs = []
-    for seed in (0, 0, 1):
+    for seed, t in ((0, 1.0), (0, 1.0), (1, 1.0), (0, 2.0)):
         p = torch.zeros(n, device=DEVICE)
         m, v = (torch.zeros(n, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
         adamw_step([p], [torch.ones(n, device=DEVICE)], None, [m], [v],
-                   [torch.ones((), device=DEVICE)], **HP, seeds=[seed])
+                   [torch.full((), t, device=DEVICE)], **HP, seeds=[seed])
         outs.append((m.float().cpu(), v.float().cpu()))
-    (m, v), same, other = outs
+    (m, v), same, other, later = outs
     for got, exact in ((m, 0.1), (v, 0.05)):  # (1 − β) · 1, in fp32
         exact = torch.tensor(exact, dtype=torch.float32)
         below = exact.to(torch.bfloat16).float()
@@ -143,7 +143,13 @@ def test_bf16_moments_are_rounded_without_bias():
             below.to(torch.bfloat16), torch.tensor(1.0, dtype=torch.bfloat16)).item()}
         assert abs(got.double().mean().item() - exact.item()) < 2e-4 * exact.item()
     assert torch.equal(m, same[0]) and torch.equal(v, same[1])
-    assert not torch.equal(m, other[0])
+    up = m != m.min()  # rounded up, with probability q (the dropped fraction, ~0.8)
+    q = up.float().mean().item()
+    for o in (other, later):  # another seed, or the next step: independent bits, so
+        # the two roundings differ with probability 2q(1 − q), not 0 (the same bits)
+        differ = (up != (o[0] != o[0].min())).float().mean().item()
+        assert abs(differ - 2 * q * (1 - q)) < 0.02
+        assert not torch.equal(v, o[1])
 
 
 def test_bf16_moments_train_like_fp32_ones_and_resume_exactly():
