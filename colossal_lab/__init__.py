@@ -22,15 +22,8 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from colossal_lab.config import ModelConfig, Switches, preset  # noqa: E402,F401
+from colossal_lab.config import ModelConfig, Switches, preset  # noqa: E402
+from colossal_lab.model import build_model  # noqa: E402
+from colossal_lab.switches.apply import apply_switches  # noqa: E402
 
-_LAZY = {"build_model": "colossal_lab.model", "apply_switches": "colossal_lab.switches.apply"}
-"""Loaded on first use: the model and the switches import torch's kernels and Triton."""
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["ModelConfig", "Switches", "apply_switches", "build_model", "preset"]

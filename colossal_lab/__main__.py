@@ -12,7 +12,7 @@ def cmd_env(a) -> None:
 
     import torch
 
-    from colossal_lab import hardware
+    from colossal_lab.measure import hardware
 
     dev = hardware.detect()
     print(f"device      {dev.describe()}")
@@ -42,7 +42,7 @@ def cmd_env(a) -> None:
             print(f"matmul {name} {row[key]:8.1f} TFLOP/s")
     print(f"copy        {row['copy_gbps']:8.1f} GB/s (read + write){frac(row['copy_gbps'], mem)}")
     if a.save:
-        from colossal_lab.results import save_results
+        from colossal_lab.measure.results import save_results
 
         print("saved", save_results("env", [row], command="python -m colossal_lab env --save"))
 
@@ -64,7 +64,7 @@ def main(argv=None) -> None:
 
     t = sub.add_parser("train", help="train a preset with any switches; checkpoints, "
                        "exact resume, Hugging Face export")
-    from colossal_lab import cli_train
+    from colossal_lab.training import cli as cli_train
 
     cli_train.add_arguments(t)
 
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     if a.cmd == "bench":
         return cmd_bench(a, rest)
     if a.cmd == "execute":
-        from colossal_lab import notebook
+        from colossal_lab.book import notebook
 
         return notebook.main(rest)
     if a.cmd == "wheelhouse":

@@ -15,6 +15,10 @@ from typing import Union
 
 Backend = Union[bool, str]
 
+PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16", "fp8")
+"""The number formats a step can run in; `colossal_lab.precision.POLICIES` says what
+each one stores and computes in."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -237,9 +241,8 @@ class Switches:
     for each group of transfers where the schedule puts it."""
 
     def __post_init__(self) -> None:
-        from colossal_lab.switches.precision import policy
-
-        policy(self.precision)  # the precision module is the one that knows them
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}; choose one of {PRECISIONS}")
 
     def replace(self, **changes) -> Switches:
         return dataclasses.replace(self, **changes)

@@ -17,7 +17,7 @@ ranked: what will fail first, then by expected gain.
 
 Configuration checks run anywhere. What only a run can tell (data-loader stalls,
 host-bound steps, the MFU of an arbitrary configuration) comes from a short profile
-(`--profile`, `colossal_lab.profile`) on a GPU; without one, those checks say they were
+(`--profile`, `colossal_lab.measure.profile`) on a GPU; without one, those checks say they were
 not run.
 
     python -m colossal_lab doctor --preset llama-7b-8l --switches naive
@@ -106,7 +106,8 @@ def this_machine() -> Machine:
     with its recorded memory capacity (`results/<gpu>/checkpointing.json`)."""
     import torch
 
-    from colossal_lab import hardware, memory, results
+    from colossal_lab.measure import hardware, results
+    from colossal_lab.training import memory
 
     if torch.cuda.is_available():
         dev = hardware.detect()
@@ -135,7 +136,7 @@ class Recorded:
         self._cache: dict[str, object] = {}
 
     def load(self, name: str):
-        from colossal_lab import results
+        from colossal_lab.measure import results
 
         if name not in self._cache:
             try:
@@ -222,9 +223,10 @@ def estimate_memory(plan: Plan, capacity_gib: float | None):
     the comparison)."""
     import torch
 
-    from colossal_lab import memory, mfu
-    from colossal_lab.switches import precision
+    from colossal_lab import precision
+    from colossal_lab.measure import mfu
     from colossal_lab.switches.checkpointing import activation_elements_per_token
+    from colossal_lab.training import memory
 
     cfg, sw = plan.cfg, plan.switches
     pol = precision.policy(sw.precision)
@@ -467,7 +469,7 @@ def check_data_loader(ctx: Context):
 
 def _mfu_now(ctx: Context) -> tuple[float | None, str]:
     """This plan's MFU: from the profile, else recorded for its switch set."""
-    from colossal_lab import mfu
+    from colossal_lab.measure import mfu
 
     p, s = ctx.plan, ctx.summary
     if s is not None and ctx.machine.peak_tflops and s.device == "cuda":
@@ -689,8 +691,9 @@ def profile_plan(plan: Plan, trace_path: str | Path) -> tuple[object, float | No
     the `ProfileSummary` and the peak memory in GiB (None on a CPU)."""
     import torch
 
-    from colossal_lab import data, profile, timing, train
     from colossal_lab.benchmarks.steps import Setup, build
+    from colossal_lab.measure import profile, timing
+    from colossal_lab.training import data, train
 
     if plan.tp_size > 1 or plan.pp_size > 1:
         raise ValueError("--profile runs one process: tensor and pipeline parallelism "
@@ -712,7 +715,7 @@ def profile_plan(plan: Plan, trace_path: str | Path) -> tuple[object, float | No
 
 
 def add_arguments(d: argparse.ArgumentParser) -> None:
-    from colossal_lab.cli_train import _whole
+    from colossal_lab.training.cli import _whole
 
     d.add_argument("--preset", default="llama-7b-8l", choices=sorted(PRESETS))
     d.add_argument("--switches", default="best", help=f"one of {', '.join(SWITCH_SETS)}, "
@@ -735,7 +738,7 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
 def switches_of(spec: str) -> tuple[Switches, str | None]:
     """A `SWITCH_SETS` name, a JSON file, or an inline JSON object of `Switches` fields;
     ValueError saying what is wrong."""
-    from colossal_lab.cli_train import load_switches
+    from colossal_lab.training.cli import load_switches
 
     if not spec.lstrip().startswith("{"):
         return load_switches(spec), spec if spec in SWITCH_SETS else None

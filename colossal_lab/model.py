@@ -22,10 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from colossal_lab.config import ModelConfig
-from colossal_lab.switches import embedding, loss, projections, rope
-from colossal_lab.switches.attention import attention
-from colossal_lab.switches.norm import RMSNorm
-from colossal_lab.switches.rope import apply_rotary, rotate_half  # noqa: F401 (public)
+from colossal_lab.ops import cross_entropy as loss
+from colossal_lab.ops import embedding, projections, rope, swiglu
+from colossal_lab.ops.attention import attention
+from colossal_lab.ops.norm import RMSNorm
+from colossal_lab.ops.rope import apply_rotary, rotate_half  # noqa: F401 (public)
 
 
 class RotaryEmbedding(nn.Module):
@@ -70,7 +71,7 @@ class Attention(nn.Module):
     def qkv_sizes(self) -> list[int]:
         """Widths of q, k, v: the row blocks of a fused `qkv_proj.weight`."""
         c = self.cfg
-        return list(projections.qkv_sizes(c.num_attention_heads, c.num_key_value_heads,
+        return list(swiglu.qkv_sizes(c.num_attention_heads, c.num_key_value_heads,
                                           c.head_dim))
 
     @property
@@ -129,7 +130,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:  # the activation reads [gate | up] (B, S, 2i) as one tensor
-            return self.down_proj(projections.swiglu(self.gate_up_proj(x), self.activation))
+            return self.down_proj(swiglu.swiglu(self.gate_up_proj(x), self.activation))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -294,3 +295,10 @@ def build_model(cfg: ModelConfig, device: torch.device | str | None = None
         "cuda" if torch.cuda.is_available() else "cpu")
     with device:
         return LlamaForCausalLM(cfg)
+
+
+def layer_lists(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
+    """The transformer-layer lists of `model`: every `nn.ModuleList` named `layers`
+    (ours, Hugging Face's, one per pipeline chunk once pipelines slice them)."""
+    return [m for name, m in model.named_modules()
+            if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 # Executing notebooks (nbclient + a kernel), with their whole dependency trees.
 NOTEBOOK_PACKAGES = ["nbclient", "nbformat", "ipykernel", "ipywidgets"]
-# What HolisticTraceAnalysis imports (chapter 09, `colossal_lab.profile`), with their deps.
+# What HolisticTraceAnalysis imports (chapter 09, `colossal_lab.measure.profile`), with their deps.
 ANALYSIS_PACKAGES = ["pandas", "plotly", "pyyaml", "psutil"]
 # torchao for the node's torch 2.11 (0.17.0: its release cycle; see the docstring).
 TORCHAO = "torchao==0.17.0"

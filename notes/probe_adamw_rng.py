@@ -19,9 +19,9 @@ import sys
 
 import torch
 
-from colossal_lab import timing
 from colossal_lab.config import PRESETS
 from colossal_lab.kernels import adamw
+from colossal_lab.measure import timing
 from colossal_lab.model import LlamaModel
 
 

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from colossal_lab import timing
 from colossal_lab.kernels import flash_attention as fa
 from colossal_lab.kernels import flash_attention_hopper as hopper
+from colossal_lab.measure import timing
 
 SHAPES = [  # batch, query heads, kv heads, S, D, causal: B·S = 16k tokens, H·D = 4096
     (16, 32, 32, 1024, 128, True), (16, 32, 32, 1024, 128, False),

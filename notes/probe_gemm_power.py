@@ -30,8 +30,9 @@ from collections import Counter
 
 import torch
 
-from colossal_lab import config, telemetry, timing
-from colossal_lab.switches.loss import default_chunk_tokens
+from colossal_lab import config
+from colossal_lab.measure import telemetry, timing
+from colossal_lab.ops.cross_entropy import default_chunk_tokens
 
 FLOP_PER_CLOCK = 132 * 4096
 """Dense bf16 FLOP per SM clock of the H200 (and H100 SXM): 989.4e12 / 1.83e9."""

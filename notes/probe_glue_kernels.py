@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from colossal_lab import timing
+from colossal_lab.measure import timing
 
 
 def t_of(fn, iters=30):

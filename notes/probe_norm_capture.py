@@ -27,8 +27,8 @@ import os
 
 import torch
 
-from colossal_lab import timing
 from colossal_lab.benchmarks import fused_norm as fn
+from colossal_lab.measure import timing
 
 PROVIDERS = ("torch", "triton-native", "triton")
 MODES = ("thread_local", "global", "relaxed")

@@ -25,16 +25,16 @@ import json
 
 import torch
 
-from colossal_lab import timing
+from colossal_lab.measure import timing
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="JSON file for the rows")
     args = ap.parse_args()
-    from colossal_lab import data
     from colossal_lab.benchmarks import composed
     from colossal_lab.benchmarks.steps import prepare
+    from colossal_lab.training import data
 
     setup = {s.name: s for s in composed.SETUPS}["ours-bf16"]
     device, cfg, model, loss_fn, _, opt = prepare(setup, "llama-7b-8l", 4)

@@ -19,9 +19,9 @@ import sys
 
 import torch
 
-from colossal_lab import timing
 from colossal_lab.benchmarks.optimizer import HP, param_shapes
 from colossal_lab.kernels import adamw
+from colossal_lab.measure import timing
 
 
 def t_of(fn, iters=20):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from colossal_lab import precision as P
 from colossal_lab.config import Switches, tiny
 from colossal_lab.kernels.adamw import (
     SUMSQ_BLOCK,
@@ -18,9 +19,9 @@ from colossal_lab.kernels.adamw import (
     sum_of_squares,
 )
 from colossal_lab.model import build_model
-from colossal_lab.switches import precision as P
 from colossal_lab.switches.apply import apply_switches
-from colossal_lab.train import make_step
+from colossal_lab.training import optimizer
+from colossal_lab.training.train import make_step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -190,10 +191,10 @@ def test_bf16_moments_train_like_fp32_ones_and_resume_exactly():
     # explicitly; True picks it on a CPU) keeps fp32 moments, and says so
     for fused, kind, moments in ((False, "MasterAdamW", "fp32"),
                                  ("triton", "FusedAdamW", "bf16")):
-        opt = P.make_optimizer(apply_switches(build_model(tiny(), DEVICE), Switches(
+        opt = optimizer.make_optimizer(apply_switches(build_model(tiny(), DEVICE), Switches(
             precision="bf16-pure", enable_fused_optimizer=fused,
             extra={"adamw_moments": "bf16"})))
-        assert (type(opt).__name__, P.moments_of(opt)) == (kind, moments)
+        assert (type(opt).__name__, optimizer.moments_of(opt)) == (kind, moments)
     with pytest.raises(ValueError, match="adamw_moments'\\]='int8'"):
         apply_switches(build_model(tiny(), DEVICE), Switches(
             enable_fused_optimizer="triton", extra={"adamw_moments": "int8"}))
@@ -283,7 +284,7 @@ def test_training_steps_equal_the_unfused_optimizer(precision):
     runs = {}
     for fused in ("triton", False):
         model = _model(precision, fused)
-        opt = P.make_optimizer(model, lr=1e-3)
+        opt = optimizer.make_optimizer(model, lr=1e-3)
         assert isinstance(opt, FusedAdamW) == (fused == "triton")
         step = make_step(model, opt, clip=0.5)
         g = torch.Generator().manual_seed(4)
@@ -315,7 +316,7 @@ def test_training_steps_equal_the_unfused_optimizer(precision):
 
 def test_state_dict_round_trip_keeps_fp32_masters():
     model = _model("bf16-pure", "triton")
-    opt = P.make_optimizer(model)
+    opt = optimizer.make_optimizer(model)
     step = make_step(model, opt)
     ids = torch.randint(0, tiny().vocab_size, (2, 9), device=DEVICE)
     step(ids[:, :-1], ids[:, 1:])
@@ -336,8 +337,8 @@ def test_switch_picks_the_optimizer():
     assert P.optimizer_backend(True, "cuda") == "triton"
     with pytest.raises(ValueError, match="enable_fused_optimizer"):
         apply_switches(build_model(tiny(), "cpu"), Switches(enable_fused_optimizer="apex"))
-    assert isinstance(P.make_optimizer(_model("fp32", False)), torch.optim.AdamW)
-    assert isinstance(P.make_optimizer(_model("bf16-pure", False)), P.MasterAdamW)
+    assert isinstance(optimizer.make_optimizer(_model("fp32", False)), torch.optim.AdamW)
+    assert isinstance(optimizer.make_optimizer(_model("bf16-pure", False)), optimizer.MasterAdamW)
 
 
 def test_bad_inputs_are_clear_errors():

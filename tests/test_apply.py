@@ -12,14 +12,16 @@ import torch
 
 import colossal_lab
 from colossal_lab import model as model_mod
-from colossal_lab import train
+from colossal_lab import precision
 from colossal_lab.config import Switches, tiny
-from colossal_lab.correctness import check_close
 from colossal_lab.model import build_model
 from colossal_lab.switches import apply as apply_mod
-from colossal_lab.switches import checkpointing, fp8, precision
+from colossal_lab.switches import checkpointing, fp8
+from colossal_lab.switches import precision as precision_switch
 from colossal_lab.switches.apply import ORDER, apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig as Ckpt
+from colossal_lab.testing.correctness import check_close
+from colossal_lab.training import optimizer, train
 
 PACKAGE = pathlib.Path(colossal_lab.__file__).parent
 CFG = tiny().replace(intermediate_size=176)  # every width a multiple of 16: fp8 takes all
@@ -68,7 +70,7 @@ def test_order_is_the_documented_one(monkeypatch):
 
     for field, fn in list(apply_mod._APPLY.items()):
         monkeypatch.setitem(apply_mod._APPLY, field, spy(field, fn))
-    monkeypatch.setattr(precision, "apply", spy("precision", precision.apply))
+    monkeypatch.setattr(precision, "apply", spy("precision", precision_switch.apply))
     monkeypatch.setattr(apply_mod.compile_switch, "apply",
                         spy("enable_compile", apply_mod.compile_switch.apply))
     monkeypatch.setattr(apply_mod.data_parallel, "apply",
@@ -135,13 +137,13 @@ def test_precision_swaps_in_place():
     assert not fp8.fp8_modules(m)
     assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
     assert m.model.rotary_emb.inv_freq.dtype == torch.float32  # buffers are not weights
-    assert isinstance(precision.make_optimizer(m), precision.MasterAdamW)
+    assert isinstance(optimizer.make_optimizer(m), optimizer.MasterAdamW)
     apply_switches(m, Switches.naive("bf16"))
     assert {p.dtype for p in m.parameters()} == {torch.float32}
     for k, v in m.state_dict().items():
         check_close(v, ref[k], name=k, atol=0, rtol=2**-8)  # one bf16 rounding
     assert precision.of(m) == "bf16"
-    assert type(precision.make_optimizer(m)) is torch.optim.AdamW
+    assert type(optimizer.make_optimizer(m)) is torch.optim.AdamW
 
 
 @pytest.mark.parametrize("name", precision.PRECISIONS)
@@ -153,7 +155,7 @@ def test_step_asks_the_model_its_precision(name, monkeypatch):
     monkeypatch.setattr(train, "our_loss", lambda model, i, la: (
         seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
                     else None), model(i, la))[1])
-    step = train.make_step(m, precision.make_optimizer(m), train.our_loss)
+    step = train.make_step(m, optimizer.make_optimizer(m), train.our_loss)
     ids = torch.randint(0, CFG.vocab_size, (2, 16))
     step(ids, ids)
     pol = precision.policy(name)

@@ -8,7 +8,7 @@ and all three gradients are checked against `attention_ref(..., upcast=True)`.
 Tolerances. fp32 on the interpreter: errors are ~1e-6 (float rounding in a different
 summation order), so atol 2e-5 passes with margin and still fails any real bug (a wrong
 mask, block or scale gives errors of 1e-2 and more). Low precision: the 2x rule of
-`colossal_lab.correctness` against the same reference computed in bf16/fp16. fp32 on a
+`colossal_lab.testing.correctness` against the same reference computed in bf16/fp16. fp32 on a
 GPU: Triton's matmuls run in tf32, so the low-precision reference is the reference
 computed with tf32 matmuls.
 """
@@ -21,14 +21,14 @@ import pytest
 import torch
 
 from colossal_lab import switches
-from colossal_lab.correctness import check_close
 from colossal_lab.kernels.flash_attention import (
     SUPPORTED_HEAD_DIMS,
     flash_attention,
     flash_attention_forward,
 )
+from colossal_lab.ops.attention import attention, attention_ref, resolve_backend
 from colossal_lab.switches import BackendUnavailable
-from colossal_lab.switches.attention import attention, attention_ref, resolve_backend
+from colossal_lab.testing.correctness import check_close
 from tests.conftest import count_launches
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

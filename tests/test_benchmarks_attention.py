@@ -45,7 +45,7 @@ def test_main_saves_with_provenance(tmp_path, monkeypatch):
     monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
     bench_fa.main(["--quick", "--out-name", "fa_smoke", "--seq-lens", "32",
                    "--providers", "naive", "triton"])
-    from colossal_lab.results import load_results, results_dir
+    from colossal_lab.measure.results import load_results, results_dir
 
     (path,) = list(results_dir().glob("*/fa_smoke.json"))
     res = load_results("fa_smoke", gpu=path.parent.name)
@@ -158,7 +158,7 @@ def test_redo_replaces_the_selected_points_and_keeps_the_rule_it_replaced(capsys
     """--redo: the selected points' rows go (measured again, all their providers side by
     side); the rest stay; a changed kernel rule is accepted only with may_change, and
     the earlier rule is kept in resumed_from."""
-    from colossal_lab.results import resumed_rows
+    from colossal_lab.measure.results import resumed_rows
 
     c1024, c2048 = bench_fa.sweep_cases(seq_lens=(1024, 2048), head_dims=(128,),
                                         layouts=("mha",), causal="full", memory=False)
@@ -341,7 +341,7 @@ def test_a_failing_provider_says_why(monkeypatch, capsys):
     row's error carries both. A provider whose backward fails keeps its forward."""
     import warnings
 
-    from colossal_lab.switches.attention import attention_ref
+    from colossal_lab.ops.attention import attention_ref
 
     def make_fn(provider, q, k, v, causal):
         def fails():
@@ -373,7 +373,7 @@ def test_a_failing_provider_says_why(monkeypatch, capsys):
 def test_resume_measures_only_what_is_missing(tmp_path, monkeypatch, capsys):
     import json
 
-    from colossal_lab.results import load_results, results_dir
+    from colossal_lab.measure.results import load_results, results_dir
 
     monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
     base = ["--quick", "--out-name", "fa_resume", "--providers", "naive", "sdpa"]
@@ -460,7 +460,7 @@ def test_targets_met_missed_and_not_measured():
 def test_dry_run_resume_plans_what_a_gpu_file_lacks(tmp_path, monkeypatch, capsys):
     """`--dry-run --resume --gpu h200` on a CPU: the cases the recorded file lacks,
     the estimate corrected by the `wall_s` its rows recorded (`calibration`)."""
-    from colossal_lab.results import save_results
+    from colossal_lab.measure.results import save_results
 
     monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
     first = bench_fa.sweep_cases(head_dims=(128,), causal="causal", layouts=("mha",),
@@ -494,7 +494,7 @@ def test_resume_accepts_a_grown_provider_list_only():
     """A sweep whose canonical extras gained a provider resumes (the new provider is
     what the resuming run measures); one that lost a provider, or changed anything
     else, is refused."""
-    from colossal_lab.results import resumed_rows
+    from colossal_lab.measure.results import resumed_rows
 
     def error(msg):
         raise SystemExit(msg)

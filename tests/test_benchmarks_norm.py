@@ -350,7 +350,7 @@ def test_rms_norm_plans_take_the_small_entry_by_row_count(table, monkeypatch):
     """The launchers ask for the small entry at <= SMALL_ROWS rows and not above, and
     the kernels stay correct with it."""
     from colossal_lab.kernels import _norm_common, norm_table, rms_norm
-    from colossal_lab.switches import norm
+    from colossal_lab.ops import norm
 
     entries = dict(norm_table.TABLES["NVIDIA H200"])
     entries["128/float32/fwd/small"] = {"rows": 1, "num_warps": 2}
@@ -388,7 +388,7 @@ def test_small_tune_candidates_one_per_grid():
 
 def test_kernels_correct_with_a_table_launch(table):
     from colossal_lab.kernels.rms_norm import rms_norm_triton
-    from colossal_lab.switches import norm
+    from colossal_lab.ops import norm
 
     x = torch.randn(7, 100, requires_grad=True)
     w = (torch.randn(100) * 0.1 + 1).requires_grad_(True)
@@ -404,7 +404,7 @@ def test_kernels_correct_with_a_table_launch(table):
 
 
 def test_write_table_from_tune_rows(tmp_path, monkeypatch):
-    from colossal_lab.results import save_results
+    from colossal_lab.measure.results import save_results
 
     monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
     tune = [{"kind": "tune", "hidden": 4096, "dtype": "bfloat16", "pass": "fwd",
@@ -482,7 +482,7 @@ def test_tune_rows_save_and_merge(tmp_path, monkeypatch):
 
 
 def hardware_slug() -> str:
-    from colossal_lab import hardware
+    from colossal_lab.measure import hardware
 
     return hardware.detect().slug
 

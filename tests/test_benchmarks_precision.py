@@ -47,6 +47,6 @@ def test_curve_rows(rows):
 
 
 def test_setups_cover_every_precision():
-    from colossal_lab.switches.precision import PRECISIONS
+    from colossal_lab.precision import PRECISIONS
 
     assert {s.switches.precision for s in precision.SETUPS} == set(PRECISIONS)

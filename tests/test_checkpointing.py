@@ -9,16 +9,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from colossal_lab import memory, mfu, train
+from colossal_lab import precision as P
 from colossal_lab.benchmarks import checkpointing as bench_ckpt
 from colossal_lab.benchmarks import steps
 from colossal_lab.config import ModelConfig, Switches, preset, tiny
-from colossal_lab.correctness import check_close
+from colossal_lab.measure import mfu
 from colossal_lab.model import build_model
 from colossal_lab.switches import checkpointing as ck
-from colossal_lab.switches import precision as P
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig as Ckpt
+from colossal_lab.testing.correctness import check_close
+from colossal_lab.training import memory, train
 
 MHA4 = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=100, num_hidden_layers=4,
                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)

@@ -157,7 +157,7 @@ def test_train_cli_switches_file_and_resume(tmp_path, capsys):
     import json
 
     from colossal_lab.__main__ import main
-    from colossal_lab.cli_train import load_switches
+    from colossal_lab.training.cli import load_switches
 
     f = tmp_path / "sw.json"
     f.write_text(json.dumps({"precision": "fp32", "enable_fused_projections": "eager",

@@ -19,11 +19,11 @@ import torch
 
 from colossal_lab.benchmarks import composed, steps, waterfall
 from colossal_lab.config import SWITCH_SETS, Switches, tiny
-from colossal_lab.correctness import check_close
 from colossal_lab.model import build_model
 from colossal_lab.switches import compile as compile_switch
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig as Ckpt
+from colossal_lab.testing.correctness import check_close
 
 CFG = tiny()  # 2 layers, odd intermediate width (172), GQA 4:2
 
@@ -157,7 +157,7 @@ def test_our_kernels_under_the_interpreter_are_refused():
 
 
 def _train_args(*flags):
-    from colossal_lab import cli_train
+    from colossal_lab.training import cli as cli_train
 
     parser = argparse.ArgumentParser()
     cli_train.add_arguments(parser)

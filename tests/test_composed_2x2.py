@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from colossal_lab import mfu
 from colossal_lab.benchmarks import composed_2x2 as cz
 from colossal_lab.benchmarks import composed_parallel as cp
 from colossal_lab.benchmarks import pipeline_measured as pm
 from colossal_lab.config import preset
+from colossal_lab.measure import mfu
 
 FP32_RTOL = 1e-5
 

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from colossal_lab import mfu
 from colossal_lab.benchmarks import composed_parallel as cp
 from colossal_lab.config import preset
+from colossal_lab.measure import mfu
 
 QUICK_SETUPS = ("dp2-overlap", "tp2-ring", "pp2-zbv")
 

@@ -1,4 +1,4 @@
-"""Tests for `colossal_lab.data`: the standard-library corpus, tokenizer, caches, batches.
+"""Tests for `colossal_lab.training.data`: the standard-library corpus, tokenizer, caches, batches.
 
 Small on purpose (40 files, a 600-token vocabulary): the whole file runs in seconds on
 two CPU cores. The full build is timed by hand, not here.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from colossal_lab import data
+from colossal_lab.training import data
 
 MAX_FILES = 40
 VOCAB = 600

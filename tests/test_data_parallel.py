@@ -13,7 +13,7 @@ another order: each rank sums its shard's B·S/W tokens into a weight gradient a
 all-reduce adds W partial sums, where one process sums all B·S tokens at once. Both are
 fp32 sums of the same terms, differing by a few units in the last place (2^-24 ≈ 6e-8
 relative) of the largest terms. The bound ``max|g - g_ref| <= 1e-6 + 1e-5 · max|g_ref|``
-(`colossal_lab.correctness`) leaves some 100 ulps for that; what is measured is ~2e-8
+(`colossal_lab.testing.correctness`) leaves some 100 ulps for that; what is measured is ~2e-8
 against bounds of ~1.5e-6 (printed by `gradient_check`). A wrong reduction (a sum
 instead of a mean, a missing bucket, a stale buffer) is off by O(|g|), 10^4 times more.
 
@@ -30,10 +30,13 @@ import time
 import pytest
 import torch
 
-from colossal_lab import Switches, apply_switches, build_model, distributed, train
+from colossal_lab import Switches, apply_switches, build_model
 from colossal_lab.config import tiny
-from colossal_lab.switches import data_parallel as dp
-from colossal_lab.switches.precision import make_optimizer
+from colossal_lab.parallel import data_parallel as dp
+from colossal_lab.parallel import distributed
+from colossal_lab.testing import gradient_checks
+from colossal_lab.training import train
+from colossal_lab.training.optimizer import make_optimizer
 
 BACKENDS = dp.BACKENDS
 FP32 = {"atol": 1e-6, "rtol": 1e-5}
@@ -107,7 +110,7 @@ CASES_3[("overlap", "no_sync")] = ("overlap", {"micro_batches": 2, "global_batch
 def suite(cases: dict, replicas: bool) -> dict:
     """Everything one group checks: `gradient_check` per case, the toy's bucket order,
     and the replicas after optimizer steps."""
-    out = {key: dp.gradient_check(backend, **{**FP32, **kw})
+    out = {key: gradient_checks.data_parallel_gradient_check(backend, **{**FP32, **kw})
            for key, (backend, kw) in cases.items()}
     out["toy"] = toy_order()
     if replicas:

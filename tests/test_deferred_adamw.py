@@ -11,7 +11,7 @@ from colossal_lab.config import Switches, tiny
 from colossal_lab.model import build_model
 from colossal_lab.switches import deferred_adamw
 from colossal_lab.switches.apply import apply_switches
-from colossal_lab.train import make_optimizer, make_step
+from colossal_lab.training.train import make_optimizer, make_step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SW = Switches(precision="bf16-pure", enable_fused_optimizer="triton",

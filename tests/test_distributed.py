@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from colossal_lab import distributed
+from colossal_lab.parallel import distributed
 
 # ------------------------------------------------------------- what the ranks run
 

@@ -1,4 +1,4 @@
-"""The profiler summary (`colossal_lab.profile`) and the doctor (`colossal_lab.doctor`).
+"""The profiler summary (`colossal_lab.measure.profile`) and the doctor (`colossal_lab.doctor`).
 
 The kernel classifier on real kernel names; the summary and the roofline on a live CPU
 trace of the tiny model and on a synthetic GPU trace (Kineto's format, real kernel
@@ -15,9 +15,10 @@ import sys
 import pytest
 import torch
 
-from colossal_lab import doctor, profile, results
+from colossal_lab import doctor
 from colossal_lab.config import SWITCH_SETS, preset
 from colossal_lab.doctor import Finding, Machine, Plan, Verdict
+from colossal_lab.measure import profile, results
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 
 # ------------------------------------------------------------------ the classifier
@@ -150,9 +151,9 @@ def test_intervals():
 def cpu_trace(tmp_path_factory):
     """Four steps of the tiny model (naive bf16: no Triton interpreter) profiled on this
     CPU: one waiting, one warm-up, two recorded."""
-    from colossal_lab import data, train
     from colossal_lab.model import build_model
     from colossal_lab.switches.apply import apply_switches
+    from colossal_lab.training import data, train
 
     torch.manual_seed(0)
     cfg = preset("tiny")

@@ -11,9 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from colossal_lab.config import Switches
-from colossal_lab.correctness import check_close
 from colossal_lab.kernels import embedding as kernel
-from colossal_lab.switches import embedding
+from colossal_lab.ops import embedding
+from colossal_lab.switches import embedding as embedding_switch
+from colossal_lab.testing.correctness import check_close
 from tests.conftest import count_launches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,7 +91,7 @@ def test_bad_inputs_are_refused():
                                   torch.zeros(5, dtype=torch.long, device=DEVICE), 5,
                                   torch.float32)
     with pytest.raises(ValueError, match="enable_fused_embedding"):
-        embedding.apply(nn.Linear(2, 2), "fast")
+        embedding_switch.apply(nn.Linear(2, 2), "fast")
 
 
 def test_switch_dispatches_and_keeps_torch_where_ours_does_not_apply(monkeypatch):

@@ -5,8 +5,9 @@ import pytest
 
 matplotlib.use("Agg")
 
-from colossal_lab import explore, mfu  # noqa: E402
+from colossal_lab.book import explore
 from colossal_lab.config import preset  # noqa: E402
+from colossal_lab.measure import mfu
 
 
 def test_mfu_6n_matches_the_meter():

@@ -11,12 +11,13 @@ import torch.nn as nn
 
 from colossal_lab import switches
 from colossal_lab.config import Switches, tiny
-from colossal_lab.correctness import check_close
 from colossal_lab.kernels import fp8_cast
 from colossal_lab.model import build_model
-from colossal_lab.switches import fp8
+from colossal_lab.ops import fp8
+from colossal_lab.switches import fp8 as fp8_switch
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
+from colossal_lab.testing.correctness import check_close
 from tests.conftest import requires_cuda
 
 FORMATS = (fp8.E4M3, fp8.E5M2)
@@ -287,7 +288,7 @@ def test_convert_shares_parameters_and_state_dict(monkeypatch):
     before = m.state_dict()
     params = {n: p for n, p in m.named_parameters()}
     with pytest.warns(UserWarning, match=r"mlp\.gate_proj \(64->172\)"):
-        names = fp8.convert_to_fp8(m)
+        names = fp8_switch.convert_to_fp8(m)
     assert "lm_head" in names and "model.layers.0.self_attn.o_proj" in names
     assert not any("mlp" in n for n in names)
     assert type(m.model.layers[0].mlp.up_proj) is nn.Linear
@@ -304,7 +305,7 @@ def test_convert_skip_and_exact_type_only():
         pass
 
     model = nn.Sequential(nn.Linear(32, 32), MyLinear(32, 32), nn.Linear(32, 16))
-    names = fp8.convert_to_fp8(model, skip=("2",))
+    names = fp8_switch.convert_to_fp8(model, skip=("2",))
     assert names == ["0"]
     assert type(model[1]) is MyLinear and type(model[2]) is nn.Linear
 
@@ -320,7 +321,7 @@ def test_fp8_model_trains_close_to_fp32():
         warnings.simplefilter("error")  # nothing may stay in bf16 here
         m8 = apply_switches(build_model(cfg, "cpu"), Switches(precision="fp8"))
     m8.load_state_dict(m32.state_dict())
-    assert len(fp8.fp8_modules(m8)) == cfg.num_hidden_layers * 7 + 1
+    assert len(fp8_switch.fp8_modules(m8)) == cfg.num_hidden_layers * 7 + 1
     l32 = m32(ids[:, :-1], ids[:, 1:])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         l8 = m8(ids[:, :-1], ids[:, 1:])
@@ -366,7 +367,7 @@ def test_full_checkpointing_recomputes_the_same_fp8(scaling, monkeypatch):
         assert torch.equal(losses[0], losses[1]), step
         for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
             assert torch.equal(p.grad, q.grad), (step, name)
-        for a, b in zip(fp8.fp8_modules(models[0]), fp8.fp8_modules(models[1])):
+        for a, b in zip(fp8_switch.fp8_modules(models[0]), fp8_switch.fp8_modules(models[1])):
             for role in ("x", "w", "grad"):
                 assert torch.equal(a._scalers[role].history, b._scalers[role].history)
                 if scaling == "delayed":

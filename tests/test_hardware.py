@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from colossal_lab import hardware
+from colossal_lab.measure import hardware
 
 
 @pytest.mark.parametrize("name,slug,bf16", [

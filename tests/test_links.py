@@ -1,4 +1,4 @@
-"""The link table (`colossal_lab.links`) is well formed, pinned, and agrees with the book.
+"""The link table (`colossal_lab.book.links`) is well formed, pinned, and agrees with the book.
 
 Offline checks only: every entry has a title and an https URL or a page of the book that
 exists; ColossalAI's source is linked at `COLOSSALAI_COMMIT` and nowhere else; no URL
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from colossal_lab import links
-from colossal_lab.links import COLOSSALAI_COMMIT, LINKS, markdown_link
+from colossal_lab.book import links
+from colossal_lab.book.links import COLOSSALAI_COMMIT, LINKS, markdown_link
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "book"
@@ -103,7 +103,7 @@ def test_chapter_titles_are_the_pages_headings(key):
     title, path = links.CHAPTERS[key]
     heading = first_heading(BOOK / path)
     assert heading == title, (f"{key}: book/{path} is titled {heading!r}; update "
-                              f"colossal_lab.links.CHAPTERS")
+                              f"colossal_lab.book.links.CHAPTERS")
 
 
 def test_every_page_in_the_toc_has_a_chapter_entry():

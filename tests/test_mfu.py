@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from colossal_lab import mfu
 from colossal_lab.config import ModelConfig, Switches, preset, tiny
+from colossal_lab.measure import mfu
 from colossal_lab.model import build_model
 from colossal_lab.switches.apply import apply_switches
 

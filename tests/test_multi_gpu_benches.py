@@ -16,10 +16,11 @@ import os
 import pytest
 import torch
 
-from colossal_lab import integrity, results
 from colossal_lab.benchmarks import collectives as coll
 from colossal_lab.benchmarks import grad_overlap
 from colossal_lab.benchmarks import grad_overlap_measured as gom
+from colossal_lab.book import integrity
+from colossal_lab.measure import results
 
 
 @pytest.fixture(scope="module")

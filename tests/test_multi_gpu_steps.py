@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from colossal_lab import integrity
 from colossal_lab.benchmarks import pipeline_measured as pm
 from colossal_lab.benchmarks import pipeline_sim, two_gpu
 from colossal_lab.benchmarks import sequence_parallel_step as sps
+from colossal_lab.book import integrity
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +171,8 @@ def test_useful_time_per_rank_at_four(schedule, want):
 
 
 def test_bubble_formula_known_numbers():
-    from colossal_lab.pipeline import schedules as sch
-    from colossal_lab.pipeline.simulate import simulate
+    from colossal_lab.parallel.pipeline import schedules as sch
+    from colossal_lab.parallel.pipeline.simulate import simulate
 
     assert pm.bubble([3.0, 3.0], 4.0) == pytest.approx(0.25)
     assert pm.bubble([4.0, 4.0], 4.0) == 0.0
@@ -259,7 +259,7 @@ def test_world_flag_is_for_quick_runs(module, capsys):
 
 
 def test_save_writes_the_world_it_ran_at(monkeypatch):
-    from colossal_lab import results
+    from colossal_lab.measure import results
 
     saved = {}
     monkeypatch.setattr(results, "save_results", lambda name, rows, **kw: saved.update(kw))

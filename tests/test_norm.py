@@ -1,7 +1,7 @@
 """Switch 2: fused RMSNorm, LayerNorm and add + RMSNorm against the eager references.
 
 On a CPU the Triton kernels run under the interpreter. Every output and every gradient
-is checked by the 2x-low-precision rule of `colossal_lab.correctness`: the kernel's
+is checked by the 2x-low-precision rule of `colossal_lab.testing.correctness`: the kernel's
 error against the reference in fp32 must be at most twice the error of the same
 reference run in the kernel's dtype, plus a small atol (fp32: atol + rtol·max|ref|).
 """
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from colossal_lab import switches
-from colossal_lab.correctness import check_close
-from colossal_lab.switches import norm
-from colossal_lab.switches.norm import add_rms_norm_ref, layer_norm_ref, rms_norm_ref
+from colossal_lab.ops import norm
+from colossal_lab.ops.norm import add_rms_norm_ref, layer_norm_ref, rms_norm_ref
+from colossal_lab.testing.correctness import check_close
 from tests.conftest import count_launches
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from colossal_lab import integrity, mfu, results
+from colossal_lab.book import integrity
+from colossal_lab.book.notebook import SOURCE_KEY, show_source, source_text
 from colossal_lab.kernels import rms_norm
-from colossal_lab.notebook import SOURCE_KEY, show_source, source_text
-from colossal_lab.results import REPO_ROOT
+from colossal_lab.measure import mfu, results
+from colossal_lab.measure.results import REPO_ROOT
 
 nbformat = pytest.importorskip("nbformat")
 v4 = nbformat.v4
@@ -64,10 +65,10 @@ def test_show_source_records_what_it_showed():
     assert data["text/plain"] == source_text(mfu.count_params)
     assert data["text/plain"].startswith("def count_params(")
     assert "<style>" in data["text/html"] and "Verbatim" in data["text/latex"]
-    assert meta == {SOURCE_KEY: {"source_of": "colossal_lab.mfu:count_params",
+    assert meta == {SOURCE_KEY: {"source_of": "colossal_lab.measure.mfu:count_params",
                                  "lines": None}}
     _, meta = show_source(mfu.StepStats.__str__, lines=(0, 2))._repr_mimebundle_()
-    assert meta[SOURCE_KEY] == {"source_of": "colossal_lab.mfu:StepStats.__str__",
+    assert meta[SOURCE_KEY] == {"source_of": "colossal_lab.measure.mfu:StepStats.__str__",
                                 "lines": [0, 2]}
 
 
@@ -79,7 +80,7 @@ def test_show_source_unwraps_triton_kernels():
 
 def test_fresh_source_outputs_pass(tmp_path):
     nb = write_nb(tmp_path / "fresh.ipynb", [
-        ("from colossal_lab.notebook import show_source", []),
+        ("from colossal_lab.book.notebook import show_source", []),
         ("show_source(mfu.count_params)", [source_output(mfu.count_params)]),
         ("show_source(mfu.layer_params, lines=(1, 4))",
          [source_output(mfu.layer_params, (1, 4))]),
@@ -94,7 +95,7 @@ def test_edited_source_output_is_reported(tmp_path):
     out["data"]["text/plain"] = out["data"]["text/plain"].replace("6", "8", 1) + "  # old"
     nb = write_nb(tmp_path / "stale.ipynb", [("show_source(mfu.count_params)", [out])])
     problems = integrity.check_notebook(nb)
-    assert len(problems) == 1 and "colossal_lab.mfu:count_params" in problems[0]
+    assert len(problems) == 1 and "colossal_lab.measure.mfu:count_params" in problems[0]
     assert "cell 0" in problems[0]
 
 
@@ -116,7 +117,7 @@ def test_output_without_metadata_is_stale(tmp_path):
 
 def test_vanished_object_is_reported(tmp_path):
     out = source_output(mfu.count_params)
-    out["metadata"][SOURCE_KEY]["source_of"] = "colossal_lab.mfu:count_parameters"
+    out["metadata"][SOURCE_KEY]["source_of"] = "colossal_lab.measure.mfu:count_parameters"
     nb = write_nb(tmp_path / "gone.ipynb", [("show_source(mfu.count_params)", [out])])
     problems = integrity.check_notebook(nb)
     assert len(problems) == 1 and "cannot find" in problems[0]
@@ -183,7 +184,7 @@ def test_executed_notebook_passes_then_tampered_copies_fail(tmp_path, monkeypatc
     results.save_results("demo", [{"a": 1}], command="pytest", gpu=results.REFERENCE_GPU)
     nb = v4.new_notebook(cells=[v4.new_code_cell(s) for s in (
         "from colossal_lab import mfu, results\n"
-        "from colossal_lab.notebook import show_source",
+        "from colossal_lab.book.notebook import show_source",
         "show_source(mfu.count_params)",
         "show_source(mfu.layer_params, lines=(0, 3))",
         "res = results.measure_or_load('demo', lambda: [{'a': 2}], command='pytest')",
@@ -197,7 +198,7 @@ def test_executed_notebook_passes_then_tampered_copies_fail(tmp_path, monkeypatc
     assert banner.startswith(results.BANNER_PREFIX), banner
 
     out = nb.cells[1].outputs[0]
-    assert out["metadata"][SOURCE_KEY]["source_of"] == "colossal_lab.mfu:count_params"
+    assert out["metadata"][SOURCE_KEY]["source_of"] == "colossal_lab.measure.mfu:count_params"
     out["data"]["text/plain"] += "\n    # a line the library no longer has"
     nbformat.write(nb, path)
     assert len(integrity.check_notebook(path, repo_root=tmp_path)) == 1

@@ -1,4 +1,4 @@
-"""The overlap model (`colossal_lab.overlap_model`) on timelines small enough to work out
+"""The overlap model (`colossal_lab.parallel.overlap_model`) on timelines small enough to work out
 by hand, its sanity (more bandwidth never exposes more; the naive reducer exposes all of
 it), and the benchmark that feeds it (`benchmarks.grad_overlap`) run quick on the CPU.
 
@@ -17,8 +17,8 @@ import torch
 
 matplotlib.use("Agg")
 
-from colossal_lab import overlap_model as om  # noqa: E402
 from colossal_lab.benchmarks import grad_overlap  # noqa: E402
+from colossal_lab.parallel import overlap_model as om
 
 SLOW = om.Link("test link", gbps=1.0, latency_us=0.0, source="test")
 KW = {"link": SLOW, "world": 2, "bytes_per_elem": 1e4}  # 100 elements = 1 ms

@@ -1,4 +1,4 @@
-"""The landing page's overview (`colossal_lab.overview`): one entry per switch chapter
+"""The landing page's overview (`colossal_lab.book.overview`): one entry per switch chapter
 read from the committed H200 results, its figure, and synthetic rows for the verdicts
 (level, faster, slower) and for what is missing or failed."""
 
@@ -12,8 +12,9 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from colossal_lab import overview, results  # noqa: E402
-from colossal_lab.results import REPO_ROOT  # noqa: E402
+from colossal_lab.book import overview
+from colossal_lab.measure import results
+from colossal_lab.measure.results import REPO_ROOT  # noqa: E402
 
 GPU = "h200"
 

@@ -23,21 +23,27 @@ import copy
 import pytest
 import torch
 
-from colossal_lab import distributed
 from colossal_lab.config import Switches, tiny
 from colossal_lab.model import build_model
-from colossal_lab.pipeline import schedules as sch
-from colossal_lab.pipeline.check import ATOL, RTOL, TORCH_PEERS, check_schedules, config_for
-from colossal_lab.pipeline.runtime import (
+from colossal_lab.parallel import distributed
+from colossal_lab.parallel.pipeline import schedules as sch
+from colossal_lab.parallel.pipeline.runtime import (
     DeferredLinear,
     PipelineRuntime,
     WeightGradStore,
     defer_weight_grads,
     restore_weight_grads,
 )
-from colossal_lab.pipeline.stages import Stage, StageError, build_stages, split_layers
+from colossal_lab.parallel.pipeline.stages import Stage, StageError, build_stages, split_layers
 from colossal_lab.switches import pipeline_parallel as ppl
 from colossal_lab.switches.apply import apply_switches
+from colossal_lab.testing.pipeline_check import (
+    ATOL,
+    RTOL,
+    TORCH_PEERS,
+    check_schedules,
+    config_for,
+)
 
 NAMES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]
 M = 4
@@ -261,8 +267,8 @@ def test_one_rank_with_checkpointed_layers(mode):
 def test_bf16_autocast_within_twice_bf16_error():
     """precision="bf16": autocast in F, fp32 residual stream between the stages. The
     pipeline's error against the fp32 reference stays within twice that of the same
-    model run whole under autocast, plus 1e-6 (`colossal_lab.correctness`'s rule)."""
-    from colossal_lab.switches import precision
+    model run whole under autocast, plus 1e-6 (`colossal_lab.testing.correctness`'s rule)."""
+    from colossal_lab import precision
 
     cfg = config_for(2)
     model, ref, rt, x, y = _one_rank("zbv", cfg, precision="bf16")

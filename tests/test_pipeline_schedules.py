@@ -10,16 +10,20 @@ import pytest
 
 matplotlib.use("Agg")
 
-from colossal_lab.pipeline import schedules as sch  # noqa: E402
-from colossal_lab.pipeline.schedules import Action, Schedule, ScheduleError  # noqa: E402
-from colossal_lab.pipeline.simulate import (  # noqa: E402
+from colossal_lab.parallel.pipeline import schedules as sch  # noqa: E402
+from colossal_lab.parallel.pipeline.schedules import (
+    Action,
+    Schedule,
+    ScheduleError,
+)
+from colossal_lab.parallel.pipeline.simulate import (
     bubble_arithmetic,
     plot_bubbles,
     plot_gallery,
     plot_gantt,
     simulate,
 )
-from colossal_lab.pipeline.validate import (  # noqa: E402
+from colossal_lab.parallel.pipeline.validate import (
     activation_profile,
     peak_activations,
     validate,
@@ -317,7 +321,7 @@ def test_static_figures():
 
 def test_explorer_updates():
     pytest.importorskip("ipywidgets")
-    from colossal_lab.pipeline.simulate import explorer
+    from colossal_lab.parallel.pipeline.simulate import explorer
 
     box = explorer(p=4, m=8, schedule="1f1b")
     text = box.children[-2]

@@ -3,7 +3,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from colossal_lab import plot  # noqa: E402
+from colossal_lab.book import plot
 
 
 @pytest.fixture(autouse=True)

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from colossal_lab import train
+from colossal_lab import precision as P
 from colossal_lab.config import Switches, tiny
-from colossal_lab.correctness import check_close
 from colossal_lab.model import build_model
-from colossal_lab.switches import precision as P
+from colossal_lab.precision import PRECISIONS
 from colossal_lab.switches.apply import apply_switches
-from colossal_lab.switches.precision import PRECISIONS
+from colossal_lab.testing.correctness import check_close
+from colossal_lab.training import optimizer, train
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -40,7 +40,7 @@ def _tiny_problem(opt_kind: str):
         opt = torch.optim.AdamW(lin.parameters(), lr=0.1, fused=True)
     else:
         lin = lin.to(torch.bfloat16)
-        opt = P.MasterAdamW(lin.parameters(), lr=0.1)
+        opt = optimizer.MasterAdamW(lin.parameters(), lr=0.1)
     return lin, opt
 
 
@@ -132,7 +132,7 @@ def test_master_adamw_matches_torch_adamw(chunk_bytes):
     ref = [nn.Parameter(p.detach().float()) for p in ref]
     low = [nn.Parameter(p.detach().bfloat16()) for p in ref]
     opt_ref = torch.optim.AdamW(ref, **HP)
-    opt = P.MasterAdamW(low, chunk_bytes=chunk_bytes, **HP)
+    opt = optimizer.MasterAdamW(low, chunk_bytes=chunk_bytes, **HP)
     for _ in range(5):
         for a, b in zip(ref, low):
             g = torch.randn_like(a).bfloat16()
@@ -155,7 +155,7 @@ def test_adamw_ref_is_torch_adamw():
         g = torch.randn_like(q)
         p.grad = g.clone()
         opt.step()
-        P.adamw_ref(q, g, m, v, t, lr=HP["lr"], beta1=0.9, beta2=0.95, eps=HP["eps"],
+        optimizer.adamw_ref(q, g, m, v, t, lr=HP["lr"], beta1=0.9, beta2=0.95, eps=HP["eps"],
                     weight_decay=HP["weight_decay"])
     check_close(q, p.detach(), atol=1e-6)
 
@@ -163,7 +163,7 @@ def test_adamw_ref_is_torch_adamw():
 def test_master_weights_keep_small_updates():
     """Updates below half a bf16 ulp vanish from bf16 weights but not from masters."""
     w = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
-    opt = P.MasterAdamW([w], lr=1e-4, weight_decay=0.0)
+    opt = optimizer.MasterAdamW([w], lr=1e-4, weight_decay=0.0)
     naive = torch.ones(4, dtype=torch.bfloat16)
     for _ in range(100):
         w.grad = torch.ones(4, dtype=torch.bfloat16)
@@ -187,18 +187,18 @@ def test_master_adamw_chunks_its_fp32_gradients(monkeypatch):
         return real(ps, gs, *a, **kw)
 
     monkeypatch.setattr(torch, "_fused_adamw_", spy)
-    P.MasterAdamW(params, chunk_bytes=2 * 64 * 64 * 4).step()
+    optimizer.MasterAdamW(params, chunk_bytes=2 * 64 * 64 * 4).step()
     assert seen == [2 * 64 * 64 * 4] * 3
 
 
 def test_master_adamw_state_dict_round_trip():
     a = _params(SHAPES, torch.bfloat16)
     b = [nn.Parameter(p.detach().clone()) for p in a]
-    opt_a = P.MasterAdamW(a, **HP)
+    opt_a = optimizer.MasterAdamW(a, **HP)
     for p in a:
         p.grad = torch.randn_like(p)
     opt_a.step()
-    opt_b = P.MasterAdamW(b, **HP)
+    opt_b = optimizer.MasterAdamW(b, **HP)
     opt_b.load_state_dict(opt_a.state_dict())
     for p in b:
         assert opt_b.state[p]["master"].dtype == torch.float32
@@ -218,7 +218,7 @@ def test_master_adamw_state_dict_round_trip():
 def test_make_optimizer_picks_masters_for_bf16_params():
     m = apply_switches(build_model(tiny(), "cpu"), Switches(precision="bf16-pure"))
     assert next(m.parameters()).dtype == torch.bfloat16
-    assert isinstance(train.make_optimizer(m), P.MasterAdamW)
+    assert isinstance(train.make_optimizer(m), optimizer.MasterAdamW)
     m32 = apply_switches(build_model(tiny(), "cpu"), Switches(precision="bf16"))
     assert type(train.make_optimizer(m32)) is torch.optim.AdamW
 

@@ -11,11 +11,13 @@ import torch.nn as nn
 from colossal_lab.benchmarks import fused_qkv
 from colossal_lab.benchmarks.steps import Setup
 from colossal_lab.config import ModelConfig, Switches, tiny
-from colossal_lab.correctness import check_close
 from colossal_lab.model import MLP, Attention, RotaryEmbedding, build_model
-from colossal_lab.switches import attention, projections
+from colossal_lab.ops import swiglu as projections
+from colossal_lab.ops.swiglu import swiglu_fused_ref, swiglu_ref
+from colossal_lab.switches import attention
+from colossal_lab.switches import projections as projections_switch
 from colossal_lab.switches.apply import apply_switches
-from colossal_lab.switches.projections import swiglu_fused_ref, swiglu_ref
+from colossal_lab.testing.correctness import check_close
 from tests.conftest import MODEL_CONFIGS, count_launches, requires_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,13 +30,13 @@ def _attention(cfg, value):
     """One attention module (naive kernel) with the projections switch applied."""
     m = Attention(cfg)
     attention.apply(m, "naive")
-    projections.apply(m, value)
+    projections_switch.apply(m, value)
     return m
 
 
 def _mlp(cfg, value):
     m = MLP(cfg)
-    projections.apply(m, value)
+    projections_switch.apply(m, value)
     return m
 
 
@@ -401,7 +403,7 @@ def test_linear_swap_keeps_hf_state_dict_and_blocks_conversion():
     assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
     m.load_state_dict(ref)
     with pytest.raises(TypeError, match="before swapping"):
-        projections.apply(m, False)
+        projections_switch.apply(m, False)
 
 
 # ------------------------------------------------------------------------ benchmark

@@ -1,4 +1,4 @@
-"""Every committed results file is traceable (`colossal_lab.integrity`): derived fields
+"""Every committed results file is traceable (`colossal_lab.book.integrity`): derived fields
 recompute, provenance is complete, and it is the provenance committed with the rows.
 The tamper tests prove each check fails on a doctored copy in a throwaway repository."""
 
@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from colossal_lab import integrity
-from colossal_lab.results import REPO_ROOT
+from colossal_lab.book import integrity
+from colossal_lab.measure.results import REPO_ROOT
 
 FILES = integrity.committed_results(REPO_ROOT)
 SOURCE = REPO_ROOT / "results" / "h200" / "baseline.json"  # step rows, runs' provenance

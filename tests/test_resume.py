@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from colossal_lab import checkpoint, train
 from colossal_lab.config import Switches, tiny
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig as Ckpt
+from colossal_lab.training import checkpoint, train
 
 CFG = tiny().replace(intermediate_size=176)  # widths multiples of 16: fp8 takes every linear
 RUN = dict(batch=4, seq_len=16, lr=3e-3, data="random", progress=False, log_every=1,

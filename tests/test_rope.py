@@ -14,10 +14,11 @@ import torch.nn as nn
 from colossal_lab.benchmarks import fused_qkv
 from colossal_lab.benchmarks import rope as rope_bench
 from colossal_lab.config import tiny
-from colossal_lab.correctness import check_close
 from colossal_lab.model import RotaryEmbedding, apply_rotary, build_model
-from colossal_lab.switches import rope
-from colossal_lab.switches.rope import rotary_ref
+from colossal_lab.ops import rope
+from colossal_lab.ops.rope import rotary_ref
+from colossal_lab.switches import rope as rope_switch
+from colossal_lab.testing.correctness import check_close
 from tests.conftest import count_launches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -376,14 +377,14 @@ def test_apply_sets_the_attribute_and_rejects_unknown_values():
         rope_backend = False
 
     model = nn.Sequential(Attn(), nn.Linear(2, 2), nn.Sequential(Attn()))
-    assert rope.apply(model, "triton") == 2
+    assert rope_switch.apply(model, "triton") == 2
     assert [m.rope_backend for m in model.modules()
             if isinstance(m, Attn)] == ["triton"] * 2
-    assert rope.apply(model, False) == 2 and model[0].rope_backend is False
+    assert rope_switch.apply(model, False) == 2 and model[0].rope_backend is False
     with pytest.raises(ValueError, match="rope_backend='fused'"):
-        rope.apply(model, "fused")
+        rope_switch.apply(model, "fused")
     llama = build_model(tiny(), "cpu")  # however many attention modules read it
-    assert rope.apply(llama, True) == sum(hasattr(type(m), "rope_backend")
+    assert rope_switch.apply(llama, True) == sum(hasattr(type(m), "rope_backend")
                                           for m in llama.modules())
 
 

@@ -13,7 +13,7 @@ from colossal_lab.model import build_model
 from colossal_lab.switches import compile as compile_switch
 from colossal_lab.switches import step_graph
 from colossal_lab.switches.apply import apply_switches
-from colossal_lab.train import make_optimizer, make_step
+from colossal_lab.training.train import make_optimizer, make_step
 from tests.conftest import requires_cuda
 
 GRAPH = SWITCH_SETS["best"].replace(enable_compile="graph")

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from colossal_lab import telemetry
+from colossal_lab.measure import telemetry
 
 LINES = """2026/12/02 06:55:12.100, 1980, 1980, 300.5, 700.00, 41
 2026/12/02 06:55:12.200, 1755, 1980, 699.1, 700.00, 55

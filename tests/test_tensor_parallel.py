@@ -14,7 +14,7 @@ the vocabulary-parallel loss takes its max and sum over t pieces, the norms' wei
 gradients add t partial sums over S/t tokens. fp32 addition is not associative, so the
 results differ by a few units in the last place (2^-24 ≈ 6e-8 relative) of the largest
 terms. The bound per tensor is ``max|g − g_ref| <= 1e-6 + 1e-5 · max|g_ref|``
-(`colossal_lab.correctness`), some 100 ulps; what is measured is ~1e-7 against bounds
+(`colossal_lab.testing.correctness`), some 100 ulps; what is measured is ~1e-7 against bounds
 of ~3e-6 (printed on failure). A missing reduction (a norm gradient not summed over
 the ranks, a replicated key/value head not summed) is off by O(|g|): 1e-2 to 1e-1
 here, 10^4 times the bound. The loss and the logits use the same rule.
@@ -28,15 +28,16 @@ import os
 import pytest
 import torch
 
-from colossal_lab import distributed, grad_norm
 from colossal_lab.config import Switches, tiny
-from colossal_lab.correctness import max_abs_err
 from colossal_lab.fallback import BackendUnavailable
 from colossal_lab.model import build_model
-from colossal_lab.switches import data_parallel as dp
-from colossal_lab.switches import tensor_parallel as tpm
+from colossal_lab.parallel import data_parallel as dp
+from colossal_lab.parallel import distributed, grad_norm
+from colossal_lab.parallel import tensor_parallel as tpm
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
+from colossal_lab.testing import gradient_checks
+from colossal_lab.testing.correctness import max_abs_err
 
 FP32 = {"atol": 1e-6, "rtol": 1e-5}
 MODES_2 = ("all_reduce", "split_gather", "ring", "dtensor")
@@ -48,7 +49,8 @@ MODES_4 = ("all_reduce", "split_gather", "ring")  # dtensor needs tp | Hkv = 2
 
 def _compare(model, ref, loss, loss_ref) -> dict:
     """Loss and every gradient against the reference, by the FP32 rule."""
-    got, want = tpm.full_named(model, grads=True), tpm.full_named(ref, grads=True)
+    got = gradient_checks.full_named(model, grads=True)
+    want = gradient_checks.full_named(ref, grads=True)
     worst = max(want, key=lambda n: max_abs_err(got[n], want[n]) /
                 (FP32["atol"] + FP32["rtol"] * want[n].abs().max().item()))
     err = max_abs_err(got[worst], want[worst])
@@ -114,7 +116,7 @@ def with_data_parallel() -> dict:
 def ce_with_ignored_labels() -> dict:
     """The vocabulary-parallel loss alone, some labels ignored: loss and logit gradient
     against `F.cross_entropy` on the full logits."""
-    from colossal_lab.tp_ops import vocab_parallel_cross_entropy
+    from colossal_lab.parallel.tp_ops import vocab_parallel_cross_entropy
 
     t, r = distributed.world_size(), distributed.rank()
     g = torch.Generator().manual_seed(3)
@@ -190,7 +192,8 @@ def suite(modes: tuple[str, ...]) -> dict:
     world = distributed.world_size()
     cases = {m: (m, {}) for m in modes}
     cases.update({(m, "fused"): (m, {"fused": True}) for m in modes if m != "all_reduce"})
-    out = {"checks": tpm.gradient_checks({str(k): v for k, v in cases.items()}),
+    cases = {str(k): v for k, v in cases.items()}
+    out = {"checks": gradient_checks.tensor_parallel_gradient_checks(cases),
            "apply": {("split_gather", True): through_apply_switches("split_gather", True),
                      ("ring", False): through_apply_switches("ring", False)},
            "ce": ce_with_ignored_labels(), "errors": errors(),

@@ -1,7 +1,7 @@
-"""`colossal_lab.timing` helpers that need no GPU."""
+"""`colossal_lab.measure.timing` helpers that need no GPU."""
 
-from colossal_lab import timing
-from colossal_lab.timing import in_turns
+from colossal_lab.measure import timing
+from colossal_lab.measure.timing import in_turns
 
 
 def test_in_turns_rotates_one_place_a_round():
@@ -13,7 +13,7 @@ def test_time_kernels_tries_the_capture_again_before_falling_back(monkeypatch):
     """A capture that fails once and then succeeds (under the next capture mode) is
     graph replay ("cuda_graph"); one that fails every try falls back to events and
     says why, so `results.fell_back` flags the row for a rerun."""
-    from colossal_lab import results
+    from colossal_lab.measure import results
 
     tries = []
 

@@ -4,7 +4,7 @@ import statistics
 import pytest
 import torch
 
-from colossal_lab import results, timing
+from colossal_lab.measure import results, timing
 
 
 def test_time_fn_and_iterations_on_cpu():
@@ -99,7 +99,7 @@ def test_the_sweeps_torch_row_is_timed_by_graph_replay():
 
 
 def test_resume_runs_a_fallen_back_row_again():
-    from colossal_lab.results import fell_back, resumed_rows
+    from colossal_lab.measure.results import fell_back, resumed_rows
 
     graph = {"provider": "torch", "timing": "cuda_graph"}
     events = {"provider": "eager", "timing": "cuda_graph/events (capture failed: X)"}
@@ -187,7 +187,7 @@ def test_every_multi_gpu_run_is_shown(tmp_results, capsys):
     """`load_multi_gpu` returns each multi-GPU folder's file, two GPUs then four;
     `show_multi_gpu` prints each run's banner, its selected rows and its targets, or
     one line saying nothing is on record."""
-    from colossal_lab import notebook
+    from colossal_lab.book import notebook
 
     ref = results.REFERENCE_GPU
     assert results.load_multi_gpu("dp") == []
@@ -233,7 +233,7 @@ def test_committed_results_have_provenance():
 def test_error_line_puts_the_exception_first():
     """A child's traceback tail ("File ... | code | XError: why") reads as the
     exception first, the context after it; other texts are left as they are."""
-    from colossal_lab.results import error_line
+    from colossal_lab.measure.results import error_line
 
     tail = ('File "/x/steps.py", line 158, in convert | raise ImportError(f"...") | '
             "ImportError: torchao float8 setups need torchao")
@@ -251,7 +251,7 @@ def test_exception_tail_keeps_the_first_line_of_a_long_message():
     """A child that died of an exception whose message spans lines (torch's
     CheckpointError) is recorded by that exception and its first lines, not by the last
     three lines of the message."""
-    from colossal_lab.results import error_line, exception_tail
+    from colossal_lab.measure.results import error_line, exception_tail
 
     output = "\n".join([
         "[steps] ours-7b-bf16 ...", "Traceback (most recent call last):",

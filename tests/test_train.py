@@ -4,12 +4,14 @@ the measured step carries every metric the results files need."""
 import pytest
 import torch
 
-from colossal_lab import data, mfu, train
+from colossal_lab import precision
 from colossal_lab.config import Switches, tiny
+from colossal_lab.measure import mfu
 from colossal_lab.model import build_model
-from colossal_lab.switches import checkpointing, precision
+from colossal_lab.switches import checkpointing
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
+from colossal_lab.training import data, train
 
 
 def test_micro_batches_give_the_same_update():
@@ -143,7 +145,7 @@ def test_tf32_only_inside_the_step():
 def test_progress_is_one_line_in_a_notebook(monkeypatch, capsys):
     """In a Jupyter kernel the bar prints one plain stdout line when it closes (no
     widget, no carriage returns on stderr); on a terminal it is tqdm's bar."""
-    from colossal_lab import progress
+    from colossal_lab.measure import progress
 
     monkeypatch.setattr(progress, "in_notebook", lambda: True)
     bar = progress.Progress(range(5), desc="train 2L")

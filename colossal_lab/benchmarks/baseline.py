@@ -16,7 +16,7 @@ import argparse
 
 from colossal_lab.benchmarks.steps import Setup, run_setups, step_config
 from colossal_lab.config import Switches
-from colossal_lab.results import save_results
+from colossal_lab.measure.results import save_results
 
 SETUPS = (
     Setup("ours-fp32-naive", "ours: fp32, naive attention + norm", "ours",

@@ -96,7 +96,7 @@ def file_name(group: str) -> str:
 
 def load(gpu: str | None = None) -> list[dict]:
     """The rows of both groups' recorded files."""
-    from colossal_lab.results import load_results
+    from colossal_lab.measure.results import load_results
 
     return [r for g in GROUPS for r in load_results(file_name(g), gpu).rows]
 
@@ -149,7 +149,7 @@ def memory_model(rows: list[dict], none: str = "ckpt-none", full: str = "ckpt-fu
     """`memory.MemoryModel` from two measured rows (their fixed and per-sample
     memory); None when the rows lack the probes (a CPU run)."""
     from colossal_lab.config import preset
-    from colossal_lab.memory import MemoryModel
+    from colossal_lab.training.memory import MemoryModel
 
     by = ok_rows(rows)
     a, b = by.get(none), by.get(full)
@@ -168,7 +168,7 @@ def plot_tradeoff(rows: list[dict], *, memory: str = "activation_mem_gib", ax=No
     checkpointing to full recomputation, the selective modes as separate points."""
     import matplotlib.pyplot as plt
 
-    from colossal_lab.plot import BLUE, GREY, ORANGE
+    from colossal_lab.palette import BLUE, GREY, ORANGE
 
     pts = [r for r in versus_none(rows) if r.get(memory) is not None]
     if ax is None:
@@ -198,7 +198,7 @@ def plot_largest_batch(rows: list[dict], ax=None):
     """Largest batch per setup: predicted from the probes and verified by running it."""
     import matplotlib.pyplot as plt
 
-    from colossal_lab.plot import BLUE, GREY, ORANGE
+    from colossal_lab.palette import BLUE, GREY, ORANGE
 
     pts = [r for r in rows if "error" not in r and r.get("largest_batch_predicted")]
     if ax is None:
@@ -239,7 +239,7 @@ def main(argv=None) -> None:
         run(True, setups=[n for n in QUICK if n in names] or None)
         return
     rows = run(setups=names, seq_len=a.seq_len, batch=a.batch)
-    from colossal_lab.results import save_results
+    from colossal_lab.measure.results import save_results
 
     path = save_results(file_name(a.group), rows,
                         config=config_of(seq_len=a.seq_len, batch=a.batch),

@@ -51,8 +51,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from colossal_lab import distributed, results, timing
 from colossal_lab.benchmarks import two_gpu
+from colossal_lab.measure import results, timing
+from colossal_lab.parallel import distributed
 
 NAME = "collectives"
 OPS = ("all_reduce", "all_gather", "reduce_scatter")

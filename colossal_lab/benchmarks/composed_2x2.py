@@ -67,11 +67,11 @@ import sys
 
 import torch
 
-from colossal_lab import distributed
 from colossal_lab.benchmarks import composed_parallel as cp
 from colossal_lab.benchmarks import grad_overlap_measured as gom
 from colossal_lab.benchmarks import pipeline_measured as pm
 from colossal_lab.benchmarks import two_gpu as two
+from colossal_lab.parallel import distributed
 
 NAME = "composed_2x2"
 KIND = "composed_2x2"
@@ -139,7 +139,7 @@ def _checked_and_timed(step, batches, ctx: dict) -> dict:
 
 def _group_batches(cfg, n: int, ctx: dict) -> list:
     """Four of the group's batches of `n` sequences, seed 0, alike on every rank."""
-    from colossal_lab import data
+    from colossal_lab.training import data
 
     gen = data.random_batches(cfg.vocab_size, n, ctx["seq_len"], seed=0,
                               device=ctx["device"])
@@ -148,10 +148,10 @@ def _group_batches(cfg, n: int, ctx: dict) -> list:
 
 def _dp_tp(mode: str, ctx: dict) -> dict:
     """DP 2 × TP 2 with sequence parallelism in `mode`: this rank's figures."""
-    from colossal_lab import train
     from colossal_lab.model import build_model
-    from colossal_lab.switches import data_parallel, tensor_parallel
+    from colossal_lab.parallel import data_parallel, tensor_parallel
     from colossal_lab.switches.apply import apply_switches
+    from colossal_lab.training import train
 
     cfg, mesh, b = ctx["cfg"], ctx["meshes"]["dp2tp2"], ctx["dp_batch"]
     torch.manual_seed(0)
@@ -174,8 +174,7 @@ def _dp_tp(mode: str, ctx: dict) -> dict:
 def _tp_pp(schedule: str, ctx: dict) -> dict:
     """TP 2 × PP 2 under `schedule`, AdamW after each clipped step: this rank's
     figures."""
-    from colossal_lab import grad_norm
-    from colossal_lab.switches import data_parallel
+    from colossal_lab.parallel import data_parallel, grad_norm
 
     cfg, m = ctx["cfg"], ctx["pp_m"]
     got = pm._build(schedule, cfg, _switches("tp2pp2", schedule, ctx),
@@ -268,8 +267,8 @@ def targets(rows: list[dict], world: int | None = None) -> list[dict]:
 def _context(quick: bool, iters: int | None, dp_batch: int | None, pp_m: int | None,
              ckpt_ratio: float | None) -> dict:
     """Every setup's fixed inputs on this rank (the meshes: collectives, every rank)."""
-    from colossal_lab import hardware
     from colossal_lab.config import preset
+    from colossal_lab.measure import hardware
 
     q = QUICK if quick else {}
     name = q.get("preset", PRESET)

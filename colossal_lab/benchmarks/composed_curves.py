@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     rows = run(a.quick)
     if a.quick:
         return
-    from colossal_lab.results import save_results
+    from colossal_lab.measure.results import save_results
 
     path = save_results(NAME, rows, config=config_of(),
                         command=" ".join([f"python -m colossal_lab bench {NAME}", *argv]))

@@ -64,11 +64,11 @@ import json
 import sys
 from pathlib import Path
 
-from colossal_lab import distributed
 from colossal_lab.benchmarks import grad_overlap_measured as gom
 from colossal_lab.benchmarks import pipeline_measured as pm
 from colossal_lab.benchmarks import sequence_parallel_step as sps
 from colossal_lab.benchmarks import two_gpu as two
+from colossal_lab.parallel import distributed
 
 NAME = "composed_parallel"
 KIND = "composed_parallel"
@@ -92,7 +92,7 @@ QUICK = {"preset": "tiny", "seq_len": 32, "dp_batch": gom.QUICK["batches"][0],
 
 def single_gpu_path() -> Path:
     """``results/<this GPU's slug>/composed.json``: one GPU of the same kind."""
-    from colossal_lab import hardware, results
+    from colossal_lab.measure import hardware, results
 
     return results.results_dir() / hardware.detect().slug / f"{SINGLE_GPU_NAME}.json"
 
@@ -162,7 +162,7 @@ def _tp(mode: str, ctx: dict) -> dict:
 
 def _pp(schedule: str, ctx: dict) -> dict:
     """A p = 2 pipeline under `schedule` with AdamW after each step: this rank's timing."""
-    from colossal_lab import data
+    from colossal_lab.training import data
 
     cfg, m = ctx["pp_cfg"], ctx["pp_m"]
     got = pm._build(schedule, cfg, ctx["sw"], ctx["pp_mesh"], m, ctx["device"])
@@ -208,7 +208,7 @@ MEASURE = {"dp2": _dp, "tp2": _tp, "pp2": _pp}
 def per_gpu(row: dict, cfg, world: int, peak: float, best: dict) -> dict:
     """The throughput fields of a timed row: the group's tokens/s, per GPU, MFU per GPU
     (6N and attention-aware, one GPU's peak) and the ratio to the single-GPU best."""
-    from colossal_lab import mfu
+    from colossal_lab.measure import mfu
 
     st = mfu.step_stats(cfg, batch=row["batch"] / world, seq_len=row["seq_len"],
                         step_time_s=row["step_ms"] / 1e3, peak_tflops=peak)
@@ -224,8 +224,8 @@ def per_gpu(row: dict, cfg, world: int, peak: float, best: dict) -> dict:
 
 def _context(quick: bool, iters: int | None) -> dict:
     """Every setup's fixed inputs on this rank."""
-    from colossal_lab import hardware
     from colossal_lab.config import preset
+    from colossal_lab.measure import hardware
 
     q = QUICK if quick else {}
     name = q.get("preset", PRESET)

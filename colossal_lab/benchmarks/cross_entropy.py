@@ -33,9 +33,9 @@ import warnings
 
 import torch
 
-from colossal_lab import timing
-from colossal_lab.switches import precision as P
-from colossal_lab.switches.loss import (
+from colossal_lab import precision as P
+from colossal_lab.measure import timing
+from colossal_lab.ops.cross_entropy import (
     cross_entropy_ref,
     default_chunk_tokens,
     fused_linear_cross_entropy,
@@ -245,7 +245,7 @@ def main(argv=None) -> None:
     rows = run(a.quick, providers=tuple(a.providers) if a.providers else None,
                precisions=tuple(a.precisions) if a.precisions else None)
     if not a.quick:
-        from colossal_lab.results import save_results
+        from colossal_lab.measure.results import save_results
 
         path = save_results(a.name, rows, config=config_of(),
                             command=" ".join([f"python -m colossal_lab bench {NAME}", *argv]))

@@ -40,7 +40,8 @@ def run_curves(curves: Sequence[Curve], cfg: ModelConfig, run: dict, *, referenc
     """Train `cfg` once per curve with `run`'s arguments (batch, seq_len, steps, lr,
     max_files, log_every, eval_batches) and return one row each (kind "loss_curve");
     `rel_diff_vs_<reference>` compares final losses with the curve named `reference`."""
-    from colossal_lab import mfu, train
+    from colossal_lab.measure import mfu
+    from colossal_lab.training import train
 
     rows = []
     for c in curves:

@@ -53,8 +53,8 @@ from dataclasses import dataclass
 
 import torch
 
-from colossal_lab.results import fell_back, save_results
-from colossal_lab.timing import (
+from colossal_lab.measure.results import fell_back, save_results
+from colossal_lab.measure.timing import (
     Timing,
     in_turns,
     peak_memory_gib,
@@ -476,7 +476,7 @@ def make_fn(provider: str, q, k, v, causal: bool) -> Callable[[], torch.Tensor]:
         from colossal_lab.kernels.flash_attention import flash_attention
 
         return lambda: flash_attention(q, k, v, causal, **OUR_VARIANTS[provider])
-    from colossal_lab.switches.attention import attention
+    from colossal_lab.ops.attention import attention
 
     return lambda: attention(q, k, v, causal, backend=provider)
 
@@ -493,7 +493,7 @@ def _skip_reason(provider: str, case: Case, device: torch.device,
         return "not installed"
     if provider in ("flex", "flex-static") and device.type != "cuda":
         return "needs CUDA"
-    from colossal_lab.switches.attention import BACKENDS, _why_not
+    from colossal_lab.ops.attention import BACKENDS, _why_not
 
     if provider in HOPPER_VARIANTS and (
             device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
@@ -584,7 +584,7 @@ def fp32_reference(q, k, v, causal: bool) -> tuple[torch.Tensor, int]:
 
     The last rows with the full keys are exactly those rows of the causal output:
     `attention_ref` aligns a shorter query block with the end of the keys."""
-    from colossal_lab.switches.attention import attention_ref
+    from colossal_lab.ops.attention import attention_ref
 
     b, h, s, _ = q.shape
     per_row = b * h * s * 4  # bytes of one query row of fp32 scores, all heads
@@ -1096,8 +1096,8 @@ def main(argv=None) -> None:
 
     kept: list[dict] = []
     if a.resume:
-        from colossal_lab import hardware
-        from colossal_lab.results import load_results, resumed_rows
+        from colossal_lab.measure import hardware
+        from colossal_lab.measure.results import load_results, resumed_rows
 
         try:
             recorded = load_results(name, gpu=a.gpu or hardware.detect().slug)

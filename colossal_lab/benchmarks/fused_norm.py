@@ -42,11 +42,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from colossal_lab.hardware import measure_copy_gbps
-from colossal_lab.results import save_results
-from colossal_lab.switches import norm
-from colossal_lab.timing import gbps, in_turns, time_fn, time_kernels
-from colossal_lab.train import gc_between_steps
+from colossal_lab.measure.hardware import measure_copy_gbps
+from colossal_lab.measure.results import save_results
+from colossal_lab.measure.timing import gbps, in_turns, time_fn, time_kernels
+from colossal_lab.ops import norm
+from colossal_lab.training.train import gc_between_steps
 
 OPS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu")
 PROVIDERS = ("eager", "torch", "compile", "triton", "triton-native", "liger", "apex",
@@ -178,7 +178,7 @@ def traffic_bytes(op: str, tokens: int, hidden: int, dtype=torch.bfloat16,
 
 def _provider_fn(op: str, provider: str):
     if op == "swiglu":  # "torch": silu(gate) * up on views, what Hugging Face runs
-        from colossal_lab.switches import projections
+        from colossal_lab.ops import swiglu as projections
 
         name = {"torch": "eager", "eager": "eager"}.get(provider, provider)
         return lambda gu: projections.swiglu(gu, backend=name)
@@ -1139,7 +1139,7 @@ def _print_best(rows, base, default, passes) -> None:
 def save_tune(name: str, rows: list[dict], command: str) -> Path:
     """Save tuning rows into `results/<gpu>/<name>.json`, replacing the (hidden, dtype)
     an earlier invocation measured and keeping the others: --tune runs in chunks."""
-    from colossal_lab.results import merge_rows
+    from colossal_lab.measure.results import merge_rows
 
     merged = merge_rows(name, rows, ("kind", "tokens", "hidden", "dtype"))
     return save_results(name, merged, config=config_of(dtype="per row"), command=command)
@@ -1210,7 +1210,7 @@ def write_table(tune_name: str = "fused_norm_tune", path: Path | None = None) ->
     import textwrap
 
     from colossal_lab.kernels import norm_table
-    from colossal_lab.results import load_results
+    from colossal_lab.measure.results import load_results
 
     res = load_results(tune_name)
     gpu = res.provenance["gpu"]  # torch's device name: what `launch_config` looks up
@@ -1337,7 +1337,7 @@ def run_group(a, p, command: str) -> None:
         for t in targets(rows):
             print(f"  {t['check']}: {t['ok']} (worst {t['worst']})")
         return
-    from colossal_lab.results import load_results, resumed_rows
+    from colossal_lab.measure.results import load_results, resumed_rows
 
     config, kept = config_of(group=a.group), []
     if a.resume:
@@ -1387,7 +1387,7 @@ def redo_rows(kept: list[dict], cases) -> list[dict]:
 
 
 def _slug() -> str:
-    from colossal_lab import hardware
+    from colossal_lab.measure import hardware
 
     return hardware.detect().slug
 

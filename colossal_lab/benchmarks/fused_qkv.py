@@ -35,11 +35,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from colossal_lab import timing
 from colossal_lab.benchmarks.steps import Setup
 from colossal_lab.config import Switches, preset
-from colossal_lab.hardware import measure_copy_gbps, measure_matmul_tflops
-from colossal_lab.switches import projections
+from colossal_lab.measure import timing
+from colossal_lab.measure.hardware import measure_copy_gbps, measure_matmul_tflops
+from colossal_lab.ops import swiglu as projections
 
 NAME = "fused_qkv"
 TOKENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -342,7 +342,7 @@ def main(argv=None) -> None:
     rows = run(a.quick, parts=tuple(a.parts), models=a.models,
                tokens=tuple(a.tokens) if a.tokens else None)
     if not a.quick:
-        from colossal_lab.results import save_results
+        from colossal_lab.measure.results import save_results
 
         path = save_results(a.name, rows, config=config_of(),
                             command=" ".join([f"python -m colossal_lab bench {NAME}", *argv]))

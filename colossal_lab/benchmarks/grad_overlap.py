@@ -13,7 +13,7 @@ backward's total time. On a CPU (`quick`): the tiny model, 5 steps after 1, with
 `time.perf_counter` in the hooks, the best switches a CPU runs, and the bucket sizes of
 `QUICK_BUCKETS` (divided by 1024): a smoke test and an illustration, not a measurement.
 
-`colossal_lab.overlap_model` then turns the timeline into predicted exposed
+`colossal_lab.parallel.overlap_model` then turns the timeline into predicted exposed
 communication for every bucket size of `BUCKETS` (1M, 4M, 12M = ColossalAI's, 25 MB =
 DDP's with its 1 MiB first bucket, 64M elements, and one flat bucket after the
 backward = naive), every link of `overlap_model.LINKS` (NVLink 4, PCIe 5 x16, 400 and
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from colossal_lab import overlap_model as om
-from colossal_lab import timing
+from colossal_lab.measure import timing
+from colossal_lab.parallel import overlap_model as om
 
 NAME = "grad_overlap_model"
 PRESET, SEQ_LEN, BATCH = "llama-7b-8l", 4096, 4
@@ -115,7 +115,7 @@ class TimelineRecorder:
     the hooks (the CPU runs the backward in the hooks' thread)."""
 
     def __init__(self, model: torch.nn.Module):
-        from colossal_lab.switches.data_parallel import unwrap
+        from colossal_lab.parallel.data_parallel import unwrap
 
         inner = unwrap(model)
         named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
@@ -205,11 +205,11 @@ def measure_timeline(preset_name: str = PRESET, seq_len: int = SEQ_LEN,
     (default: `SWITCH_SETS["best"]`; on a CPU its "triton" norm becomes the CPU's best,
     as Triton would need the interpreter), recording the backward's timeline in each.
     Returns one "param" row per trainable parameter and one "backward" row."""
-    from colossal_lab import data, train
+    from colossal_lab import precision
     from colossal_lab.benchmarks import steps
     from colossal_lab.config import SWITCH_SETS, preset
-    from colossal_lab.switches import precision
     from colossal_lab.switches.resolved import backends_in_use
+    from colossal_lab.training import data, train
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if switches is None:
@@ -383,11 +383,12 @@ def summary(rows: Sequence[dict]) -> str:
 
 def gradient_checks(cases: dict) -> dict:
     """Run on every rank of a group (`distributed.spawn(gradient_checks, 2, cases)`):
-    `data_parallel.gradient_check` for each case, ``{name: (backend, keywords)}``, in one
+    `data_parallel_gradient_check` for each case, ``{name: (backend, keywords)}``, in one
     group of processes (each costs a few seconds to start). Returns {name: verdict}."""
-    from colossal_lab.switches.data_parallel import gradient_check
+    from colossal_lab.testing.gradient_checks import data_parallel_gradient_check
 
-    return {name: gradient_check(backend, **kw) for name, (backend, kw) in cases.items()}
+    return {name: data_parallel_gradient_check(backend, **kw)
+            for name, (backend, kw) in cases.items()}
 
 
 # ------------------------------------------------------------------------ main
@@ -405,7 +406,7 @@ def config_of(iters: int = ITERS) -> dict:
             "dtypes": DTYPES, "orders": list(ORDERS),
             "links": [vars(ln) for ln in om.LINKS],
             "allreduce": "ring: latency + 2(W-1)/W * bytes / bandwidth, one stream, no "
-                         "contention with compute (colossal_lab.overlap_model)"}
+                         "contention with compute (colossal_lab.parallel.overlap_model)"}
 
 
 def main(argv=None) -> None:
@@ -420,7 +421,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     rows = run(a.quick, iters=a.iters)
     if not a.quick:
-        from colossal_lab.results import save_results
+        from colossal_lab.measure.results import save_results
 
         command = " ".join(["python -m colossal_lab bench grad_overlap", *argv])
         path = save_results(NAME, rows, config=config_of(a.iters or ITERS),

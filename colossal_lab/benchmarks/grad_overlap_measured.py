@@ -75,9 +75,10 @@ from collections.abc import Sequence
 
 import torch
 
-from colossal_lab import distributed, results
 from colossal_lab.benchmarks import collectives, two_gpu
 from colossal_lab.benchmarks import grad_overlap as go
+from colossal_lab.measure import results
+from colossal_lab.parallel import distributed
 
 NAME = go.MEASURED
 PRESETS = ("llama-7b-8l", "1b")
@@ -144,11 +145,11 @@ def _switches(backend: str, quick: bool, bucket_elems: int):
 def build(preset_name: str, backend: str, *, quick: bool, bucket_elems: int, device):
     """A fresh model (seed 0) with the best switches and `backend`'s reduction applied
     by `apply_switches`, and its optimizer. "nocomm": naive's, reduction removed."""
-    from colossal_lab import train
     from colossal_lab.config import preset
     from colossal_lab.model import build_model
-    from colossal_lab.switches import data_parallel
+    from colossal_lab.parallel import data_parallel
     from colossal_lab.switches.apply import apply_switches
+    from colossal_lab.training import train
 
     torch.manual_seed(0)
     model = apply_switches(build_model(preset(preset_name), device),
@@ -163,9 +164,9 @@ def build(preset_name: str, backend: str, *, quick: bool, bucket_elems: int, dev
 def reduced_grads(model, input_ids, labels) -> dict[str, torch.Tensor]:
     """Forward, backward and the backend's reduction (`finish`) on one batch, no
     optimizer step; the reduced gradients by name (fsdp2's shards gathered)."""
-    from colossal_lab import train
-    from colossal_lab.switches import data_parallel
-    from colossal_lab.switches import precision as precision_mod
+    from colossal_lab import precision as precision_mod
+    from colossal_lab.parallel import data_parallel
+    from colossal_lab.training import train
 
     inner = data_parallel.unwrap(model)
     prec = precision_mod.of(inner)
@@ -201,7 +202,8 @@ def time_steps(model, opt, cfg, preset_name: str, batch: int, seq_len: int, *, w
     """`train.measure_step` of `make_step(model, opt)` on random tokens (this rank's
     own), then each step's time replaced by the slowest rank's: the row's step fields,
     tokens/s per GPU and MFU against one GPU's peak from those."""
-    from colossal_lab import data, mfu, timing, train
+    from colossal_lab.measure import mfu, timing
+    from colossal_lab.training import data, train
 
     device = next(model.parameters()).device
     step = train.make_step(model, opt)
@@ -224,7 +226,8 @@ def time_steps(model, opt, cfg, preset_name: str, batch: int, seq_len: int, *, w
 def backward_timeline(model, opt, cfg, batch: int, seq_len: int, steps: int, seed: int):
     """Gradient-ready times and backward ms (medians over `steps` recorded steps after
     one), as `bench grad_overlap` records them: the model's input."""
-    from colossal_lab import data, timing, train
+    from colossal_lab.measure import timing
+    from colossal_lab.training import data, train
 
     device = next(model.parameters()).device
     rec = go.TimelineRecorder(model)
@@ -262,7 +265,7 @@ def predicted_exposed(backend: str, grads, backward_ms: float, *, bucket_elems: 
     `Link` with the bus bandwidth measured here (`busbw`: bytes -> GB/s): the flat
     buffer's for naive, one bucket's for ours and DDP (ready order: both rebuild their
     buckets after the first step); None for fsdp2 and nocomm."""
-    from colossal_lab import overlap_model as om
+    from colossal_lab.parallel import overlap_model as om
 
     dtype = {2: "bf16", 4: "fp32"}[esize]
     flat = sum(g.numel for g in grads) * esize
@@ -295,8 +298,8 @@ def measure_config(preset_name: str, batch: int, link: str, *, seq_len: int, qui
                    bucket_elems: int, peak_tflops: float, progress: bool = True
                    ) -> list[dict]:
     """Every backend's row for one (preset, per-rank batch, link), on every rank."""
-    from colossal_lab import data
     from colossal_lab.config import preset
+    from colossal_lab.training import data
 
     env = distributed.env()
     world, rank = env.world_size, env.rank
@@ -373,7 +376,7 @@ def measure(link: str, *, presets: Sequence[str] = PRESETS,
             probe_reps: int = PROBE_REPS, bucket_elems: int = BUCKET_ELEMS,
             progress: bool = True) -> list[dict]:
     """Every (preset, batch) for one link setting, on every rank of the group."""
-    from colossal_lab import hardware
+    from colossal_lab.measure import hardware
 
     peak = hardware.detect().peak_tflops("bf16")
     if peak is None:  # the CPU: MFU against a number, never read (quick is not saved)

@@ -27,12 +27,12 @@ import gc
 
 import torch
 
-from colossal_lab import timing
 from colossal_lab.config import SWITCH_SETS, preset
 from colossal_lab.kernels.adamw import FusedAdamW
+from colossal_lab.measure import timing
 from colossal_lab.model import build_model
-from colossal_lab.switches import precision
 from colossal_lab.switches.apply import apply_switches
+from colossal_lab.training import optimizer as precision
 
 NAME = "optimizer"
 PROVIDERS = ("torch-fp32", "ours-fp32", "master", "ours-master", "ours-master-m16")
@@ -83,7 +83,7 @@ def run(quick: bool = False, providers=PROVIDERS, progress: bool = True) -> list
     n = sum(s.numel() for s in shapes)
     copy_gbps = None
     if device.type == "cuda":
-        from colossal_lab.hardware import measure_copy_gbps
+        from colossal_lab.measure.hardware import measure_copy_gbps
 
         copy_gbps = measure_copy_gbps(device=device)
     rows = []
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
     rows = run(a.quick, providers=tuple(a.providers) if a.providers else PROVIDERS)
     if a.quick:
         return
-    from colossal_lab.results import save_results
+    from colossal_lab.measure.results import save_results
 
     path = save_results(NAME, rows, config=config_of(),
                         command=" ".join([f"python -m colossal_lab bench {NAME}", *argv]))

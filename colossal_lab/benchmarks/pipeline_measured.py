@@ -15,7 +15,7 @@ and every schedule gets the same head), for m in `MS` micro-batches (4, 8, 16 at
   stages (`stages.Stage`), the V placement and the same loss, or a row saying why not
   (a torch without the class).
 
-The optimizer runs after each pipelined step (AdamW of `precision.make_optimizer`), no
+The optimizer runs after each pipelined step (AdamW of `optimizer.make_optimizer`), no
 gradient clipping (it needs a norm across the stages, the same for every schedule).
 
 **Correctness first.** Every schedule's first step starts from the same weights (seed
@@ -61,9 +61,9 @@ import sys
 
 import torch
 
-from colossal_lab import distributed
 from colossal_lab.benchmarks import pipeline_sim
 from colossal_lab.benchmarks import two_gpu as two
+from colossal_lab.parallel import distributed
 
 NAME = pipeline_sim.MEASURED
 PRESET, SEQ_LEN, MICRO_BATCH = "llama-7b-8l", 4096, 1
@@ -112,7 +112,7 @@ def useful_per_rank(fbw: list[dict], schedule: str, m: int, num_layers: int,
                     p: int = P) -> list[float]:
     """m · Σ (F + B + W) of the stages each of the `p` ranks holds, ms, from the
     measured per-layer costs (`pipeline_sim.measure` rows)."""
-    from colossal_lab.pipeline import schedules as sch
+    from colossal_lab.parallel.pipeline import schedules as sch
 
     layer = next(r for r in fbw if r.get("kind") == "measure" and r["part"] == "layer")
     head = next(r for r in fbw if r.get("kind") == "measure" and r["part"] == "head")
@@ -146,7 +146,7 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor:
 def _ours(schedule: str, model, sw, mesh, m: int):
     """(step, named grads, holder, optimizer) of our runtime on `schedule`."""
     from colossal_lab.switches.apply import apply_switches
-    from colossal_lab.switches.precision import make_optimizer
+    from colossal_lab.training.optimizer import make_optimizer
 
     piped = apply_switches(model, sw.replace(pp_style=schedule, num_microbatches=m), mesh)
     names = piped.model_names()
@@ -163,12 +163,12 @@ def _torch_zbv(model, sw, m: int, device, p: int = P):
     a p-rank pipeline (the whole world), or why it cannot run here."""
     from torch.distributed import pipelining
 
-    from colossal_lab.pipeline import check
-    from colossal_lab.pipeline import schedules as sch
-    from colossal_lab.pipeline.stages import build_stages
-    from colossal_lab.switches import precision
+    from colossal_lab import precision
+    from colossal_lab.parallel.pipeline import schedules as sch
+    from colossal_lab.parallel.pipeline.stages import build_stages
     from colossal_lab.switches.apply import apply_switches
-    from colossal_lab.switches.precision import make_optimizer
+    from colossal_lab.testing import pipeline_check as check
+    from colossal_lab.training.optimizer import make_optimizer
 
     cls = getattr(pipelining, check.TORCH_PEERS["zbv"], None)
     if cls is None:
@@ -230,7 +230,7 @@ def compare_grads(mine: dict, ref: dict, device) -> tuple[float, float]:
     """(max |g − g_ref| over every parameter, max |g_ref|) where `mine` and `ref` are
     this rank's named gradients under two placements: each parameter's owner under
     `mine` broadcasts it to the world, its owner under `ref` compares."""
-    from colossal_lab.correctness import max_abs_err
+    from colossal_lab.testing.correctness import max_abs_err
 
     meta = {n: (tuple(g.shape), str(g.dtype).split(".")[-1]) for n, g in mine.items()}
     owners: dict = {}
@@ -257,8 +257,8 @@ def compare_grads(mine: dict, ref: dict, device) -> tuple[float, float]:
 def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
     """The benchmark on every rank of a group (already initialised) that is one
     pipeline of p = its world size; returns the rows (the same on every rank)."""
-    from colossal_lab import data
     from colossal_lab.config import preset
+    from colossal_lab.training import data
 
     e = distributed.env()
     p = e.world_size

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 
 import torch
 
-from colossal_lab import timing
+from colossal_lab.measure import timing
 
 NAME = "pipeline_sim"
 PRESET, SEQ_LEN, MICRO_BATCH = "llama-7b", 4096, 1
@@ -71,7 +71,7 @@ def _parts(preset_name: str, switches, device):
     preset with `switches` applied, plus the layer count of the full preset."""
     from colossal_lab.config import preset
     from colossal_lab.model import build_model
-    from colossal_lab.pipeline.stages import Stage
+    from colossal_lab.parallel.pipeline.stages import Stage
     from colossal_lab.switches.apply import apply_switches
 
     cfg = preset(preset_name)
@@ -84,7 +84,7 @@ def _parts(preset_name: str, switches, device):
 def _time_part(stage, x_shape, dtype, labels, *, warmup: int, reps: int, device) -> dict:
     """F, B and W (weight gradients deferred), and F and the full backward (not), of
     `stage`, in ms, each repetition running both; and its activation memory."""
-    from colossal_lab.pipeline.runtime import (
+    from colossal_lab.parallel.pipeline.runtime import (
         WeightGradStore,
         defer_weight_grads,
         restore_weight_grads,
@@ -160,9 +160,9 @@ def measure(preset_name: str = PRESET, seq_len: int = SEQ_LEN,
             micro_batch: int = MICRO_BATCH, *, switches=None, warmup: int = WARMUP,
             reps: int = REPS, device=None) -> list[dict]:
     """The "measure" rows (layer, head) and the "p2p" row for `preset_name`."""
-    from colossal_lab import overlap_model as om
+    from colossal_lab import precision
     from colossal_lab.config import SWITCH_SETS
-    from colossal_lab.switches import precision
+    from colossal_lab.parallel import overlap_model as om
     from colossal_lab.switches.resolved import backends_in_use
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -242,9 +242,9 @@ def simulate_rows(measured: Sequence[dict], *, ps: Sequence[int] = PS,
                   ) -> list[dict]:
     """One "sim" row per (schedule, p, m, link) that exists (interleaved needs
     m % p == 0, ZB-V m >= p)."""
-    from colossal_lab import overlap_model as om
-    from colossal_lab.pipeline import schedules as sch
-    from colossal_lab.pipeline.simulate import simulate
+    from colossal_lab.parallel import overlap_model as om
+    from colossal_lab.parallel.pipeline import schedules as sch
+    from colossal_lab.parallel.pipeline.simulate import simulate
 
     layer = next(r for r in measured if r.get("kind") == "measure" and r["part"] == "layer")
     head = next(r for r in measured if r.get("kind") == "measure" and r["part"] == "head")
@@ -341,7 +341,7 @@ def summary(rows: Sequence[dict]) -> str:
 
 
 def config_of(reps: int = REPS) -> dict:
-    from colossal_lab import overlap_model as om
+    from colossal_lab.parallel import overlap_model as om
 
     return {"preset": PRESET, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH,
             "switches": 'config.SWITCH_SETS["best"]', "warmup": WARMUP, "reps": reps,
@@ -350,7 +350,7 @@ def config_of(reps: int = REPS) -> dict:
             "timing": "CUDA events around F (forward, graph built), B (backward to the "
                       "input, weight gradients deferred), W (the deferred weight "
                       "gradients) and the full backward, one layer and the head",
-            "simulation": "colossal_lab.pipeline.simulate: per-stage costs (32/S layers, "
+            "simulation": "colossal_lab.parallel.pipeline.simulate: per-stage costs (32/S layers, "
                           "head on the last stage, embedding left out), p2p latency = "
                           "link latency + activation bytes / bandwidth, transfers "
                           "overlapped; zb-h1 and zbv orders built from the measured "
@@ -368,7 +368,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     rows = run(a.quick, reps=a.reps)
     if not a.quick:
-        from colossal_lab.results import save_results
+        from colossal_lab.measure.results import save_results
 
         command = " ".join(["python -m colossal_lab bench pipeline_sim", *argv])
         path = save_results(NAME, rows, config=config_of(a.reps or REPS), command=command)

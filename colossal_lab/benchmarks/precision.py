@@ -32,12 +32,12 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from colossal_lab import precision as P
 from colossal_lab.benchmarks.curves import FINAL_WINDOW
 from colossal_lab.benchmarks.steps import Setup, run_setups, step_config
 from colossal_lab.config import ModelConfig, Switches, tiny
-from colossal_lab.switches import fp8
-from colossal_lab.switches import precision as P
-from colossal_lab.timing import tflops, time_kernels
+from colossal_lab.measure.timing import tflops, time_kernels
+from colossal_lab.ops import fp8
 
 LINEARS = (("q/k/v/o_proj", 4096, 4096), ("qkv_proj", 4096, 12288),
            ("gate/up_proj", 4096, 11008), ("gate_up_proj", 4096, 22016),
@@ -277,7 +277,7 @@ def file_name(part: str, base: str = "precision") -> str:
 
 def load(gpu: str | None = None) -> list[dict]:
     """The rows of every recorded part (each file's rows keep their `kind`)."""
-    from colossal_lab.results import load_results
+    from colossal_lab.measure.results import load_results
 
     return [r for part in PARTS for r in load_results(file_name(part), gpu).rows]
 
@@ -294,7 +294,7 @@ def main(argv=None) -> None:
     if a.quick:
         run(a.quick, tuple(a.parts))
         return
-    from colossal_lab.results import save_results
+    from colossal_lab.measure.results import save_results
 
     for part in a.parts:  # saved after each part: a crash loses one part
         rows = run(False, (part,))

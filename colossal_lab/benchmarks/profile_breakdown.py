@@ -1,7 +1,7 @@
 """Chapter 09's breakdown: where a training step's GPU time goes, naive against best.
 
 One training step of `llama-7b-8l` (seq 4096, batch 4, random tokens, AdamW) profiled
-with `colossal_lab.profile` (wait 1, warm-up 2, active 3 steps), each setup in its own
+with `colossal_lab.measure.profile` (wait 1, warm-up 2, active 3 steps), each setup in its own
 process (as `steps.run_setups` times them), then summarized: GPU time by kernel class,
 the top kernels, idle time (HolisticTraceAnalysis's host-wait / kernel-wait split), and
 the operators placed on the roofline.
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from colossal_lab.benchmarks.steps import Setup, in_child, prepare, ran_backends
 from colossal_lab.config import SWITCH_SETS
-from colossal_lab.profile import step_ms_of
+from colossal_lab.measure.profile import step_ms_of
 
 NAME = "profile_breakdown"
 SETUPS = (
@@ -52,8 +52,9 @@ def profile_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
                 trace_dir: str | Path) -> list[dict]:
     """Build `setup` (`steps.build`), profile its training step in this process and
     return its rows; the trace is written to `trace_dir/<setup>.json`."""
-    from colossal_lab import data, profile, timing, train
-    from colossal_lab.switches import precision
+    from colossal_lab import precision
+    from colossal_lab.measure import profile, timing
+    from colossal_lab.training import data, train
 
     device, cfg, model, loss_fn, micro, opt = prepare(setup, preset_name, batch)
     step = train.make_step(model, opt, loss_fn, micro_batches=batch // micro)
@@ -119,7 +120,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def config_of(preset_name: str = "llama-7b-8l", seq_len: int = 4096, batch: int = 4) -> dict:
-    from colossal_lab import profile
+    from colossal_lab.measure import profile
 
     return {"preset": preset_name, "seq_len": seq_len, "batch": batch,
             "optimizer": "AdamW", "data": "random tokens",
@@ -151,7 +152,7 @@ def main(argv=None) -> None:
     rows = run(a.quick, preset_name=a.preset, seq_len=a.seq_len, batch=a.batch,
                setups=a.setups, trace_dir=a.trace_dir)
     if not a.quick:
-        from colossal_lab.results import save_results
+        from colossal_lab.measure.results import save_results
 
         path = save_results(NAME, rows, config=config_of(a.preset, a.seq_len, a.batch),
                             command=f"python -m colossal_lab bench {NAME}")

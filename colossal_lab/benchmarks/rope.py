@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from colossal_lab import timing
-from colossal_lab.hardware import measure_copy_gbps
+from colossal_lab.measure import timing
+from colossal_lab.measure.hardware import measure_copy_gbps
 from colossal_lab.model import RotaryEmbedding, apply_rotary
 
 NAME = "rope"
@@ -381,7 +381,7 @@ def main(argv=None) -> None:
     rows = run(a.quick, models=a.models, seqs=tuple(a.seq) if a.seq else None,
                layouts=tuple(a.layouts), providers=a.providers)
     if not a.quick:
-        from colossal_lab.results import save_results
+        from colossal_lab.measure.results import save_results
 
         command = " ".join([f"python -m colossal_lab bench {NAME}", *argv])
         path = save_results(a.name, rows, config=config_of(), command=command)

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from colossal_lab import overlap_model as om
-from colossal_lab import timing
+from colossal_lab.measure import timing
+from colossal_lab.parallel import overlap_model as om
 
 NAME = "sequence_parallel_gemm"
 PRESET, SEQ_LEN, BATCH = "llama-7b", 4096, 1
@@ -376,7 +376,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     rows = run(a.quick, reps=a.reps)
     if not a.quick:
-        from colossal_lab.results import save_results
+        from colossal_lab.measure.results import save_results
 
         command = " ".join([f"python -m colossal_lab bench {NAME}", *argv])
         path = save_results(NAME, rows, config=config_of(a.reps or REPS), command=command)

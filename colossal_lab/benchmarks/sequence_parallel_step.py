@@ -63,7 +63,6 @@ import sys
 
 import torch
 
-from colossal_lab import distributed
 from colossal_lab.benchmarks import two_gpu
 from colossal_lab.benchmarks.two_gpu import (
     LOSS_RTOL,
@@ -77,6 +76,7 @@ from colossal_lab.benchmarks.two_gpu import (
     switches_for,
     timed_steps,
 )
+from colossal_lab.parallel import distributed
 
 NAME = "sequence_parallel_step"
 PRESET = "llama-7b-8l"
@@ -105,7 +105,7 @@ SP_MODES = ("split_gather", "ring")
 
 def unavailable(mode: str, group) -> str | None:
     """Why `mode` cannot run on `group` here (None: it can)."""
-    from colossal_lab import tp_ops
+    from colossal_lab.parallel import tp_ops
 
     if mode == "symm_mem" and not tp_ops.symm_mem_available(group):
         backend = torch.distributed.get_backend(group)
@@ -119,9 +119,9 @@ def measure_mode(mode: str, cfg, sw, mesh, seq_len: int, batch: int, *, warmup: 
                  iters: int, device) -> dict:
     """One mode at one sequence length on this rank: its two checking steps' losses,
     its timing and memory (this rank's figures; `run_ranks` combines them)."""
-    from colossal_lab import data, memory, train
     from colossal_lab.model import build_model
     from colossal_lab.switches.apply import apply_switches
+    from colossal_lab.training import data, memory, train
 
     sp = mode != "all_reduce"
     msw = sw.replace(enable_sequence_parallelism=sp,

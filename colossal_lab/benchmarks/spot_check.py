@@ -21,8 +21,8 @@ import argparse
 import dataclasses
 import importlib
 
-from colossal_lab import compare
 from colossal_lab.benchmarks.steps import run_setups
+from colossal_lab.measure import compare
 
 SOURCES = {
     "baseline": "colossal_lab.benchmarks.baseline",
@@ -42,7 +42,7 @@ CHECKS = ("precision_step:fp8-delayed", "precision_step:bf16-pure",
 
 def find(check: str, gpu: str | None = None):
     """("file:setup") -> (the Setup, its recorded row, the recorded file's provenance)."""
-    from colossal_lab.results import load_results
+    from colossal_lab.measure.results import load_results
 
     name, _, setup_name = check.partition(":")
     if name not in SOURCES or not setup_name:
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     rows = run(a.quick, tuple(a.checks))
     print(summary(rows))
     if not a.quick:
-        from colossal_lab.results import save_results
+        from colossal_lab.measure.results import save_results
 
         path = save_results("spot_check", rows, config={"checks": a.checks},
                             command="python -m colossal_lab bench spot_check --checks "

@@ -6,7 +6,7 @@ out-of-memory in one cannot poison the next and compile caches do not leak betwe
 them; a failure becomes a row with an `error` field. The chapters declare their setups
 (`baseline.SETUPS`, `switch_deltas`), this module times them.
 
-Memory is measured too, on a GPU (`colossal_lab.memory`): the activation memory of one
+Memory is measured too, on a GPU (`colossal_lab.training.memory`): the activation memory of one
 extra forward+backward, and, when a setup asks, the largest batch that fits
 (`Setup.find_largest_batch`) or the fewest checkpointed layers that fit its batch
 (`Setup.auto_ratio`, chapter 04). Every row records `first_step_s`, the wall time of
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from colossal_lab import telemetry
 from colossal_lab.config import Switches, preset
-from colossal_lab.results import error_line, exception_tail
+from colossal_lab.measure import telemetry
+from colossal_lab.measure.results import error_line, exception_tail
 
 
 @dataclass(frozen=True)
@@ -110,9 +110,9 @@ class Setup:
 def build(setup: Setup, preset_name: str, device: torch.device):
     """The model for `setup` on `device`, its switches applied (`apply_switches`), and
     its loss function."""
-    from colossal_lab import train
     from colossal_lab.model import build_model
     from colossal_lab.switches.apply import apply_switches
+    from colossal_lab.training import train
 
     cfg = preset(preset_name)
     if setup.impl == "ours":
@@ -167,7 +167,7 @@ def convert_torchao_float8(model: torch.nn.Module) -> int:
 def prepare(setup: Setup, preset_name: str, batch: int):
     """What a measured step starts from, seeded: (device, config, model with its
     switches, loss function, micro-batch, optimizer)."""
-    from colossal_lab import train
+    from colossal_lab.training import train
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -184,14 +184,14 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
     On a GPU the row also carries the memory probes' fields (`memory.memory_probe`)
     and, when the setup asks, the largest batch (`find_largest_batch`) and the ratio
     chosen to fit (`auto_ratio`)."""
-    from colossal_lab import memory
-    from colossal_lab.switches import precision
+    from colossal_lab import precision
+    from colossal_lab.training import memory, optimizer
 
     preset_name, batch = setup.preset or preset_name, setup.batch or batch
     device, cfg, model, loss_fn, micro, opt = prepare(setup, preset_name, batch)
     quick = device.type == "cpu"
     extra = {"label": setup.label, "precision": precision.of(model),
-             "optimizer": type(opt).__name__, "optimizer_moments": precision.moments_of(opt),
+             "optimizer": type(opt).__name__, "optimizer_moments": optimizer.moments_of(opt),
              **ran_backends(model, setup)}
     probe = memory.Prober(model, loss_fn, setup, cfg, seq_len, device)
     if setup.auto_ratio:
@@ -236,7 +236,7 @@ def time_setup(model, opt, loss_fn, setup: Setup, cfg, preset_name: str, batch: 
     """The timed results row of `setup` (model and optimizer already built) at `batch`,
     in micro-batches of `micro`, on random tokens: `train.measure_step`, with the
     recompute counted in HFU and ColossalAI's 8N figure next to it."""
-    from colossal_lab import data, train
+    from colossal_lab.training import data, train
 
     micro = micro or batch
     step = FirstCallTimer(train.make_step(model, opt, loss_fn, micro_batches=batch // micro),
@@ -291,8 +291,8 @@ def recompute_accounting(model, setup: Setup, cfg, batch: int, seq_len: int,
                          device) -> dict:
     """What the step recomputes (our model's checkpoint config) and its FLOPs: HFU
     counts them (`train.measure_step(recompute_flops=...)`), MFU does not."""
+    from colossal_lab.ops.attention import resolve_backend
     from colossal_lab.switches import checkpointing
-    from colossal_lab.switches.attention import resolve_backend
 
     config = getattr(model, "_orig_mod", model).switches.gradient_checkpoint_config
     if setup.impl != "ours" or config is None:
@@ -443,7 +443,12 @@ def main_for(name: str, setups, argv=None) -> None:
     chosen = [s for s in setups if a.setups is None or s.name in a.setups]
     config = step_config(a.preset, a.seq_len, a.batch)
     command = " ".join([f"python -m colossal_lab bench {name}", *argv])
-    from colossal_lab.results import load_partial, resumed_rows, save_partial, save_results
+    from colossal_lab.measure.results import (
+        load_partial,
+        resumed_rows,
+        save_partial,
+        save_results,
+    )
 
     done: list[dict] = []
     if a.resume:

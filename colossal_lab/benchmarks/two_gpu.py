@@ -20,7 +20,8 @@ import sys
 
 import torch
 
-from colossal_lab import distributed, timing
+from colossal_lab.measure import timing
+from colossal_lab.parallel import distributed
 
 WORLD = 2
 """The default world size: a quick run's processes, and the only one a benchmark that
@@ -181,7 +182,7 @@ def save(name: str, rows: list[dict], config: dict, argv: list[str],
     """Rank 0: write the rows into this run's folder (`results.run_slug`, "h200x2" or
     "h200x4") with the torchrun command that made them, at `world` ranks (default: this
     process group's)."""
-    from colossal_lab import results
+    from colossal_lab.measure import results
 
     world = world or distributed.world_size()
     launch = f"torchrun --nproc-per-node {world} -m colossal_lab bench {name}"
@@ -203,7 +204,7 @@ def world_of(rows: list[dict], world: int | None = None) -> int | None:
 
 def gap(row: dict | None) -> str | None:
     """Why `row` holds no measurement ("no row", its error, its skip), or None: it ran."""
-    from colossal_lab.results import error_line
+    from colossal_lab.measure.results import error_line
 
     if row is None:
         return "no row"

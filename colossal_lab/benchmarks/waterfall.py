@@ -28,7 +28,7 @@ and one bar outside the chain, not (yet) in any switch set:
 The first two bars materialise the attention scores and run in micro-batches of one
 sequence (the whole batch's scores would not fit), as chapter 00's naive rows do. Every
 row also carries its memory: the peak and the activations of one step
-(`colossal_lab.memory`), what each switch costs or saves.
+(`colossal_lab.training.memory`), what each switch costs or saves.
 
     python -m colossal_lab bench waterfall            # -> results/<gpu>/waterfall.json
     python -m colossal_lab bench waterfall --quick    # tiny model on the CPU, not saved

@@ -16,7 +16,7 @@ outputs still agree with what produced them.
   every results banner names the commit the results file now records.
 
 Each returns a list of problems (strings); empty means clean. The tests and
-``python -m colossal_lab.integrity`` share them.
+``python -m colossal_lab.book.integrity`` share them.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from colossal_lab import mfu, notebook, timing
+from colossal_lab.book import notebook
 from colossal_lab.config import preset
-from colossal_lab.results import BANNER_PREFIX, REPO_ROOT
+from colossal_lab.measure import mfu, timing
+from colossal_lab.measure.results import BANNER_PREFIX, REPO_ROOT
 
 RTOL = 2e-3
 """Relative tolerance of a recomputed field."""
@@ -90,7 +91,7 @@ def _recompute(row: dict, scale: float = 1.0):
 def expected(row: dict) -> dict:
     """The derived fields of `row` recomputed from its inputs (those it has)."""
     from colossal_lab.benchmarks import flash_attention as fa
-    from colossal_lab.memory import largest_batch
+    from colossal_lab.training.memory import largest_batch
 
     want: dict = {}
     if all(_num(row.get(k)) for k in ("step_ms", "batch", "seq_len")):

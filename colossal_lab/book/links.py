@@ -305,6 +305,6 @@ def markdown_link(key: str, text: str | None = None) -> str:
     try:
         title, url = LINKS[key]
     except KeyError:
-        raise KeyError(f"no link {key!r}; add it to colossal_lab.links or use one of "
+        raise KeyError(f"no link {key!r}; add it to colossal_lab.book.links or use one of "
                        f"{sorted(LINKS)}") from None
     return f"[{title if text is None else text}]({url})"

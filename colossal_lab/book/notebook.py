@@ -11,7 +11,7 @@ import inspect
 import time
 from pathlib import Path
 
-from colossal_lab.results import error_line
+from colossal_lab.measure.results import error_line
 
 SOURCE_KEY = "colossal_lab"
 """Output metadata key under which `show_source` records what it showed:
@@ -106,8 +106,8 @@ def show_multi_gpu(name: str, what: str, columns: dict[str, str | None], *,
     command that measures it (on `gpus` GPUs). Returns the runs."""
     from IPython.display import display
 
-    from colossal_lab import results
     from colossal_lab.benchmarks.two_gpu import format_targets
+    from colossal_lab.measure import results
 
     runs = results.load_multi_gpu(name)
     if not runs:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from colossal_lab import compare, notebook, plot, results
+from colossal_lab.book import notebook, plot
+from colossal_lab.measure import compare, results
 
 # ---------------------------------------------------------------- what each chapter compares
 

@@ -6,10 +6,10 @@ import matplotlib
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
-from colossal_lab import compare
-from colossal_lab.results import error_line
+from colossal_lab.measure import compare
+from colossal_lab.measure.results import error_line
+from colossal_lab.palette import BLUE, GREY, ORANGE  # noqa: F401  (the book's colours)
 
-BLUE, ORANGE, GREY = "#3b6ea8", "#e08a2c", "#9a9a9a"
 _ERR = {"ecolor": "#333333", "elinewidth": 1.0, "capsize": 2.5}
 
 

@@ -44,7 +44,7 @@ device-to-host synchronisation on every call.
 
 `cross_entropy_loss_and_grad_` is the launcher (in place, hence the trailing
 underscore); `TritonCrossEntropyFunction` wraps it as a loss on given logits.
-`colossal_lab.switches.loss` runs it on chunks of logits it makes itself, so that the
+`colossal_lab.ops.cross_entropy` runs it on chunks of logits it makes itself, so that the
 (N, V) logits never exist at all.
 """
 

@@ -1,6 +1,6 @@
 """Casting to fp8 in one pass: scale, saturate, round, and write both layouts.
 
-An fp8 linear layer (`colossal_lab.switches.fp8`) runs three GEMMs per step through
+An fp8 linear layer (`colossal_lab.ops.fp8`) runs three GEMMs per step through
 `torch._scaled_mm`, which wants its first operand row-major and its second
 column-major (cuBLASLt's fp8 kernels on Hopper take only the "TN" layout)::
 

@@ -162,7 +162,7 @@ def default_device() -> torch.device:
 def measure_matmul_tflops(n: int | None = None, dtype: torch.dtype = torch.bfloat16,
                           device: torch.device | None = None) -> float:
     """Median TFLOP/s of an n×n×n matmul on random data (8192 on a GPU, 1024 on CPU)."""
-    from colossal_lab.timing import time_fn
+    from colossal_lab.measure.timing import time_fn
 
     device = device or default_device()
     if n is None:
@@ -177,7 +177,7 @@ def measure_matmul_tflops(n: int | None = None, dtype: torch.dtype = torch.bfloa
 
 def measure_fp8_tflops(n: int = 8192) -> float | None:
     """Median TFLOP/s of an fp8 e4m3 `torch._scaled_mm` (None where fp8 is not there)."""
-    from colossal_lab.timing import time_fn
+    from colossal_lab.measure.timing import time_fn
 
     if not (torch.cuda.is_available() and detect().supports_fp8):
         return None
@@ -190,7 +190,7 @@ def measure_fp8_tflops(n: int = 8192) -> float | None:
 
 def measure_copy_gbps(nbytes: int | None = None, device: torch.device | None = None) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
-    from colossal_lab.timing import time_fn
+    from colossal_lab.measure.timing import time_fn
 
     device = device or default_device()
     if nbytes is None:
@@ -216,10 +216,12 @@ def measure_ceilings() -> Ceilings:
     on_gpu = torch.cuda.is_available()
     tf32 = None
     if on_gpu:
-        from colossal_lab.switches.precision import matmul_mode
-
-        with matmul_mode("tf32"):
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on the tensor cores
+        try:
             tf32 = measure_matmul_tflops(dtype=torch.float32)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
     fp32 = measure_matmul_tflops(dtype=torch.float32)
     return Ceilings(
         matmul_bf16_tflops=measure_matmul_tflops(dtype=torch.bfloat16),

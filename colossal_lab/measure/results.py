@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from colossal_lab import hardware
+from colossal_lab.measure import hardware
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_GPU = "h200"
@@ -214,7 +214,7 @@ def load_partial(name: str, gpu: str | None = None) -> dict | None:
 def fell_back(row: dict) -> bool:
     """Whether `row` was timed by a fallback (its `timing` says the CUDA-graph capture
     failed and events timed it instead): a failed measurement, to be taken again."""
-    from colossal_lab.timing import CAPTURE_FAILED
+    from colossal_lab.measure.timing import CAPTURE_FAILED
 
     return CAPTURE_FAILED in str(row.get("timing", ""))
 

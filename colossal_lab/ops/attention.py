@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from colossal_lab.fallback import fallback
 from colossal_lab.kernels.flash_attention import check_shapes
-from colossal_lab.switches import kernel_switch
 
 BACKENDS = ("naive", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-math", "cudnn",
             "triton", "flash_attn")
@@ -196,13 +195,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     raise AssertionError(name)
 
 
-def apply(model: torch.nn.Module, backend) -> int:
-    """Switch 1 on `model`, in place: every attention module (one whose class has an
-    `attention_backend`, like `model.Attention`) runs `backend` from its next call;
-    returns how many modules were set.
-    The name is checked now; whether it runs on this device is decided per call
-    (`resolve_backend`), where the dtype and head dim are known."""
-    if not (backend is True or backend is False or backend is None or backend in BACKENDS):
-        raise ValueError(f"enable_flash_attention={backend!r}; choose False (naive), True "
-                         f"(best available) or one of {BACKENDS}")
-    return kernel_switch.set_on_modules(model, "attention_backend", backend)

@@ -90,10 +90,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from colossal_lab.switches import autocast_state, kernel_switch
+from colossal_lab.ops import autocast_state, kernel_switch
 
 BACKENDS = ("eager", "chunked", "triton")
 CHUNK_BYTES = 512 << 20
@@ -342,10 +341,3 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
 # ---------------------------------------------------------------------------- the switch
 
 
-def apply(model: nn.Module, value) -> int:
-    """The loss switch on `model`, in place: every module whose class has a
-    `loss_backend` attribute (the causal-LM head) computes its loss with `value` from
-    its next call; returns how many modules were set. The value is checked now; whether
-    "triton" runs on this device is decided per call (`resolve_backend`)."""
-    _validate(value)
-    return kernel_switch.set_on_modules(model, "loss_backend", value)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from colossal_lab.switches import kernel_switch
+from colossal_lab.ops import kernel_switch
 
 BACKENDS = ("eager", "triton")
 
@@ -44,9 +44,3 @@ def lookup(ids: torch.Tensor, embed: torch.nn.Module, backend="eager") -> torch.
     return embed(ids)
 
 
-def apply(model: torch.nn.Module, value) -> int:
-    """The embedding switch on `model`, in place: every module whose class has an
-    `embedding_backend` attribute (the decoder stack) looks its tokens up with `value`
-    from its next call; returns how many modules were set."""
-    kernel_switch.check_value(value, BACKENDS, "enable_fused_embedding")
-    return kernel_switch.set_on_modules(model, "embedding_backend", value)

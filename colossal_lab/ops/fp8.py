@@ -45,15 +45,14 @@ Llama3-8B in torchtitan); PyTorch `torch._scaled_mm`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from colossal_lab.fallback import warn_once
 from colossal_lab.kernels.fp8_cast import EPS, fp8_amax, fp8_cast_transpose, padded
-from colossal_lab.switches import autocast_state
-from colossal_lab.switches.replay import current_replay
+from colossal_lab.ops import autocast_state
+from colossal_lab.ops.replay import current_replay
 
 
 @dataclass(frozen=True)
@@ -367,90 +366,7 @@ class Fp8Linear(nn.Linear):
         return f"{super().extra_repr()}, fp8={self.fp8_config.scaling}"
 
 
-# ------------------------------------------------------------------------- conversion
-
-
-def fp8_eligible(linear: nn.Linear) -> bool:
-    """In and out features multiples of 16 (what `_scaled_mm` needs)."""
-    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
-
-
-def convert_to_fp8(model: nn.Module, config: Fp8Config | None = None, *,
-                   skip: tuple[str, ...] = ()) -> list[str]:
-    """Swap, in place, every module whose type is exactly `nn.Linear` for an
-    `Fp8Linear` sharing its Parameters; returns the converted names.
-
-    Linears whose shapes are not multiples of 16, or whose name contains one of `skip`
-    (e.g. "lm_head"), stay as they are (one warning lists the first kind). Build the
-    optimizer after converting (the Parameters are the same objects either way)."""
-    config = config or Fp8Config()
-    for p in model.parameters():
-        check_fp8_supported(p.device)
-        break
-    converted, kept, done = [], [], {}
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
-            if type(child) is not nn.Linear or any(s in full for s in skip):
-                continue
-            if not fp8_eligible(child):
-                kept.append(f"{full} ({child.in_features}->{child.out_features})")
-                continue
-            if id(child) not in done:  # a linear shared by two parents stays shared
-                done[id(child)] = Fp8Linear.from_linear(child, config)
-            setattr(parent, name, done[id(child)])
-            converted.append(full)
-    if kept:
-        msg = ("fp8: these linears stay in bf16, their in/out features are not "
-               f"multiples of 16: {', '.join(kept)}")
-        warn_once(msg, stacklevel=3)
-    return converted
-
-
-def revert(model: nn.Module) -> int:
-    """The inverse of `convert_to_fp8`, in place: every `Fp8Linear` becomes a plain
-    `nn.Linear` holding the same Parameters (amax histories are dropped); returns how
-    many modules were swapped."""
-    done: dict[int, nn.Linear] = {}
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, Fp8Linear):
-                continue
-            if id(child) not in done:
-                lin = nn.Linear(child.in_features, child.out_features,
-                                bias=child.bias is not None, device="meta")
-                lin.weight, lin.bias = child.weight, child.bias
-                lin.train(child.training)
-                done[id(child)] = lin
-            setattr(parent, name, done[id(child)])
-            count += 1
-    return count
-
-
-def check_with_checkpointing(extra: dict, checkpoint_config) -> None:
-    """Delayed scaling updates its amax history inside the forward, so a selective
-    recompute (which replays some ops and not others) cannot hand it back: refused."""
-    if (extra.get("fp8_scaling") == "delayed"
-            and getattr(checkpoint_config, "mode", "full") != "full"):
-        raise ValueError(
-            "fp8_scaling='delayed' updates its amax history inside the forward, so a "
-            f"selective recompute (mode={checkpoint_config.mode!r}) replays different "
-            "ops; use fp8_scaling='dynamic' or GradientCheckpointConfig(mode='full')")
-
-
-def fp8_modules(model: nn.Module) -> list[Fp8Linear]:
-    return [m for m in model.modules() if isinstance(m, Fp8Linear)]
-
-
-def with_config(model: nn.Module, **changes) -> None:
-    """Change the config of every Fp8Linear of `model` (e.g. backend="emulate")."""
-    for m in fp8_modules(model):
-        m.fp8_config = replace(m.fp8_config, **changes)
-
 
 __all__ = ["E4M3", "E5M2", "Fp8Config", "Fp8Format", "Fp8Linear", "Fp8LinearFunction",
-           "amax_to_scale", "check_fp8_supported", "convert_to_fp8", "dequantize",
-           "check_with_checkpointing", "fp8_eligible", "fp8_linear", "fp8_linear_ref",
-           "fp8_modules", "padded", "quantize", "resolve_backend", "revert", "scaled_mm",
-           "with_config"]
+           "amax_to_scale", "check_fp8_supported", "dequantize", "fp8_linear",
+           "fp8_linear_ref", "padded", "quantize", "resolve_backend", "scaled_mm"]

@@ -60,13 +60,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from colossal_lab.fallback import fallback
-from colossal_lab.switches import kernel_switch
 
 BACKENDS = ("eager", "torch", "compile", "triton", "liger", "apex")
 FUSES_ADD = (True, "triton", "compile")
 """Values whose `add_rms_norm` adds the residual in the norm's own pass; with these the
 model also hands each layer's last residual add to the next norm (`LlamaModel`)."""
-
 
 
 # ---------------------------------------------------------------------------- references
@@ -361,18 +359,3 @@ class LayerNorm(nn.Module):
                 f"backend={self.backend!r}")
 
 
-def apply(model: nn.Module, backend) -> int:
-    """Switch 2 on `model`, in place: every `RMSNorm` and `LayerNorm` runs `backend`
-    from its next call (checked now; fallback decided per call, `resolve_backend`);
-    returns how many modules were set."""
-    if not (backend is True or backend is False or backend is None or backend in BACKENDS):
-        raise ValueError(f"enable_fused_normalization={backend!r}; choose False (eager), "
-                         f"True (best available) or one of {BACKENDS}")
-    count = 0
-    for m in model.modules():
-        if isinstance(m, (RMSNorm, LayerNorm)):
-            m.backend = backend
-            count += 1
-    # a fusing backend also takes each layer's last residual add (`LlamaModel`)
-    kernel_switch.set_on_modules(model, "defer_residual", backend in FUSES_ADD)
-    return count

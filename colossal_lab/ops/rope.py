@@ -46,7 +46,7 @@ import functools
 import torch
 
 from colossal_lab.fallback import fallback
-from colossal_lab.switches import kernel_switch
+from colossal_lab.ops import kernel_switch
 
 BACKENDS = ("eager", "compile", "triton")
 
@@ -165,10 +165,3 @@ def split_rotary(qkv: torch.Tensor, n_q: int, n_kv: int, cos: torch.Tensor,
 # ----------------------------------------------------------------------------- the switch
 
 
-def apply(model: torch.nn.Module, value) -> int:
-    """The RoPE switch on `model`, in place: every module whose class has a
-    `rope_backend` attribute (the attention) runs `value` from its next call; returns
-    how many modules were set. The value is checked now; whether it runs on this
-    device is decided per call (`resolve_backend`)."""
-    _validate(value)
-    return kernel_switch.set_on_modules(model, "rope_backend", value)

@@ -78,16 +78,14 @@ arXiv:1910.02054; Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277; Patarasuk 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from colossal_lab import distributed
+from colossal_lab.parallel import distributed
 
 BACKENDS = ("naive", "overlap", "ddp", "fsdp2")
 """`apply` values besides True ("overlap", ours) and False / None (no wrapper on one
@@ -515,7 +513,7 @@ def _reduce_in_dtype(state, bucket):
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from colossal_lab.switches.checkpointing import layer_lists
+    from colossal_lab.model import layer_lists
 
     return [layer for layers in layer_lists(model) for layer in layers]
 
@@ -562,7 +560,7 @@ def apply(model: torch.nn.Module, value, mesh=None, *,
         return model
     if backend in ("ddp", "fsdp2") and not dist.is_initialized():
         raise RuntimeError(f"{backend!r} needs torch.distributed, even on one process: "
-                           "launch with torchrun and call colossal_lab.distributed.init()")
+                           "launch with torchrun and call colossal_lab.parallel.distributed.init()")
     if backend != "ddp":
         _broadcast_module(inner, group)
     if backend == "naive":
@@ -615,109 +613,3 @@ def full_param(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def _summation_orders(world: int) -> list[tuple[int, ...]]:
-    """The orders in which an all-reduce may add W contributions: every one for W <= 4,
-    else the W rotations of a ring and their reverses."""
-    if world <= 4:
-        return list(itertools.permutations(range(world)))
-    ring = [tuple((s + k) % world for k in range(world)) for s in range(world)]
-    return ring + [o[::-1] for o in ring]
-
-
-def _sum_in_order(parts: list[torch.Tensor], order: Sequence[int]) -> torch.Tensor:
-    acc = parts[order[0]]
-    for k in order[1:]:
-        acc = acc + parts[k]  # rounded to the parts' dtype at every addition
-    return acc
-
-
-def gradient_check(backend, *, cfg=None, global_batch: int | None = None,
-                   seq_len: int = 16, micro_batches: int = 1, steps: int = 2,
-                   bucket_elems: int = 4096, first_bucket_elems: int | None = None,
-                   reduce_dtype: torch.dtype | None = None, atol: float = 1e-6,
-                   rtol: float = 1e-5, seed: int = 0) -> dict:
-    """Run on every rank of a group (`distributed.spawn(gradient_check, 2, "overlap")`):
-    are the data-parallel gradients those of one process on the whole batch?
-
-    Every rank builds the same plain fp32 model (`cfg`, default `config.tiny()`) and a
-    copy of it as the reference; the reference computes the gradient of the global
-    batch's mean loss, the data-parallel model that of this rank's 1/W shard (in
-    `micro_batches` slices, all but the last under `no_sync`), then `finish()`. Over
-    `steps` steps (the second after the buckets are rebuilt), on new data each step,
-    with no optimizer step, so that both keep the same weights.
-
-    Per parameter the rule of `colossal_lab.correctness`: fp32 reduction must satisfy
-    ``max|g - g_ref| <= atol + rtol · max|g_ref|``; a low-precision `reduce_dtype` must
-    stay within twice the error of the same mean computed in that dtype (each shard's
-    gradient / W rounded, summed in that dtype) plus `atol`. The all-reduce does not fix
-    the order of the additions (a ring adds each chunk in another order) and each order
-    rounds differently, so that error is the largest over the orders it may use.
-
-    Returns this rank's verdict: {"ok", "worst" (parameter), "err", "bound",
-    "err_lowp", "backend", "buckets", "ready_order", "bucket_order"}. Keywords go
-    through `functools.partial`, which pickles: ``spawn(partial(gradient_check,
-    reduce_dtype=torch.bfloat16), 2, "overlap")``."""
-    from colossal_lab.config import tiny
-    from colossal_lab.correctness import max_abs_err
-    from colossal_lab.model import build_model
-
-    e = distributed.env()
-    world = e.world_size
-    global_batch = global_batch or 2 * world
-    if global_batch % (world * micro_batches):
-        raise ValueError(f"global_batch={global_batch} must split into {world} ranks × "
-                         f"{micro_batches} micro-batches")
-    cfg = cfg or tiny()
-    torch.manual_seed(seed)
-    model = build_model(cfg, e.device)
-    ref = copy.deepcopy(model)
-    dp = apply(model, backend, bucket_elems=bucket_elems, reduce_dtype=reduce_dtype,
-               first_bucket_elems=first_bucket_elems)
-    sync = of(model)
-    gen = torch.Generator().manual_seed(seed + 1)
-    out = {"ok": True, "worst": None, "err": 0.0, "bound": 0.0, "err_lowp": None}
-    worst_ratio = -1.0
-    for _ in range(steps):
-        ids = torch.randint(0, cfg.vocab_size, (global_batch, seq_len + 1), generator=gen)
-        ids = ids.to(e.device)
-        x, y = ids[:, :-1], ids[:, 1:]
-        shard_x, shard_y = x.chunk(world)[e.rank], y.chunk(world)[e.rank]
-        pairs = list(zip(shard_x.chunk(micro_batches), shard_y.chunk(micro_batches)))
-        for j, (mx, my) in enumerate(pairs):
-            ctx = sync.no_sync() if j < len(pairs) - 1 else contextlib.nullcontext()
-            with ctx:
-                (dp(mx, my) / micro_batches).backward()
-        sync.finish()
-        ref.zero_grad(set_to_none=True)
-        ref(x, y).backward()
-        parts = None
-        if reduce_dtype is not None and reduce_dtype != torch.float32:
-            parts = {}  # each shard's gradient / W, rounded to the reduction dtype
-            for xs, ys in zip(x.chunk(world), y.chunk(world)):
-                shard = copy.deepcopy(ref)
-                shard.zero_grad(set_to_none=True)
-                shard(xs, ys).backward()
-                for n, p in shard.named_parameters():
-                    parts.setdefault(n, []).append((p.grad / world).to(reduce_dtype))
-        got = dict(model.named_parameters())
-        for n, p in ref.named_parameters():
-            g, r = full_grad(got[n]), p.grad
-            err = max_abs_err(g, r)
-            if parts is not None:
-                err_lowp = max(max_abs_err(_sum_in_order(parts[n], o).float(), r)
-                               for o in _summation_orders(world))
-                bound = 2.0 * err_lowp + atol
-            else:
-                err_lowp, bound = None, atol + rtol * r.abs().max().item()
-            ok = err <= bound  # NaN fails
-            out["ok"] = out["ok"] and ok
-            ratio = err / bound if ok or err == err else float("inf")
-            if ratio > worst_ratio:
-                worst_ratio = ratio
-                out.update(worst=n, err=err, bound=bound, err_lowp=err_lowp)
-        model.zero_grad(set_to_none=True)
-    out["buckets"] = sync.describe()
-    out["ready_order"] = list(getattr(sync, "ready_order", []))
-    out["bucket_order"] = sync.bucket_order() if hasattr(sync, "bucket_order") else []
-    out["backend"] = sync.backend
-    return out

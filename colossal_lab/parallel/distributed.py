@@ -281,9 +281,9 @@ def rank0_print(*args, **kw) -> None:
 
 
 def progress(*args, enabled: bool = True, **kw):
-    """A `colossal_lab.progress.Progress` bar drawn by rank 0 only (the others count
+    """A `colossal_lab.measure.progress.Progress` bar drawn by rank 0 only (the others count
     silently): N bars redrawing on one terminal would be unreadable."""
-    from colossal_lab.progress import Progress
+    from colossal_lab.measure.progress import Progress
 
     return Progress(*args, enabled=enabled and is_main(), **kw)
 

@@ -69,7 +69,6 @@ async TP (``torch.distributed._symmetric_memory``); ColossalAI
 
 from __future__ import annotations
 
-import copy
 import functools
 from dataclasses import dataclass, field
 
@@ -78,9 +77,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from colossal_lab import tp_ops
 from colossal_lab.fallback import fallback
-from colossal_lab.switches import autocast_state
+from colossal_lab.ops import autocast_state
+from colossal_lab.parallel import tp_ops
 
 MODES = ("all_reduce", "split_gather", "ring", "dtensor", "symm_mem")
 """What `apply` builds; every mode but "all_reduce" is sequence parallel."""
@@ -402,7 +401,7 @@ def _shard_block(module: nn.Module, parts: tuple[str, ...], fused: str, out_name
                  symm_name) -> ColumnParallelLinear:
     """Swap `module`'s projections of one input (`parts` or `fused`) for one
     column-parallel `fused` linear, and its `out_name` linear for a row-parallel one."""
-    from colossal_lab.switches.projections import _replace_children
+    from colossal_lab.ops.projections import _replace_children
 
     full = _full_weight(module, parts, fused)
     rg = next(iter(module._modules[fused if fused in module._modules else parts[0]]
@@ -473,7 +472,7 @@ def apply(model: nn.Module, mode: str, mesh=None) -> nn.Module:
     it after the kernel switches and the precision, before data parallelism, and make
     the optimizer afterwards (new Parameters). A TP model cannot be sharded again:
     build a fresh one. Returns the model."""
-    from colossal_lab.switches.norm import LayerNorm, RMSNorm
+    from colossal_lab.ops.norm import LayerNorm, RMSNorm
 
     if mode not in MODES:
         raise ValueError(f"tensor-parallel mode {mode!r}; choose one of {MODES}")
@@ -605,7 +604,7 @@ def _apply_dtensor(model, layers, cfg, mesh, tp: int) -> None:
         parallelize_module,
     )
 
-    from colossal_lab.switches.projections import FUSIONS, split_linear
+    from colossal_lab.ops.projections import FUSIONS, split_linear
 
     if mesh is None:
         device = next(model.parameters()).device.type
@@ -676,105 +675,6 @@ def full_tensor(p: torch.Tensor, local: torch.Tensor | None = None, group=None
     return out
 
 
-def hf_split(name: str, tensor: torch.Tensor, cfg) -> dict[str, torch.Tensor]:
-    """A full parameter (or gradient) under Hugging Face's names: a fused
-    `qkv_proj` / `gate_up_proj` weight split into its parts (views)."""
-    from colossal_lab.switches.projections import FUSIONS, qkv_sizes
-
-    for fused, parts in FUSIONS.items():
-        if name.endswith(f"{fused}.weight"):
-            sizes = (qkv_sizes(cfg.num_attention_heads, cfg.num_key_value_heads,
-                               cfg.head_dim) if fused == "qkv_proj"
-                     else (cfg.intermediate_size,) * 2)
-            prefix = name[:-len(f"{fused}.weight")]
-            return {f"{prefix}{p}.weight": t for p, t in zip(parts, tensor.split(sizes))}
-    return {name: tensor}
-
-
-def full_named(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter (or its gradient: None where it has none) of `model`, whole, under
-    Hugging Face's names; the same on every rank (a collective under TP)."""
-    tp = of(model)
-    group = tp.group if tp is not None else None
-    out = {}
-    for n, p in model.named_parameters():
-        if grads:
-            if p.grad is None:
-                out.update({k: None for k in hf_split(n, p.detach(), model.cfg)})
-                continue
-            full = full_tensor(p, p.grad, group) if tp is not None else p.grad
-        else:
-            full = full_tensor(p, None, group) if tp is not None else p.detach()
-        out.update(hf_split(n, full, model.cfg))
-    return out
-
-
 # ---------------------------------------------------------------- correctness check
 
 
-def gradient_check(mode: str, *, cfg=None, batch: int = 2, seq_len: int = 16,
-                   fused: bool = False, atol: float = 1e-6, rtol: float = 1e-5,
-                   seed: int = 0) -> dict:
-    """Run on every rank of a group (`distributed.spawn(gradient_check, 2, "ring")`): do
-    the TP model's loss, logits and gradients equal one process's?
-
-    Every rank builds the same plain fp32 model (`cfg`, default `config.tiny()`; with
-    `fused`, switch 3's fused projections first) and a copy as the reference; `apply`
-    shards the model over the whole world in `mode`; both compute the loss of one batch
-    (the same tokens on every rank) and its backward. The TP gradients are gathered to
-    full shapes (`full_named`) and compared per parameter with the rule of
-    `colossal_lab.correctness`: ``max|g − g_ref| <= atol + rtol · max|g_ref|``; the loss
-    and the logits (a forward without labels) likewise.
-
-    Returns {"ok", "mode" (the one that ran), "loss", "loss_ref", "loss_err",
-    "logits_err", "worst" (parameter), "err", "bound", "params" (how many compared),
-    "local_numel" (this rank's parameters), "full_numel"}."""
-    from colossal_lab import distributed
-    from colossal_lab.config import tiny
-    from colossal_lab.correctness import max_abs_err
-    from colossal_lab.model import build_model
-    from colossal_lab.switches import projections
-
-    e = distributed.env()
-    cfg = cfg or tiny()
-    torch.manual_seed(seed)
-    model = build_model(cfg, e.device)
-    if fused:
-        projections.apply(model, "eager")
-    ref = copy.deepcopy(model)
-    apply(model, mode)
-    gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen).to(e.device)
-    x, y = ids[:, :-1], ids[:, 1:]
-    loss = model(x, y)
-    loss.backward()
-    loss_ref = ref(x, y)
-    loss_ref.backward()
-    with torch.no_grad():
-        logits_err = max_abs_err(model(x), ref(x))
-    out = {"mode": model.tp.mode, "loss": loss.item(), "loss_ref": loss_ref.item(),
-           "loss_err": abs(loss.item() - loss_ref.item()), "logits_err": logits_err,
-           "local_numel": sum((p.to_local() if hasattr(p, "to_local") else p).numel()
-                              for p in model.parameters())}
-    ok = out["loss_err"] <= atol + rtol * abs(loss_ref.item())
-    got, want = full_named(model, grads=True), full_named(ref, grads=True)
-    out["full_numel"] = sum(t.numel() for t in full_named(ref).values())
-    worst_ratio = -1.0
-    for name, r in want.items():
-        g = got[name]
-        err = max_abs_err(g, r)
-        bound = atol + rtol * r.abs().max().item()
-        ok = ok and err <= bound  # NaN fails
-        ratio = err / bound if err == err else float("inf")
-        if ratio > worst_ratio:
-            worst_ratio = ratio
-            out.update(worst=name, err=err, bound=bound)
-    out["ok"] = bool(ok and set(got) == set(want))
-    out["params"] = len(want)
-    return out
-
-
-def gradient_checks(cases: dict) -> dict:
-    """`gradient_check` for each case ``{name: (mode, keywords)}`` in one group of
-    processes (each costs seconds to start): for the tests and chapter 05."""
-    return {name: gradient_check(mode, **kw) for name, (mode, kw) in cases.items()}

@@ -18,16 +18,5 @@ from colossal_lab.fallback import (  # noqa: F401  (re-exported)
     strict,
     warn_once,
 )
-
-_LAZY = {"backends_in_use": "colossal_lab.switches.resolved",
-         "apply_switches": "colossal_lab.switches.apply"}
-"""Loaded on use: `backends_in_use` inspects the model, which imports the switches, and
-`apply_switches` imports every switch; importing one switch imports neither."""
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from colossal_lab.switches.apply import apply_switches  # noqa: E402,F401  (re-exported)
+from colossal_lab.switches.resolved import backends_in_use  # noqa: E402,F401  (re-exported)

@@ -48,23 +48,22 @@ from __future__ import annotations
 
 import torch
 
+from colossal_lab import precision
 from colossal_lab.config import Switches
-from colossal_lab.switches import (
-    attention,
-    checkpointing,
-    data_parallel,
-    deferred_adamw,
-    embedding,
-    fp8,
-    loss,
-    norm,
-    pipeline_parallel,
-    precision,
-    projections,
-    rope,
-    tensor_parallel,
-)
+from colossal_lab.ops import attention, embedding, fp8, norm, rope
+from colossal_lab.ops import cross_entropy as loss
+from colossal_lab.ops import swiglu as projections
+from colossal_lab.parallel import data_parallel, tensor_parallel
+from colossal_lab.switches import attention as attention_switch
+from colossal_lab.switches import checkpointing, deferred_adamw, pipeline_parallel
 from colossal_lab.switches import compile as compile_switch  # not the builtin
+from colossal_lab.switches import embedding as embedding_switch
+from colossal_lab.switches import fp8 as fp8_switch
+from colossal_lab.switches import loss as loss_switch
+from colossal_lab.switches import norm as norm_switch
+from colossal_lab.switches import precision as precision_switch
+from colossal_lab.switches import projections as projections_switch
+from colossal_lab.switches import rope as rope_switch
 
 ORDER = ("enable_flash_attention", "enable_fused_rope", "enable_fused_normalization",
          "enable_fused_projections", "enable_fused_cross_entropy", "enable_fused_embedding",
@@ -72,12 +71,12 @@ ORDER = ("enable_flash_attention", "enable_fused_rope", "enable_fused_normalizat
          "overlap_communication")
 """The `Switches` fields in the order `apply_switches` applies them."""
 
-_APPLY = {"enable_flash_attention": attention.apply,
-          "enable_fused_rope": rope.apply,
-          "enable_fused_normalization": norm.apply,
-          "enable_fused_projections": projections.apply,
-          "enable_fused_cross_entropy": loss.apply,
-          "enable_fused_embedding": embedding.apply,
+_APPLY = {"enable_flash_attention": attention_switch.apply,
+          "enable_fused_rope": rope_switch.apply,
+          "enable_fused_normalization": norm_switch.apply,
+          "enable_fused_projections": projections_switch.apply,
+          "enable_fused_cross_entropy": loss_switch.apply,
+          "enable_fused_embedding": embedding_switch.apply,
           "gradient_checkpoint_config": checkpointing.apply}
 """The module swaps, applied in this loop; `precision` and `enable_compile` are applied
 after it (and after tensor parallelism), `overlap_communication` last."""
@@ -107,7 +106,7 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
     if precision.policy(switches.precision).fp8:
         if device is not None:
             fp8.check_fp8_supported(device)
-        fp8.check_with_checkpointing(switches.extra, switches.gradient_checkpoint_config)
+        fp8_switch.check_with_checkpointing(switches.extra, switches.gradient_checkpoint_config)
     precision.optimizer_backend(switches.enable_fused_optimizer, device)  # validates
     precision.adamw_moments(switches)  # validates
     deferred_adamw.check(switches, device)
@@ -120,7 +119,7 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
     if dp not in (False, None) and not torch.distributed.is_initialized():
         raise ValueError(f"overlap_communication={dp!r} reduces gradients across ranks: "
                          "launch with torchrun (or `train --nproc N`) and call "
-                         "colossal_lab.distributed.init() first")
+                         "colossal_lab.parallel.distributed.init() first")
 
 
 def _check_tensor_parallel(model, switches: Switches, mesh) -> str | None:
@@ -142,7 +141,7 @@ def _check_tensor_parallel(model, switches: Switches, mesh) -> str | None:
         return None
     if not torch.distributed.is_initialized():
         raise ValueError(f"tensor parallelism over tp={tp} ranks: launch with torchrun "
-                         "and call colossal_lab.distributed.init() first")
+                         "and call colossal_lab.parallel.distributed.init() first")
     if mode == "dtensor" and pipeline_parallel.pp_size(mesh) > 1:
         raise NotImplementedError("the 'dtensor' peer is not composed with pipeline "
                                   "stages here (its DTensor linears do not defer their "
@@ -172,11 +171,11 @@ def apply_switches(model: torch.nn.Module, switches: Switches,
     module of the model takes (a model without our attention modules asked for a
     flash-attention backend) is an error, not a no-op.
 
-    `mesh` (`colossal_lab.distributed.make_mesh`): pipeline stages on its "pp" dim,
+    `mesh` (`colossal_lab.parallel.distributed.make_mesh`): pipeline stages on its "pp" dim,
     tensor parallelism on its "tp" dim, data parallelism on its "dp" dim (None: every
     rank of the world)."""
     if mesh is not None and not hasattr(mesh, "mesh_dim_names"):
-        raise TypeError(f"mesh must be a DeviceMesh (colossal_lab.distributed.make_mesh), "
+        raise TypeError(f"mesh must be a DeviceMesh (colossal_lab.parallel.distributed.make_mesh), "
                         f"not {type(mesh).__name__}")
     tp_mode = _check_tensor_parallel(model, switches, mesh)
     pipeline_parallel.check_mesh(switches, mesh, data_parallel.unwrap(model))
@@ -184,7 +183,7 @@ def apply_switches(model: torch.nn.Module, switches: Switches,
     device = next(inner.parameters()).device
     check(switches, device)
     compile_switch.check_model(inner, switches.enable_compile, pipeline_parallel.pp_size(mesh))
-    fp8.revert(inner)  # plain linears for the structural switches; precision redoes it
+    fp8_switch.revert(inner)  # plain linears for the structural switches; precision redoes it
     compile_switch.revert(inner)  # eager modules for them too; compiled again below
     for field, apply_one in _APPLY.items():
         value = getattr(switches, field)
@@ -197,7 +196,7 @@ def apply_switches(model: torch.nn.Module, switches: Switches,
                 and not checkpointing.layer_lists(inner):
             raise ValueError(f"gradient_checkpoint_config is set, but this "
                              f"{type(inner).__name__} has no `layers` list to checkpoint")
-    precision.apply(inner, switches.precision, switches.extra)
+    precision_switch.apply(inner, switches.precision, switches.extra)
     inner.switches = switches
     if tp_mode is not None:  # on the mesh's "tp" dim, before the stages and the reduction
         tensor_parallel.apply(inner, tp_mode, mesh)

@@ -103,7 +103,8 @@ from dataclasses import dataclass
 
 import torch
 
-from colossal_lab.switches.replay import Replay, ReplayPhase, current_replay  # noqa: F401
+from colossal_lab.model import layer_lists
+from colossal_lab.ops.replay import Replay, ReplayPhase, current_replay  # noqa: F401
 
 MODES = ("full", "selective", "elementwise")
 _EPS = 1e-9  # tolerance of floor(ratio * layers) against binary floating point
@@ -243,13 +244,6 @@ def checkpoint_plan(config: GradientCheckpointConfig | None, num_layers: int | N
 
 
 # ------------------------------------------------------------------------- the switch
-
-
-def layer_lists(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
-    """The transformer-layer lists of `model`: every `nn.ModuleList` named `layers`
-    (ours, Hugging Face's, one per pipeline chunk once pipelines slice them)."""
-    return [m for name, m in model.named_modules()
-            if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"]
 
 
 def _recomputing_forward(layer, mode: str, skip_gemm_k: int | None, *args, **kwargs):
@@ -421,7 +415,7 @@ def layer_forward_flops(cfg, tokens: int, seq_len: int, causal: bool = True) -> 
     seven linears, 2 per weight per token), "last_gemm" (down_proj, part of "gemm"), and
     "attention" (QKᵀ and PV, 4·d·S per token, halved when `causal`; `causal=False` is
     how `FlopCounterMode` counts naive attention, which multiplies the masked half too)."""
-    from colossal_lab import mfu
+    from colossal_lab.measure import mfu
 
     gemm = 2.0 * (mfu.layer_params(cfg) - 2 * cfg.hidden_size) * tokens
     last = 2.0 * cfg.intermediate_size * cfg.hidden_size * tokens
@@ -448,7 +442,7 @@ def colossalai_flops(cfg, tokens: int, checkpointing: bool) -> float:
     """What ColossalAI's example `PerformanceEvaluator` counts for a step:
     ``tokens · N · 2 · (3 + checkpointing)``: 8N per token whenever checkpointing is on,
     whatever the ratio, and with recompute counted as model work."""
-    from colossal_lab import mfu
+    from colossal_lab.measure import mfu
 
     return tokens * mfu.count_params(cfg) * 2.0 * (3 + int(bool(checkpointing)))
 

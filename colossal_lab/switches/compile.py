@@ -137,7 +137,7 @@ def check_model(model: torch.nn.Module, value, pp: int = 1) -> None:
     composed yet: the zero-bubble schedules' `DeferredLinear`s file weight-gradient
     jobs into a Python store from inside the backward, which a compiled backward does
     not run; untested for the other schedules)."""
-    from colossal_lab.switches.checkpointing import layer_lists
+    from colossal_lab.model import layer_lists
 
     mode = resolve(value)
     if mode is not None and pp > 1:
@@ -169,7 +169,7 @@ def apply(model: torch.nn.Module, value, extra: dict | None = None) -> int:
     with the backend and mode of `extra` (`options`). Any earlier compilation is
     removed first, so applying twice compiles once. Returns how many modules are
     compiled (0 when off, or when "layers" finds no `layers` list)."""
-    from colossal_lab.switches.checkpointing import layer_lists
+    from colossal_lab.model import layer_lists
 
     mode = resolve(value)
     kwargs = options(extra) if mode is not None else {}  # checked before any change

@@ -14,7 +14,7 @@ parallelism (which then reduces each stage's gradients over its "dp" group; `ste
 runs under ``no_sync()``, call ``data_parallel.of(model).finish()`` after it).
 
 The idea, the bubble arithmetic and the schedules are chapter 07's and
-`colossal_lab.pipeline`'s docstrings.
+`colossal_lab.parallel.pipeline`'s docstrings.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from colossal_lab.pipeline import schedules as sch
+from colossal_lab.parallel.pipeline import schedules as sch
 
 STYLES = ("1f1b", "interleaved", "zbv", "gpipe", "zb-h1")
 """`Switches.pp_style` values: ColossalAI's three, then ours."""
@@ -62,8 +62,8 @@ def check_mesh(switches, mesh, model: nn.Module | None = None) -> None:
     schedule that cannot be built, a model that does not cut into its stages, and
     what the runtime does not do (loss scaling; DDP's and FSDP2's wrappers around a
     model whose forward is the pipeline's)."""
-    from colossal_lab.pipeline.stages import check_tied, split_layers
-    from colossal_lab.switches import precision
+    from colossal_lab import precision
+    from colossal_lab.parallel.pipeline.stages import check_tied, split_layers
 
     p = pp_size(mesh)
     if p == 1:
@@ -93,7 +93,7 @@ def make_schedule(switches, p: int) -> sch.Schedule:
                          f"step: {(p - 1) / (3 * p - 1):.0%} at m = 2p, "
                          f"{(p - 1) / (5 * p - 1):.0%} at m = 4p)")
     if style == "zbv" and m < p:
-        from colossal_lab.pipeline.simulate import simulate
+        from colossal_lab.parallel.pipeline.simulate import simulate
 
         bubble = simulate(sch.zb_v(p, m)).bubble
         raise ValueError(f"pp_style='zbv' needs num_microbatches >= the pipeline size: "
@@ -125,7 +125,7 @@ class PipelineModel(nn.Module):
         over micro-batches) returned on every rank of the pipeline. With data
         parallelism the gradients are not reduced yet: ``data_parallel.of(model).
         finish()`` does it."""
-        from colossal_lab.switches import data_parallel
+        from colossal_lab.parallel import data_parallel
 
         with data_parallel.of(self).no_sync():  # one reduction after the whole step
             return self.runtime.step(input_ids, labels)
@@ -145,8 +145,8 @@ def apply(model: nn.Module, switches, mesh) -> nn.Module:
     (or there is no mesh), else a `PipelineModel` holding this rank's stages of it.
     Apply after the switches that change modules and dtypes (kernels, checkpointing,
     precision: the stages keep what they set), before data parallelism."""
-    from colossal_lab.pipeline.runtime import PipelineRuntime
-    from colossal_lab.pipeline.stages import build_stages
+    from colossal_lab.parallel.pipeline.runtime import PipelineRuntime
+    from colossal_lab.parallel.pipeline.stages import build_stages
 
     p = pp_size(mesh)
     check(switches)

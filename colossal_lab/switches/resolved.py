@@ -20,17 +20,11 @@ def backends_in_use(model: torch.nn.Module) -> dict:
     (`loss.BACKENDS`), "embedding_backend" (`embedding.BACKENDS`). Read from the
     modules themselves, so a switch applied to just some of them is seen; layers
     that disagree are listed joined by "+"."""
+    from colossal_lab import precision
     from colossal_lab.model import MLP, Attention, LlamaForCausalLM, LlamaModel
-    from colossal_lab.switches import (
-        attention,
-        embedding,
-        fp8,
-        loss,
-        norm,
-        precision,
-        projections,
-        rope,
-    )
+    from colossal_lab.ops import attention, embedding, fp8, norm, rope
+    from colossal_lab.ops import cross_entropy as loss
+    from colossal_lab.ops import swiglu as projections
 
     param = next(model.parameters())
     device = param.device

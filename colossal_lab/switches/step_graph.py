@@ -47,12 +47,12 @@ import time
 
 import torch
 
-from colossal_lab import timing
+from colossal_lab.measure import timing
 
 
 def check(switches, device=None) -> None:
     """Refuse what `enable_compile="graph"` cannot capture (see the module docstring)."""
-    from colossal_lab.switches import precision
+    from colossal_lab import precision
 
     value = switches.enable_compile
     if device is not None and torch.device(device).type != "cuda":

@@ -5,7 +5,7 @@ Both functions run on every rank of a group (`distributed.spawn(check_schedules,
 cases)`, one process per pipeline rank, gloo on a CPU) and return this rank's verdict;
 the tests and chapter 07 call them.
 
-**The rule** (`colossal_lab.correctness`, fp32): per parameter,
+**The rule** (`colossal_lab.testing.correctness`, fp32): per parameter,
 ``max|g − g_ref| <= atol + rtol · max|g_ref|`` with rtol = 1e-5, atol = 1e-6, and the
 same for the loss. The pipeline computes the same sums as one process in another order
 (each micro-batch's mean loss, then their mean; the gradient accumulated over m
@@ -21,11 +21,11 @@ from collections import Counter
 
 import torch
 
-from colossal_lab import distributed, grad_norm
 from colossal_lab.config import ModelConfig, tiny
-from colossal_lab.correctness import max_abs_err
 from colossal_lab.model import build_model
-from colossal_lab.pipeline import schedules as sch
+from colossal_lab.parallel import distributed, grad_norm
+from colossal_lab.parallel.pipeline import schedules as sch
+from colossal_lab.testing.correctness import max_abs_err
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -88,8 +88,8 @@ def ours(name: str, *, p: int, m: int = 4, chunks: int = 2, cfg: ModelConfig | N
     rank's verdict {"ok", "worst", "err", "bound", "loss", "ref_loss", "loss_ok",
     "counts", "stages", "params", "trace" (the runtime's, actions as text), "t0" (its
     `step_start`)}."""
-    from colossal_lab.pipeline.runtime import PipelineRuntime
-    from colossal_lab.pipeline.stages import build_stages
+    from colossal_lab.parallel.pipeline.runtime import PipelineRuntime
+    from colossal_lab.parallel.pipeline.stages import build_stages
 
     schedule = sch.make(name, p, m, chunks)
     cfg = cfg or config_for(schedule.num_stages)
@@ -130,7 +130,7 @@ def torch_peer(name: str, *, p: int, m: int = 4, cfg: ModelConfig | None = None,
     {"skipped": why} when the installed torch lacks the class."""
     from torch.distributed import pipelining
 
-    from colossal_lab.pipeline.stages import build_stages
+    from colossal_lab.parallel.pipeline.stages import build_stages
 
     cls = getattr(pipelining, TORCH_PEERS[name], None)
     if cls is None:
@@ -190,9 +190,10 @@ def through_switches(style: str, *, pp: int, dp: int = 1, tp: int = 1,
     the tensor-parallel gradients gathered whole (`tensor_parallel.full_tensor`).
     Returns this rank's verdict as `ours`."""
     from colossal_lab.config import Switches
-    from colossal_lab.switches import data_parallel
-    from colossal_lab.switches import tensor_parallel as tpl
+    from colossal_lab.parallel import data_parallel
+    from colossal_lab.parallel import tensor_parallel as tpl
     from colossal_lab.switches.apply import apply_switches
+    from colossal_lab.testing import gradient_checks
 
     mesh = distributed.make_mesh(dp=dp, pp=pp, tp=tp)
     sp = tp > 1 and tp_mode != "all_reduce"
@@ -216,7 +217,7 @@ def through_switches(style: str, *, pp: int, dp: int = 1, tp: int = 1,
         grads = {}
         for n, prm in piped.named_parameters():
             g = None if prm.grad is None else tpl.full_tensor(prm, prm.grad, group)
-            grads.update(tpl.hf_split(names[n], g, cfg) if g is not None
+            grads.update(gradient_checks.hf_split(names[n], g, cfg) if g is not None
                          else {names[n]: None})
     else:
         grads = {names[n]: prm.grad for n, prm in piped.named_parameters()}
@@ -290,8 +291,8 @@ def measured_timeline(name: str, p: int, verdicts: list[dict], m: int = 4,
     """A `simulate.Timeline` of what the ranks of a gloo run really did: each rank's
     trace (from `ours`, one verdict per rank) on the clock they share, from the first
     rank's start, in milliseconds; for `simulate.plot_gantt`."""
-    from colossal_lab.pipeline.simulate import Span, Timeline
-    from colossal_lab.pipeline.validate import peak_activations
+    from colossal_lab.parallel.pipeline.simulate import Span, Timeline
+    from colossal_lab.parallel.pipeline.validate import peak_activations
 
     schedule = sch.make(name, p, m, chunks)
     start = min(v["t0"] for v in verdicts)

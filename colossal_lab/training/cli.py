@@ -68,17 +68,12 @@ def _backend(names: tuple[str, ...]):
 
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
-    from colossal_lab.switches import (
-        attention,
-        data_parallel,
-        embedding,
-        loss,
-        norm,
-        projections,
-        rope,
-    )
+    from colossal_lab.ops import attention, embedding, norm, rope
+    from colossal_lab.ops import cross_entropy as loss
+    from colossal_lab.ops import swiglu as projections
+    from colossal_lab.parallel import data_parallel
+    from colossal_lab.precision import OPTIMIZER_BACKENDS, PRECISIONS
     from colossal_lab.switches.compile import MODES as COMPILE_MODES
-    from colossal_lab.switches.precision import OPTIMIZER_BACKENDS, PRECISIONS
 
     run = t.add_argument_group("run")
     run.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -215,15 +210,16 @@ def relaunch(argv: list[str], nproc: int) -> int:
 def run(a: argparse.Namespace, error, argv: list[str] | None = None) -> None:
     """Train as `a` says; `error(message)` ends the program with status 2. With
     `--nproc N` outside torchrun, re-launch `argv` through it; under torchrun, this is
-    one rank (`colossal_lab.distributed`), and rank 0 prints."""
+    one rank (`colossal_lab.parallel.distributed`), and rank 0 prints."""
     import contextlib
     import os
     import sys
 
-    from colossal_lab import distributed, train
-    from colossal_lab.checkpoint import CheckpointError
     from colossal_lab.config import preset
     from colossal_lab.fallback import BackendUnavailable
+    from colossal_lab.parallel import distributed
+    from colossal_lab.training import train
+    from colossal_lab.training.checkpoint import CheckpointError
 
     if a.nproc > 1 and "WORLD_SIZE" not in os.environ:
         sys.exit(relaunch(argv if argv is not None else sys.argv[1:], a.nproc))

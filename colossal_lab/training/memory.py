@@ -88,7 +88,7 @@ def memory_probe(model, loss_fn, input_ids: torch.Tensor, labels: torch.Tensor,
     before: what the forward keeps for the backward, and the loss) and `per_layer`: what
     each decoder layer in `layers` left allocated when its forward returned (from the
     second layer on). Empty on a CPU, which has no allocator statistics."""
-    from colossal_lab.switches import precision
+    from colossal_lab import precision
 
     if input_ids.device.type != "cuda":
         return {}
@@ -159,7 +159,7 @@ class Prober:
         """Allocator statistics exist (a GPU)."""
 
     def __call__(self, batch: int) -> dict:
-        from colossal_lab import data
+        from colossal_lab.training import data
 
         ids, labels = next(data.random_batches(self.cfg.vocab_size, batch, self.seq_len,
                                                seed=1, device=self.device))
@@ -206,9 +206,9 @@ def auto_ratio(probe: Prober, model, opt, batch: int) -> dict:
     that fit `batch`, from probes at batch 1 and 2 with every layer checkpointed and at
     batch 1 with none (`MemoryModel`). The checkpoint configs are applied through
     `apply_switches`, so `model.switches` says what was timed."""
-    from colossal_lab import data, train
     from colossal_lab.switches.apply import apply_switches
     from colossal_lab.switches.checkpointing import GradientCheckpointConfig
+    from colossal_lab.training import data, train
 
     if not probe.available:
         return {}

@@ -19,14 +19,18 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from colossal_lab import grad_norm, hardware, mfu, timing
+from colossal_lab import precision as precision_mod
 from colossal_lab.config import ModelConfig, Switches
+from colossal_lab.measure import hardware, mfu, timing
 from colossal_lab.model import build_model
+from colossal_lab.parallel import grad_norm
 from colossal_lab.switches import compile as compile_switch
-from colossal_lab.switches import precision as precision_mod
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.apply import check as check_switches
-from colossal_lab.switches.precision import make_optimizer  # noqa: F401  (re-exported)
+from colossal_lab.training.optimizer import (
+    make_optimizer,  # noqa: F401  (re-exported)
+    moments_of,
+)
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -55,7 +59,8 @@ def make_step(model, optimizer, loss_fn: LossFn = our_loss, micro_batches: int =
     our AdamW the update is applied during the next step's forward
     (`switches.deferred_adamw`); `step.flush()` applies it now (a no-op otherwise): call
     it before reading the weights or the optimizer's state."""
-    from colossal_lab.switches import data_parallel, deferred_adamw
+    from colossal_lab.parallel import data_parallel
+    from colossal_lab.switches import deferred_adamw
 
     inner = data_parallel.unwrap(model)  # DDP / torch.compile wrappers: call `model`
     device = next(inner.parameters()).device
@@ -262,7 +267,7 @@ def _take(it: Iterator, n: int):
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from colossal_lab.progress import Progress
+    from colossal_lab.measure.progress import Progress
 
     return Progress(total=total, desc=desc, enabled=enabled, leave=False)
 
@@ -310,22 +315,23 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
     """Train `cfg` on the real-text corpus (`data="corpus"`) or random tokens
     (`data="random"`), with a progress bar showing loss, tokens/s, MFU and memory.
 
-    Checkpoints (`colossal_lab.checkpoint`): with `save_dir`, every `save_every` steps
+    Checkpoints (`colossal_lab.training.checkpoint`): with `save_dir`, every `save_every` steps
     and at the end; `resume=True` continues from the newest one there exactly (same
     batches, same optimizer and loss-scale state: the loss trajectory of an
     uninterrupted run). `export_hf` writes a `transformers` checkpoint at the end.
     Python's garbage collector is held out of the steps (`gc_between_steps`) and runs a
     young collection every `gc_every` steps, between two of them.
 
-    Under torchrun (`colossal_lab.distributed.init()` called first) this is one rank of
+    Under torchrun (`colossal_lab.parallel.distributed.init()` called first) this is one rank of
     a data-parallel run (switch 8, `switches.overlap_communication`): every rank draws
     the same global batch of `batch` sequences and trains on its 1/world share, so the
     run follows the single-process one; rank 0 prints and exports; MFU counts the
     global tokens against world x the peak."""
-    from colossal_lab import checkpoint, distributed
-    from colossal_lab import data as data_mod
+    from colossal_lab.parallel import distributed
     from colossal_lab.switches import checkpointing
     from colossal_lab.switches.resolved import backends_in_use
+    from colossal_lab.training import checkpoint
+    from colossal_lab.training import data as data_mod
 
     switches = switches or Switches()
     env = distributed.env()
@@ -353,7 +359,7 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
 
     torch.manual_seed(seed)  # every rank builds the same weights
     model = apply_switches(build_model(cfg, device), switches)  # DDP: the wrapper
-    from colossal_lab.switches import data_parallel
+    from colossal_lab.parallel import data_parallel
 
     inner = data_parallel.unwrap(model)
     opt = make_optimizer(inner, lr)
@@ -393,7 +399,7 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
         attention_backend=backends_in_use(inner)["attention_backend"])
     timing.reset_peak_memory()
 
-    from colossal_lab.progress import Progress
+    from colossal_lab.measure.progress import Progress
 
     stats = None
     t_start = time.perf_counter()
@@ -435,7 +441,7 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
         inner.to_hf().save_pretrained(export_hf)
     return TrainResult(losses, val, stats, timing.peak_memory_gib(),
                        time.perf_counter() - t_start, type(opt).__name__,
-                       precision_mod.moments_of(opt))
+                       moments_of(opt))
 
 
 @torch.no_grad()

@@ -87,10 +87,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from colossal_lab.pipeline import schedules as sch
-from colossal_lab.pipeline.schedules import Action, Schedule
-from colossal_lab.pipeline.validate import validate
-from colossal_lab.switches import autocast_state
+from colossal_lab.ops import autocast_state
+from colossal_lab.parallel.pipeline import schedules as sch
+from colossal_lab.parallel.pipeline.schedules import Action, Schedule
+from colossal_lab.parallel.pipeline.validate import validate
 
 # ----------------------------------------------------------- the weight-gradient store
 
@@ -236,7 +236,7 @@ class _Posted:
 
     def wait(self) -> None:
         if self.works is not None:
-            from colossal_lab import distributed
+            from colossal_lab.parallel import distributed
 
             with distributed.collective("pipeline point-to-point"):
                 for w in self.works:
@@ -264,7 +264,8 @@ class PipelineRuntime:
         if p > 1:
             if not dist.is_initialized():
                 raise RuntimeError(f"a {p}-rank pipeline needs torch.distributed: launch "
-                                   "with torchrun and call colossal_lab.distributed.init()")
+                                   "with torchrun and call "
+                                   "colossal_lab.parallel.distributed.init()")
             size = dist.get_world_size(group)
             if size != p:
                 raise ValueError(f"the schedule has {p} ranks but the pipeline group has "
@@ -305,7 +306,7 @@ class PipelineRuntime:
         of a machine on Linux: the ranks' traces line up)."""
         if p > 1:  # every rank of the group talks once before the first batched p2p
             # (NCCL creates its communicator lazily on the first call of the group)
-            from colossal_lab import distributed
+            from colossal_lab.parallel import distributed
 
             with distributed.collective("pipeline group warm-up"):
                 dist.all_reduce(torch.zeros(1, device=self._comm_device()), group=group)
@@ -322,7 +323,7 @@ class PipelineRuntime:
         the schedule's m micro-batches along B. Gradients are added to this rank's
         parameters' ``.grad``; returns the loss, the mean over the micro-batches of
         their mean cross-entropy, on every rank of the pipeline."""
-        from colossal_lab.switches import precision as precision_mod
+        from colossal_lab import precision as precision_mod
 
         m = self.schedule.num_microbatches
         if input_ids.shape != labels.shape or input_ids.dim() != 2:
@@ -386,7 +387,7 @@ class PipelineRuntime:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.schedule.num_ranks > 1:
-            from colossal_lab import distributed
+            from colossal_lab.parallel import distributed
 
             t = loss.to(self._comm_device())
             with distributed.collective("pipeline loss broadcast"):
@@ -407,7 +408,7 @@ class PipelineRuntime:
         return x.requires_grad_()  # a leaf: B reads its .grad
 
     def _forward(self, a: Action) -> None:
-        from colossal_lab.switches import precision as precision_mod
+        from colossal_lab import precision as precision_mod
 
         mb, s = a.mb, a.stage
         stage, last = self.stages[s], self.schedule.num_stages - 1
@@ -472,7 +473,7 @@ class PipelineRuntime:
                 ops.append(dist.P2POp(dist.irecv, t, self.peers[peer], self.group))
                 recvs.append(((kind, a.mb, a.stage), t))
             tensors.append(t)
-        from colossal_lab import distributed
+        from colossal_lab.parallel import distributed
 
         with distributed.collective("pipeline point-to-point"):
             works = dist.batch_isend_irecv(ops)

@@ -29,12 +29,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from colossal_lab.pipeline import schedules as sch
-from colossal_lab.pipeline.schedules import B, F, Schedule, ScheduleError, W
-from colossal_lab.pipeline.validate import check_dependencies, peak_activations
+from colossal_lab.parallel.pipeline import schedules as sch
+from colossal_lab.parallel.pipeline.schedules import B, F, Schedule, ScheduleError, W
+from colossal_lab.parallel.pipeline.validate import check_dependencies, peak_activations
 
 KIND_COLOURS = {F: "#3b6ea8", B: "#e08a2c", W: "#4c9a5b"}
-"""F blue, B orange, W green (the blue and orange of `colossal_lab.plot`)."""
+"""F blue, B orange, W green (the blue and orange of `colossal_lab.book.plot`)."""
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ def plot_bubbles(p: int = 4, ms: Sequence[int] = range(4, 33), f: float = 1.0,
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    from colossal_lab.plot import GREY
+    from colossal_lab.palette import GREY
 
     rows = bubble_table(p, ms, f, b, w, comm)
     if ax is None:

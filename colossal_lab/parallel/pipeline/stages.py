@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from colossal_lab.switches import loss as loss_switch
+from colossal_lab.ops import cross_entropy as loss_switch
 
 
 class StageError(ValueError):
@@ -134,7 +134,7 @@ class Stage(nn.Module):
             return x  # (b, S, d) or (b, S/t, d): the activation sent to the next stage
         hidden = self.norm(x)
         if self.tp is not None:
-            from colossal_lab.switches.tensor_parallel import head_and_loss
+            from colossal_lab.parallel.tensor_parallel import head_and_loss
 
             return head_and_loss(self.tp, self.lm_head, hidden, labels)
         if labels is not None and self.loss_backend:

@@ -1,0 +1,2 @@
+"""The book's helpers, kept apart from the library's core: showing source and tables in
+notebooks, figures, cross-links, references and the results-integrity check."""

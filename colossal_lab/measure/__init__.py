@@ -1,0 +1,2 @@
+"""Measuring: timing, FLOP accounting and MFU, the hardware's peaks and ceilings,
+telemetry, profiles, comparisons and the results files with their provenance."""
