@@ -4,5 +4,6 @@
 as plain lists of actions, `validate` checks one (every F, B and W exactly once,
 dependencies, no deadlock under blocking point-to-point, peak live activations) and
 `simulate` times it from per-action costs (timeline, bubble, makespan, Gantt plots and
-the explorer). Nothing here needs torch or a GPU.
+the explorer); `sim_rows` turns a measurement's recorded per-layer costs into the
+simulated rows of a results file. Nothing here needs torch or a GPU.
 """
