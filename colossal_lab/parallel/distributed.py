@@ -71,6 +71,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+from colossal_lab.measure.progress import Progress
 
 DEFAULT_TIMEOUT_S = 600.0
 """Collective timeout of `init()` (NCCL's own default, 10 minutes): long enough for a
@@ -234,8 +238,6 @@ def make_mesh(dp: int | None = None, tp: int = 1, pp: int = 1,
     """A `DeviceMesh` over every rank with dims ``("pp", "dp", "tp")`` (`MESH_DIMS`;
     tp fastest-varying, so a tp group is consecutive ranks on one node). `dp=None`
     takes what tp and pp leave. dp·tp·pp must be the world size."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     world = world_size()
     for name, value in (("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -283,8 +285,6 @@ def rank0_print(*args, **kw) -> None:
 def progress(*args, enabled: bool = True, **kw):
     """A `colossal_lab.measure.progress.Progress` bar drawn by rank 0 only (the others count
     silently): N bars redrawing on one terminal would be unreadable."""
-    from colossal_lab.measure.progress import Progress
-
     return Progress(*args, enabled=enabled and is_main(), **kw)
 
 
@@ -457,8 +457,6 @@ def spawn(fn, nprocs: int, *args, timeout_s: float = 120.0,
     the rank that failed first (a rank whose own error is not a `RankFailure`, i.e. not
     merely a consequence) with its traceback, or, when every error is a `RankFailure`,
     the ranks that stopped responding. Nothing outlives `timeout_s`."""
-    import torch.multiprocessing as mp
-
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r} must be a whole number >= 1")
     ctx = mp.get_context("spawn")

@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from colossal_lab.parallel import distributed, tensor_parallel
+
 
 def _tp_state(model):
     """Switch 5's state of `model` or of its pipeline stages (None without TP)."""
-    from colossal_lab.parallel import tensor_parallel
-
     tp = tensor_parallel.of(model)
     if tp is None and hasattr(model, "stages"):  # a PipelineModel: its stages know
         tp = next((st.tp for st in model.stages.values() if getattr(st, "tp", None)),
@@ -84,8 +84,6 @@ def total_norm(model) -> torch.Tensor:
     device), the same on every rank: this rank's share of Σ g² (`_weighted`),
     all-reduced over the tp group and the pp group. A collective: every rank of both
     groups must call it, after the backward (and after data parallelism's reduction)."""
-    from colossal_lab.parallel import distributed
-
     tp = _tp_state(model)
     parts = _weighted(model, tp)
     device = next(model.parameters()).device

@@ -65,6 +65,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from colossal_lab.palette import BLUE, GREY, ORANGE
+from colossal_lab.parallel.grad_sync import assign_buckets
+
 # ----------------------------------------------------------------------- the links
 
 
@@ -148,8 +151,6 @@ def make_buckets(grads: Sequence[Grad], bucket_elems: int, *, order="ready",
     as `data_parallel.assign_buckets` makes them, walking `order`: "ready" (the
     measured order: the overlapped reducer's buckets after its first step),
     "registration" (reverse registration: its buckets before), or a list of indices."""
-    from colossal_lab.parallel.data_parallel import assign_buckets
-
     if isinstance(order, str):
         if order not in ("ready", "registration"):
             raise ValueError(f"order={order!r}; choose 'ready', 'registration' or a list "
@@ -271,8 +272,6 @@ def plot_timeline(result: Overlap, grads: Sequence[Grad], *, title: str | None =
     backward's end shaded. Returns the figure."""
     import matplotlib.pyplot as plt
 
-    from colossal_lab.palette import BLUE, GREY, ORANGE
-
     if fig is None:
         fig = plt.figure(figsize=(9, 4.2))
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
@@ -339,8 +338,6 @@ def plot_exposed(rows: Sequence[dict], *, dtype: str = "bf16",
     when a value is 0, drawn at 0). Returns the figure."""
     import matplotlib.pyplot as plt
     import matplotlib.ticker as ticker
-
-    from colossal_lab.palette import BLUE, GREY, ORANGE
 
     rows = [r for r in rows if r.get("kind") == "model" and r["dtype"] == dtype
             and r.get("order") in (order, None)]  # None: the flat bucket, any order

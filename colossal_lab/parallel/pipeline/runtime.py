@@ -87,7 +87,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from colossal_lab import precision as precision_mod
 from colossal_lab.ops import autocast_state
+from colossal_lab.parallel import distributed
 from colossal_lab.parallel.pipeline import schedules as sch
 from colossal_lab.parallel.pipeline.schedules import Action, Schedule
 from colossal_lab.parallel.pipeline.validate import validate
@@ -236,8 +238,6 @@ class _Posted:
 
     def wait(self) -> None:
         if self.works is not None:
-            from colossal_lab.parallel import distributed
-
             with distributed.collective("pipeline point-to-point"):
                 for w in self.works:
                     w.wait()
@@ -306,8 +306,6 @@ class PipelineRuntime:
         of a machine on Linux: the ranks' traces line up)."""
         if p > 1:  # every rank of the group talks once before the first batched p2p
             # (NCCL creates its communicator lazily on the first call of the group)
-            from colossal_lab.parallel import distributed
-
             with distributed.collective("pipeline group warm-up"):
                 dist.all_reduce(torch.zeros(1, device=self._comm_device()), group=group)
 
@@ -323,8 +321,6 @@ class PipelineRuntime:
         the schedule's m micro-batches along B. Gradients are added to this rank's
         parameters' ``.grad``; returns the loss, the mean over the micro-batches of
         their mean cross-entropy, on every rank of the pipeline."""
-        from colossal_lab import precision as precision_mod
-
         m = self.schedule.num_microbatches
         if input_ids.shape != labels.shape or input_ids.dim() != 2:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels "
@@ -387,8 +383,6 @@ class PipelineRuntime:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.schedule.num_ranks > 1:
-            from colossal_lab.parallel import distributed
-
             t = loss.to(self._comm_device())
             with distributed.collective("pipeline loss broadcast"):
                 dist.broadcast(t, src=self.peers[owner], group=self.group)
@@ -408,8 +402,6 @@ class PipelineRuntime:
         return x.requires_grad_()  # a leaf: B reads its .grad
 
     def _forward(self, a: Action) -> None:
-        from colossal_lab import precision as precision_mod
-
         mb, s = a.mb, a.stage
         stage, last = self.stages[s], self.schedule.num_stages - 1
         x = self._input(mb, s)
@@ -473,8 +465,6 @@ class PipelineRuntime:
                 ops.append(dist.P2POp(dist.irecv, t, self.peers[peer], self.group))
                 recvs.append(((kind, a.mb, a.stage), t))
             tensors.append(t)
-        from colossal_lab.parallel import distributed
-
         with distributed.collective("pipeline point-to-point"):
             works = dist.batch_isend_irecv(ops)
         posted = _Posted(list(works or []), tensors)

@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from colossal_lab.ops import cross_entropy as loss_switch
+from colossal_lab.parallel.tensor_parallel import head_and_loss
 
 
 class StageError(ValueError):
@@ -134,8 +135,6 @@ class Stage(nn.Module):
             return x  # (b, S, d) or (b, S/t, d): the activation sent to the next stage
         hidden = self.norm(x)
         if self.tp is not None:
-            from colossal_lab.parallel.tensor_parallel import head_and_loss
-
             return head_and_loss(self.tp, self.lm_head, hidden, labels)
         if labels is not None and self.loss_backend:
             return loss_switch.fused_linear_cross_entropy(
