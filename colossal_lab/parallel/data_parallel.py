@@ -136,21 +136,16 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def apply(model: torch.nn.Module, value, mesh=None, *,
           bucket_elems: int = DEFAULT_BUCKET_ELEMS, reduce_dtype: torch.dtype | None = None,
           first_bucket_elems: int | None = None) -> torch.nn.Module:
-    """Switch 8 on `model`: attach the gradient reduction `value` picks (`resolve`) over
-    the mesh's "dp" group (`mesh=None`: every rank of the world) as ``model.grad_sync``
-    (a `GradSync`: `finish()`, `no_sync()`; `of(model)` finds it), and return the
-    model to call in the step: `model` itself, or for "ddp" the
-    `DistributedDataParallel` wrapping it (its forward prepares DDP's reducer; `unwrap`
-    gives back `model`, which keeps the parameters, ``switches`` and ``grad_sync``).
+    """Switch 8 on `model`: attach the reduction `value` picks (`resolve`) over the
+    mesh's "dp" group (`mesh=None`: the world) as ``model.grad_sync`` (`of(model)` finds
+    it), and return the model to call: `model`, or for "ddp" the
+    `DistributedDataParallel` wrapping it (`unwrap` gives `model` back).
 
-    Apply it last, after every other switch (they replace parameters and modules that
-    the reduction hooks or wraps), and build the optimizer afterwards (FSDP2 replaces
-    the parameters by sharded ones). Applying again detaches the previous hooks.
-    "naive", "overlap" and "fsdp2" first broadcast rank 0's parameters (DDP does it
-    itself). `bucket_elems` sizes the buckets of "overlap" and, in bytes of the
-    gradient dtype, DDP's `bucket_cap_mb`; `reduce_dtype` (torch.bfloat16) reduces in
-    that dtype ("fsdp2": `MixedPrecisionPolicy(reduce_dtype=...)`, "ddp": a
-    communication hook, `_reduce_in_dtype`)."""
+    Apply it last (the other switches replace what the reduction hooks or wraps) and
+    build the optimizer afterwards (FSDP2 shards the parameters); applying again
+    detaches the previous hooks. Every backend starts from rank 0's parameters.
+    `bucket_elems` sizes the buckets of "overlap" and, in bytes of the gradient dtype,
+    DDP's; `reduce_dtype` (torch.bfloat16) reduces in that dtype."""
     if isinstance(of(model), DDPSync):  # applied again: the plain model, unwrapped
         model = unwrap(model)
     inner = unwrap(model)

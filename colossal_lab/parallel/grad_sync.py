@@ -1,35 +1,25 @@
 """The gradient reducers of data parallelism: the `GradSync` handles and their buckets.
 
-A training step asks two things of a `GradSync`: `no_sync()` around every micro-batch's
-backward but the last, and `finish()` after the last backward, before clipping and the
-optimizer. `NaiveAllReduce` does all its work in `finish()`; `OverlappedAllReduce`
-starts during the backward:
+A step calls `no_sync()` around every micro-batch's backward but the last and `finish()`
+after the last, before clipping. `NaiveAllReduce` does all its work in `finish()`;
+`OverlappedAllReduce` starts during the backward:
 
-* **Buckets.** Parameters are grouped into flat buffers of at most `bucket_elems`
-  elements (`assign_buckets`), in reverse registration order: the order the backward
-  produces them, lm_head first. A post-accumulate-grad hook marks a parameter ready; when
-  a bucket's last parameter is ready its all-reduce is launched (``async_op=True``; on
-  CUDA from a side stream) and the backward goes on. With t_1 the time the first bucket
-  fills, the step is about T_fwd + max(T_bwd + T_comm(last bucket), t_1 + T_comm).
-* **Bucket size** trades overlap against per-call cost: one huge bucket starts only at
-  the end of the backward; tiny buckets pay 2·(W−1) latencies each. ColossalAI reduces
-  12M-element buckets, DDP 25 MB ones behind a small first bucket (1 MB) that starts the
-  communication early: `first_bucket_elems`.
+* **Buckets.** Flat buffers of at most `bucket_elems` elements (`assign_buckets`) in
+  reverse registration order, the order the backward produces gradients. A
+  post-accumulate-grad hook marks a parameter ready; a bucket's all-reduce starts
+  (``async_op=True``, on CUDA from a side stream) when its last parameter is ready. One
+  huge bucket starts only after the backward; tiny ones pay 2·(W−1) latencies each.
+  DDP puts a small first bucket before its 25 MB ones (`first_bucket_elems`) so that
+  communication starts early.
 * **Order.** Every rank must issue collectives in the same order (gloo and NCCL match
-  them by order: a mismatch hangs or mixes buffers), so buckets launch strictly in
-  bucket order. Reverse registration is only a guess at the backward's order: after the
-  first backward the buckets are rebuilt in the order the gradients became ready, rank
-  0's order broadcast to all (DDP's bucket rebuild).
-* **no_sync.** The hooks record but launch nothing; the next backward outside launches
-  every bucket: one reduction for m micro-batches.
+  them by order), so buckets launch strictly in bucket order. After the first backward
+  they are rebuilt in the order the gradients became ready, rank 0's order for all.
 * **Gradients as bucket views** (DDP's ``gradient_as_bucket_view``) when the reduction
-  dtype is the gradient's: a fresh gradient is copied into its slot once and
-  ``param.grad`` re-pointed at it, later micro-batches accumulate into the buffer, and
-  the mean needs no copy back. With ``reduce_dtype=torch.bfloat16`` the buffer holds a
-  cast copy, reduced in half the bytes and cast back at `finish()`.
+  dtype is the gradient's: no copy back. With ``reduce_dtype=torch.bfloat16`` the
+  buffer holds a cast copy, half the bytes, cast back at `finish()`.
 * **Averaging.** Each buffer is divided by W *before* a SUM all-reduce (gloo has no AVG;
-  a fp16 sum of W unscaled gradients could overflow), as DDP's default hook does. A
-  parameter without a gradient on a rank counts as zero there.
+  a fp16 sum of W unscaled gradients could overflow). A parameter without a gradient on
+  a rank counts as zero there.
 """
 
 from __future__ import annotations

@@ -1,42 +1,28 @@
 """Switch 5: tensor parallelism, and sequence parallelism inside it, applied to a plain model.
 
-`apply` shards our `model.LlamaForCausalLM` over the mesh's "tp" dim in one of `MODES`,
-which the two `Switches` fields pick (`resolve_mode`): `enable_sequence_parallelism`
-and `sequence_parallelism_mode`.
-
 **Tensor parallelism** (Megatron-LM), t ranks. The attention's q/k/v projection is
-*column*-parallel (rank r holds the rows of its heads: its output features), the output
-projection *row*-parallel (the matching input columns); so is the MLP (gate/up column,
-down row). Between them every op is per head or per feature, so a block needs one
-all-reduce of its (B, S, d) output forward (g) and one of its input's gradient backward
-(f): four per layer and step.
+*column*-parallel (rank r holds the rows of its heads), the output projection
+*row*-parallel (the matching input columns); so is the MLP (gate/up column, down row).
+Every op between them is per head or per feature, so a block needs one all-reduce of its
+(B, S, d) output forward (g) and one of its input's gradient backward (f).
 
 **Sequence parallelism** (Korthikanti et al.; ColossalAI's "split_gather"). An
-all-reduce of n bytes is a reduce-scatter followed by an all-gather, each moving
-(t−1)/t · n bytes per rank. Split it at the block boundary: reduce-scatter the
-row-parallel output along the sequence, run the residual add and the norm on the
-(B, S/t, d) shard, all-gather right before the next column-parallel linear. The same
-bytes as plain TP, and every activation outside the blocks is 1/t of what plain TP
-replicates. The norms' weight gradients are partial (each rank saw S/t tokens), so they
-are all-reduced over the TP group. The seed's "chunked sequence all-reduce" is the
-"ring" mode: all-gather and reduce-scatter cut into t point-to-point steps, each
-overlapped with the GEMM of the shard that has already arrived.
+all-reduce is a reduce-scatter followed by an all-gather, each moving (t−1)/t · n bytes
+per rank. Split it at the block boundary: reduce-scatter the row-parallel output along
+the sequence, run the residual add and the norm on the (B, S/t, d) shard, all-gather
+right before the next column-parallel linear. The same bytes, and every activation
+outside the blocks is 1/t of plain TP's; the norms' weight gradients (each rank saw S/t
+tokens) are all-reduced over the group. The seed's "chunked sequence all-reduce" is the
+"ring" mode: the all-gather and the reduce-scatter cut into t point-to-point steps, each
+overlapped with the GEMM of the shard that has arrived.
 
-**The modes.** "all_reduce": plain TP. "split_gather": Megatron's sequence parallelism
-with its two backward overlaps; the column linear keeps only its input *shard* for the
-backward. "ring": the chunked overlap (`tp_ops.RingGatherLinear`). "dtensor": the peer,
-torch's `ColwiseParallel` / `RowwiseParallel` / `SequenceParallel` plan (`tp_dtensor`).
-"symm_mem": PyTorch's async TP on symmetric memory (CUDA + NCCL; elsewhere "ring", the
-same algorithm in our code).
-
-**What `apply` builds.** The projections of one input become *one* column-parallel GEMM
-(`qkv_proj` = [q_r; k_r; v_r], `gate_up_proj` = [gate_r; up_r], whatever switch 3 says):
-separate GEMMs would each gather their input again (ColossalAI's LLaMA policy gathers
-five times per layer). GQA's key/value heads are sharded when t divides them and
-replicated when t is a multiple of them (`tp_shards`). The embedding and the head are
-split by vocabulary rows, and the loss is the vocabulary-parallel cross-entropy: no rank
-holds a full row of logits. A rank's state dict holds its shards under Hugging Face's
-names; `full_tensor` gathers one back.
+`apply` builds one of `MODES` (`resolve_mode` maps the two `Switches` fields). The
+projections of one input become *one* column-parallel GEMM (`qkv_proj` = [q_r; k_r; v_r],
+`gate_up_proj` = [gate_r; up_r]): separate GEMMs would each gather their input again, as
+ColossalAI's LLaMA policy does five times per layer. Key/value heads are sharded when t
+divides them and replicated when t is a multiple of them (`tp_shards`); the embedding and
+the head are split by vocabulary rows, and the loss is the vocabulary-parallel
+cross-entropy: no rank holds a full row of logits. `full_tensor` gathers a shard back.
 
 References: M. Shoeybi et al., *Megatron-LM*, arXiv:1909.08053, 2019; V. Korthikanti
 et al., *Reducing Activation Recomputation in Large Transformer Models*,
@@ -76,7 +62,9 @@ from colossal_lab.parallel.tp_shards import (
 )
 
 MODES = ("all_reduce", "split_gather", "ring", "dtensor", "symm_mem")
-"""What `apply` builds; every mode but "all_reduce" is sequence parallel."""
+"""What `apply` builds: plain TP; Megatron's sequence parallelism with its two backward
+overlaps; the chunked ring (`tp_ops.RingGatherLinear`); torch's DTensor plan, the peer
+(`tp_dtensor`); PyTorch's async TP on symmetric memory (CUDA + NCCL, else "ring")."""
 
 CONTEXT_PARALLEL = ("all_to_all", "ring_attn")
 """ColossalAI's other two `sequence_parallelism_mode`s: they split the *attention* over

@@ -1,38 +1,29 @@
 """The linears of tensor and sequence parallelism, as autograd functions (switch 5).
 
-Weights are `nn.Linear`'s (out, in); a rank holds a block of rows (column-parallel: its
-output features) or of columns (row-parallel: its input features). One autograd function
-per placement of the communication (`tp_collectives` has the collectives themselves):
+A rank holds a block of rows of an (out, in) weight (column-parallel: its output
+features) or of columns (row-parallel: its input features). One autograd function per
+placement of the communication (the collectives are in `tp_collectives`):
 
-- `LinearAllReduceBackward`, plain TP's column-parallel linear: the backward starts the
-  all-reduce of dX asynchronously and computes dW = dYᵀX while it runs (Megatron's
-  ``async_tensor_model_parallel_allreduce``).
-- `GatherLinear` / `LinearReduceScatter` ("split_gather"): the column linear all-gathers
-  its input and keeps only its *shard* for the backward, where it re-gathers it while
-  computing dX = dY·W, then reduce-scatters dX while computing dW = dYᵀX (Megatron's two
-  backward overlaps). The row linear reduce-scatters its output; its backward
-  all-gathers dY before both GEMMs.
+- `LinearAllReduceBackward` (plain TP, column): the backward all-reduces dX
+  asynchronously while it computes dW = dYᵀX (Megatron's async all-reduce).
+- `GatherLinear` / `LinearReduceScatter` ("split_gather"): the column linear keeps only
+  its input *shard*; its backward re-gathers it while computing dX = dY·W, then
+  reduce-scatters dX while computing dW (Megatron's two backward overlaps).
 - `RingGatherLinear` / `RingLinearReduceScatter` ("ring"): the collective cut into t
-  point-to-point steps around the ring, each step's GEMM on the shard that has arrived
-  while the next one travels (Wang et al. 2023; torch's async TP). GEMM +
-  reduce-scatter: at step s rank r computes the partial of chunk c = (r + s + 1) mod t,
-  adds what rank r + 1 sent and sends the sum to rank r − 1; after t steps it holds the
-  full sum of chunk r. The backward of each is the other.
-- `SymmMemGatherLinear` / `SymmMemLinearReduceScatter` ("symm_mem"): the same two fused
-  collectives from PyTorch's symmetric memory (CUDA and NCCL only).
+  point-to-point steps, each step's GEMM on the shard that has arrived while the next
+  one travels (Wang et al. 2023). For GEMM + reduce-scatter, at step s rank r computes
+  the partial of chunk c = (r + s + 1) mod t, adds what rank r + 1 sent and passes the
+  sum to rank r − 1; after t steps it holds the full sum of chunk r.
+- `SymmMemGatherLinear` / `SymmMemLinearReduceScatter` ("symm_mem"): the same fused
+  collectives from PyTorch's symmetric memory (CUDA and NCCL).
 
-**Overlap.** NCCL runs every collective, send and receive on its own CUDA stream;
-``async_op=True`` returns at once and ``work.wait()`` makes the *compute* stream wait,
-not the host, so a GEMM issued between the launch and the wait runs while the bytes
-move. On the CPU (gloo) the same calls run the same math.
+NCCL runs communication on its own stream: ``work.wait()`` makes the compute stream
+wait, not the host, so a GEMM issued between launch and wait overlaps the transfer. In a
+zero-bubble pipeline each backward's weight-gradient half (its GEMM and the
+communication only it needs) is filed for the schedule's W (`deferral`).
 
-**In a zero-bubble pipeline** (switch 7 on a pp × tp mesh) each backward is cut in two:
-B computes and communicates dX; the weight-gradient half (its GEMM and the communication
-only it needs: the re-gather of x, the ring's second pass) is filed with the stage's
-store and runs in the schedule's W (`deferral`).
-
-Shapes in comments: B batch, S sequence, s = S/t a shard, k and n a linear's input and
-(local) output width. The vocabulary-parallel cross-entropy closes the module.
+Shapes: B batch, S sequence, s = S/t a shard, k and n a linear's input and (local)
+output width.
 """
 
 from __future__ import annotations

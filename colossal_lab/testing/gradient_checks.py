@@ -151,19 +151,13 @@ def data_parallel_gradient_check(backend, *, cfg=None, global_batch: int | None 
     every rank of a group: ``distributed.spawn(data_parallel_gradient_check, 2,
     "overlap")``.
 
-    Every rank builds the same plain fp32 model (`cfg`, default `config.tiny()`) and a
-    copy of it as the reference; the reference computes the gradient of the global
-    batch's mean loss, the data-parallel model that of this rank's 1/W shard (in
-    `micro_batches` slices, all but the last under `no_sync`), then `finish()`. Over
-    `steps` steps (the second after the buckets are rebuilt), on new data each step,
-    with no optimizer step, so that both keep the same weights.
-
-    Per parameter the rules above: fp32 within ``atol + rtol · max|g_ref|``; a
-    low-precision `reduce_dtype` within twice the error of the same mean computed in
-    that dtype (each shard's gradient / W rounded, summed in that dtype) plus `atol`.
-    The all-reduce does not fix the order of the additions (a ring adds each chunk in
-    another order) and each order rounds differently, so that error is the largest over
-    the orders it may use.
+    The reference computes the gradient of the global batch's mean loss, the
+    data-parallel model that of this rank's 1/W shard (in `micro_batches` slices, all
+    but the last under `no_sync`), then `finish()`; over `steps` steps (the second after
+    the buckets are rebuilt), new data each step, no optimizer step. A low-precision
+    `reduce_dtype`'s reference error is the largest over the summation orders the
+    all-reduce may use (a ring adds each chunk in another order, each rounding
+    differently).
 
     Returns this rank's verdict: {"ok", "worst" (parameter), "err", "bound",
     "err_lowp", "backend", "buckets", "ready_order", "bucket_order"}. Keywords go

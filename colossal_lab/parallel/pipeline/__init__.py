@@ -1,8 +1,8 @@
-"""Switch 7, pipeline parallelism: schedules as data, a validator and a simulator.
+"""Switch 7, pipeline parallelism: schedules as data, checked, simulated and run.
 
-`schedules` builds the per-rank programs (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V)
-as plain lists of actions, `validate` checks one (every F, B and W exactly once,
+`schedules` builds the per-rank programs (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V) as
+plain lists of actions, `validate` checks one (every F, B and W exactly once,
 dependencies, no deadlock under blocking point-to-point, peak live activations) and
-`simulate` times it from per-action costs (timeline, bubble, makespan, Gantt plots and
-the explorer). Nothing here needs torch or a GPU.
+`simulate` times it from per-action costs: none of them needs torch. `stages` cuts the
+model into stages and `runtime` runs a schedule on them over `torch.distributed`.
 """
