@@ -120,7 +120,7 @@ def ready_order(grads: Sequence[Grad]) -> list[int]:
 def make_buckets(grads: Sequence[Grad], bucket_elems: int, *, order="ready",
                  first_bucket_elems: int | None = None) -> list[list[int]]:
     """Buckets of at most `bucket_elems` elements (`first_bucket_elems` for the first),
-    as `data_parallel.assign_buckets` makes them, walking `order`: "ready" (the
+    as `grad_sync.assign_buckets` makes them, walking `order`: "ready" (the
     measured order: the overlapped reducer's buckets after its first step),
     "registration" (reverse registration: its buckets before), or a list of indices."""
     if isinstance(order, str):
@@ -200,11 +200,8 @@ def simulate(grads: Sequence[Grad], buckets: Sequence[Sequence[int]], *, link: L
              world: int, bytes_per_elem: float, backward_ms: float | None = None
              ) -> Overlap:
     """One communication stream all-reducing `buckets` (lists of indices into `grads`,
-    in launch order) while the backward runs: bucket b starts at
-    ``max(its last gradient ready, bucket b-1 ended)`` and takes
-    `allreduce_ms(elements · bytes_per_elem, world, link)`. `backward_ms` (default: the
-    last gradient's ready time) is when the backward ends. See the module docstring for
-    the assumptions."""
+    in launch order) while the backward runs, by the module docstring's recurrence;
+    `backward_ms` (default: the last gradient's ready time) is when the backward ends."""
     _check(grads, world, bytes_per_elem)
     seen = sorted(i for b in buckets for i in b)
     if seen != list(range(len(grads))):
