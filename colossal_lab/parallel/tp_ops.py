@@ -66,12 +66,9 @@ def deferral(module, x: torch.Tensor):
     pipeline's W (`pipeline.runtime.defer_weight_grads` set ``module.wgrad_store`` and a
     step's forward runs now), else None: then the linear computes dW in its backward.
 
-    With a store, the linear is called with its weight *detached* (no autograd edge: the
-    weight's hooks fire when W adds the gradient, not in B), and each autograd function
-    below files its weight-gradient half with the store: the same GEMMs and the same
-    communication, moved to W. Every rank of a tensor-parallel group runs the same
-    program, so a W that gathers (split_gather's re-gather of x, the ring's) meets its
-    peers there."""
+    With a store the weight comes *detached* (its hooks fire when W adds the gradient,
+    not in B), and the autograd function files its weight-gradient half, communication
+    included; the ranks of a tp group run the same program and meet in W."""
     store = getattr(module, "wgrad_store", None)
     if store is None or store.key is None or not x.requires_grad \
             or not module.weight.requires_grad:
