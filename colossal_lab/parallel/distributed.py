@@ -1,59 +1,28 @@
-"""Several processes on `torch.distributed`: start them, give them a device mesh, log from
-them, and stop them all when one fails.
+"""Several processes on `torch.distributed`: start them, give them a mesh, stop them on failure.
 
-**Launch.** One process per GPU, started by `torchrun`, which sets ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` for each; every
-process calls `init()` first::
+**Launch.** One process per GPU, started by `torchrun` (it sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``); each calls `init()` first::
 
     torchrun --nproc-per-node 8 -m colossal_lab train --preset llama-7b-8l ...
 
-Without ``WORLD_SIZE`` (a plain ``python -m colossal_lab train``) `init()` does nothing
-and the program is one process, world size 1: the same code runs both ways.
+Several nodes run the same line with a rendezvous (``--nnodes 4 --rdzv-id job42
+--rdzv-backend c10d --rdzv-endpoint node0:29500``; under SLURM one task per node, the
+allocation's first node the endpoint). Without ``WORLD_SIZE`` `init()` does nothing: one
+process, world size 1, the same code. It picks NCCL when CUDA is there and gloo
+otherwise: the CPU tests and the book's live checks run gloo processes (`spawn`).
 
-**Several nodes.** Run the same line on every node with a rendezvous: the processes find
-each other through a c10d store on one of them (any host:port all nodes can reach)::
+**The mesh.** `make_mesh(dp, tp, pp)` names the dims ``("pp", "dp", "tp")``, outermost
+first (torchtitan's order): consecutive ranks share a tp group, so tensor parallelism,
+which communicates inside every layer, stays on one node's NVLink; data parallelism,
+one reduction per step, comes next; pipeline stages, which only pass activations between
+neighbours, span the slowest links. Every dim exists, also of size 1.
 
-    torchrun --nnodes 4 --nproc-per-node 8 --rdzv-id job42 \\
-        --rdzv-backend c10d --rdzv-endpoint node0.cluster:29500 \\
-        -m colossal_lab train ...
-
-**SLURM.** One task per node; each runs torchrun, and the first node of the allocation
-is the rendezvous::
-
-    #SBATCH --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --cpus-per-task=64
-    head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-    srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 8 \\
-        --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head:29500" \\
-        -m colossal_lab train ...
-
-**NCCL or gloo.** NCCL runs the collectives of CUDA tensors on the GPUs (NVLink inside a
-node, InfiniBand/RoCE between nodes); gloo runs them on CPU tensors over TCP. `init()`
-picks NCCL when CUDA is there and gloo otherwise: the CPU tests and the book's live
-checks run several gloo processes on one machine (`spawn`).
-
-**The mesh.** `make_mesh(dp, tp, pp)` arranges the ranks in a `DeviceMesh` with the
-named dims ``("pp", "dp", "tp")``, outermost first, torchtitan's order (it has
-``pp, dp_replicate, dp_shard, cp, tp``): consecutive ranks share a tp group, so tensor
-parallelism, which communicates inside every layer, stays on one node's NVLink; data
-parallelism, one gradient reduction per step, comes next; pipeline stages, which only
-pass activations between neighbours, span the slowest links. Every dim exists, also of
-size 1, so ``mesh["tp"]`` works whatever the sizes.
-
-**When a rank fails.** A rank that raises must not leave the others waiting forever in
-their next collective. Three things make sure they end, with an error that says why:
-
-* every collective has a timeout (`init(timeout_s=...)`, on the process group): gloo
-  raises when one waits longer; NCCL's watchdog aborts the communicator and ends the
-  process (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default);
-* `guard()` around a rank's work: the failing rank prints ``[rank r/w] failed: ...``,
-  aborts its process group (so it waits for nothing on its way out) and exits non-zero,
-  which closes its connections: gloo peers fail at once, and torchrun stops the others;
-* a collective that fails on a surviving rank (`collective()`) becomes a `RankFailure`
-  naming the collective, the timeout and the backend's own message.
-
-`spawn(fn, nprocs, *args)` runs `fn` on N local processes (gloo, 127.0.0.1): the tests
-and the book use it. It returns each rank's result, or raises `SpawnError` naming the
-rank that failed first, within a deadline: stragglers are killed, never waited for.
+**When a rank fails** the others must not wait forever. Every collective has a timeout
+(`init(timeout_s=...)`); `guard()` around a rank's work prints ``[rank r/w] failed:
+...``, aborts the process group and exits non-zero, which makes its peers fail at once;
+a collective that fails on a surviving rank (`collective()`) becomes a `RankFailure`
+naming it. `spawn` runs a function on N local processes and raises `SpawnError` naming
+the rank that failed first, within a deadline: stragglers are killed, never waited for.
 """
 
 from __future__ import annotations
@@ -71,6 +40,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+from colossal_lab.measure.progress import Progress
 
 DEFAULT_TIMEOUT_S = 600.0
 """Collective timeout of `init()` (NCCL's own default, 10 minutes): long enough for a
@@ -234,8 +207,6 @@ def make_mesh(dp: int | None = None, tp: int = 1, pp: int = 1,
     """A `DeviceMesh` over every rank with dims ``("pp", "dp", "tp")`` (`MESH_DIMS`;
     tp fastest-varying, so a tp group is consecutive ranks on one node). `dp=None`
     takes what tp and pp leave. dp·tp·pp must be the world size."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     world = world_size()
     for name, value in (("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -283,8 +254,6 @@ def rank0_print(*args, **kw) -> None:
 def progress(*args, enabled: bool = True, **kw):
     """A `colossal_lab.measure.progress.Progress` bar drawn by rank 0 only (the others count
     silently): N bars redrawing on one terminal would be unreadable."""
-    from colossal_lab.measure.progress import Progress
-
     return Progress(*args, enabled=enabled and is_main(), **kw)
 
 
@@ -443,22 +412,15 @@ def spawn(fn, nprocs: int, *args, timeout_s: float = 120.0,
           collective_timeout_s: float = 30.0, backend: str = "gloo",
           threads: int | None = 1, grace_s: float | None = None) -> list:
     """Run ``fn(*args)`` on `nprocs` new processes that form one process group
-    (`backend` on 127.0.0.1, a free port, each collective bounded by
-    `collective_timeout_s`), and return each rank's result, by rank.
+    (`backend` on 127.0.0.1, each collective bounded by `collective_timeout_s`) and
+    return each rank's result, by rank.
 
-    `fn` and `args` must be picklable (a module-level function: the processes are
-    started fresh, "spawn"; not one defined in a notebook), and so must its result; a
-    rank finds its place with `rank()` / `env()`. The processes are daemons (they end
-    with this one), so `fn` cannot start processes of its own. `threads` caps each
-    process's intra-op threads (N processes share this machine's cores).
-
-    If a rank raises, the others get `grace_s` (default: the collective timeout plus
-    2 s) to report, then every process still alive is killed, and `SpawnError` names
-    the rank that failed first (a rank whose own error is not a `RankFailure`, i.e. not
-    merely a consequence) with its traceback, or, when every error is a `RankFailure`,
-    the ranks that stopped responding. Nothing outlives `timeout_s`."""
-    import torch.multiprocessing as mp
-
+    `fn`, `args` and the result must pickle (`fn` a module-level function, not one
+    defined in a notebook). The processes are daemons, so `fn` cannot start processes of
+    its own; `threads` caps each one's intra-op threads. If a rank raises, the others get
+    `grace_s` (default: the collective timeout + 2 s) to report, then the survivors are
+    killed and `SpawnError` names the rank that failed first (whose error is not a mere
+    `RankFailure`) with its traceback. Nothing outlives `timeout_s`."""
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r} must be a whole number >= 1")
     ctx = mp.get_context("spawn")

@@ -1,24 +1,14 @@
 """The gradient norm of a model split over ranks, for clipping (`train.make_step`).
 
-Clipping scales every gradient by c = min(1, max_norm / ‖g‖), with ‖g‖ the 2-norm of
-the *whole* model's gradient. One process computes it over its parameters. Split, no
-rank holds the whole gradient:
-
-* **tensor parallelism** (switch 5): a sharded weight's gradient is 1/t of the full
-  one on each rank, so the squares add over the tp group; a replicated parameter (the
-  norms' scales, whose gradients the group already summed) holds the same gradient on
-  every rank and counts once (1/t on each); a key/value head replicated on several
-  ranks (t > Hkv) counts once for the rows it shares (`tensor_parallel.Shard`);
-* **pipeline parallelism** (switch 7): each stage's parameters live on one rank, so
-  the squares add over the pp group;
-* **data parallelism** (switch 8): after the reduction every rank holds the same mean
-  gradient; nothing to add.
-
-Clipping by each rank's own norm instead (what an optimizer's ``clip_grad_norm_`` over
-``model.parameters()`` does) gives each rank its own coefficient: a tensor-parallel
-group's replicas of one parameter then drift apart, and the model is no longer the
-one-process model. Megatron-LM and ColossalAI reduce the squares over the
-model-parallel groups the same way.
+Clipping scales every gradient by c = min(1, max_norm / ‖g‖), ‖g‖ the 2-norm of the
+*whole* model's gradient, which no rank holds once the model is split. Under tensor
+parallelism a sharded weight's squares add over the tp group, while a replicated
+parameter (the norms' scales) counts once, 1/t on each rank, and so does a key/value
+head replicated on several ranks (`tp_shards.Shard`). Under pipeline parallelism the
+squares add over the pp group. After data parallelism's reduction every rank holds the
+same gradient: nothing to add. Clipping by each rank's own norm would give the replicas
+of a parameter different coefficients, and they would drift apart; Megatron-LM and
+ColossalAI reduce the squares the same way.
 """
 
 from __future__ import annotations
@@ -26,11 +16,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from colossal_lab.parallel import distributed, tensor_parallel
+
 
 def _tp_state(model):
     """Switch 5's state of `model` or of its pipeline stages (None without TP)."""
-    from colossal_lab.parallel import tensor_parallel
-
     tp = tensor_parallel.of(model)
     if tp is None and hasattr(model, "stages"):  # a PipelineModel: its stages know
         tp = next((st.tp for st in model.stages.values() if getattr(st, "tp", None)),
@@ -84,8 +74,6 @@ def total_norm(model) -> torch.Tensor:
     device), the same on every rank: this rank's share of Σ g² (`_weighted`),
     all-reduced over the tp group and the pp group. A collective: every rank of both
     groups must call it, after the backward (and after data parallelism's reduction)."""
-    from colossal_lab.parallel import distributed
-
     tp = _tp_state(model)
     parts = _weighted(model, tp)
     device = next(model.parameters()).device

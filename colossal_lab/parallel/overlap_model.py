@@ -1,69 +1,44 @@
-"""How much gradient communication a data-parallel step leaves exposed: a model that
-turns one GPU's measured backward timeline into a prediction for any bucket size, link
-and number of ranks (switch 8, chapter 08).
+"""A model of the gradient communication a data-parallel step leaves exposed (switch 8).
 
-**What it takes.** The parameters' gradients, each with its size and the time it became
-final in the backward (`Grad`: measured from post-accumulate-grad hooks by
-`benchmarks.grad_overlap`), the backward's total time, and a bucket assignment
-(`make_buckets`: `data_parallel.assign_buckets`, the very function the overlapped
-reducer uses, walking the measured ready order as the reducer does after its first
-step, or the reverse registration order it starts from).
-
-**What it simulates** (`simulate`). One communication stream. Buckets go in bucket
-order; bucket b starts when its *last* gradient is ready and the stream is free:
+It turns one GPU's measured backward (`Grad`: each gradient's size and the time it became
+final, from `benchmarks.grad_overlap`) into a prediction for any bucket size, link and
+number of ranks. The buckets are the reducer's own (`make_buckets` calls
+`grad_sync.assign_buckets`). One communication stream runs them in bucket order; bucket
+b starts when its last gradient is ready and the stream is free:
 
     start_b = max(ready_b, end_{b-1}),   end_b = start_b + T(bytes_b)
 
-and the optimizer waits for the last one, so the communication *exposed* after the
-backward (what the step pays on top of one GPU's) is ``max(0, end_last - T_bwd)``.
-The naive reducer (`naive`: one flat bucket, launched after the backward) exposes all
-of it: ``T(all bytes)``.
-
-**Cost of one all-reduce** (`allreduce_ms`): a ring all-reduce of n bytes over W ranks
-sends and receives 2·(W−1)/W · n bytes through every GPU's link (reduce-scatter, then
-all-gather; bandwidth-optimal, Patarasuk & Yuan 2009), so
+and the communication *exposed* after the backward is ``max(0, end_last − T_bwd)``
+(`simulate`); the naive reducer, one flat bucket after the backward, exposes all of it
+(`naive`). A ring all-reduce of n bytes over W ranks moves 2·(W−1)/W · n bytes through
+every GPU's link (Patarasuk & Yuan), so (`allreduce_ms`)
 
     T(n) = α + 2·(W−1)/W · n / B
 
-with B the link's bandwidth per GPU and direction (what nccl-tests reports as "bus
-bandwidth") and α a fixed per-collective latency (launch and synchronisation; a ring
-pays 2·(W−1) hops, NCCL's tree and NVLS algorithms fewer, and α stands for all of
-that: 10 µs inside a node, 20 µs across the network, an assumption).
+with B the link's bus bandwidth per direction and α a fixed per-collective latency, an
+assumption of each `Link`.
 
-**Assumptions**, each optimistic or pessimistic as marked:
+**Assumptions.** One stream, in order, as `OverlappedAllReduce` and DDP issue them. No
+contention (optimistic: NCCL's kernels slow the real backward down). A bandwidth that
+does not depend on the message size (optimistic for small buckets). Lockstep ranks, no
+straggler. Free bookkeeping (the copies into the buckets, the division by W).
 
-1. *One stream, in order*, as `OverlappedAllReduce` and DDP issue them (collectives on
-   one communicator run one after another; every rank must issue them in one order).
-2. *No contention* (optimistic): communication does not slow the backward, nor the
-   backward communication. On a GPU, NCCL's kernels occupy SMs and memory bandwidth
-   while the backward runs, so the real backward gets slower with data parallelism;
-   the model charges nothing for it.
-3. *Ring cost with a constant bandwidth*: B does not depend on the message size. Real
-   links reach their bandwidth only for large messages (a few MiB and up), so small
-   buckets cost more than the model says (optimistic for them).
-4. *Lockstep ranks*: every rank's backward is this GPU's (same per-rank batch), with
-   no straggler; a bucket's all-reduce starts when it is ready on all ranks.
-5. *Free bookkeeping*: copying gradients into the bucket and dividing by W cost
-   nothing (a few µs of memory traffic per bucket on a GPU).
+What becomes ready last is always exposed (for LLaMA the input embedding, at the very end
+of the backward), whatever the bucket size; a small *first* bucket (DDP's 1 MiB) starts
+the communication as soon as the first gradients are ready.
 
-**Why the first bucket is small** in DDP (1 MiB, ``dist._DEFAULT_FIRST_BUCKET_BYTES``,
-whatever `bucket_cap_mb` is). The backward produces the *last* layers' gradients first,
-and a bucket launches when its last gradient is ready: with a 25 MB first bucket,
-communication waits until 25 MB of gradients exist; with a small one it starts as soon
-as the first few are ready, and everything behind it is shifted earlier. What cannot be
-hidden is what becomes ready last: the final bucket (for LLaMA: the input embedding,
-ready only at the very end of the backward) is always exposed, whatever the bucket size.
-
-References: Li et al. 2020, "PyTorch Distributed: experiences on accelerating data
-parallel training", arXiv:2006.15704 (buckets, overlap, bucket rebuild);
-Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
-workstations"; NVIDIA nccl-tests, doc/PERFORMANCE.md (bus bandwidth).
+References: Li et al. 2020, "PyTorch Distributed", arXiv:2006.15704; Patarasuk & Yuan
+2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations"; NVIDIA
+nccl-tests, doc/PERFORMANCE.md (bus bandwidth).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from colossal_lab.palette import BLUE, GREY, ORANGE
+from colossal_lab.parallel.grad_sync import assign_buckets
 
 # ----------------------------------------------------------------------- the links
 
@@ -145,11 +120,9 @@ def ready_order(grads: Sequence[Grad]) -> list[int]:
 def make_buckets(grads: Sequence[Grad], bucket_elems: int, *, order="ready",
                  first_bucket_elems: int | None = None) -> list[list[int]]:
     """Buckets of at most `bucket_elems` elements (`first_bucket_elems` for the first),
-    as `data_parallel.assign_buckets` makes them, walking `order`: "ready" (the
+    as `grad_sync.assign_buckets` makes them, walking `order`: "ready" (the
     measured order: the overlapped reducer's buckets after its first step),
     "registration" (reverse registration: its buckets before), or a list of indices."""
-    from colossal_lab.parallel.data_parallel import assign_buckets
-
     if isinstance(order, str):
         if order not in ("ready", "registration"):
             raise ValueError(f"order={order!r}; choose 'ready', 'registration' or a list "
@@ -227,11 +200,8 @@ def simulate(grads: Sequence[Grad], buckets: Sequence[Sequence[int]], *, link: L
              world: int, bytes_per_elem: float, backward_ms: float | None = None
              ) -> Overlap:
     """One communication stream all-reducing `buckets` (lists of indices into `grads`,
-    in launch order) while the backward runs: bucket b starts at
-    ``max(its last gradient ready, bucket b-1 ended)`` and takes
-    `allreduce_ms(elements · bytes_per_elem, world, link)`. `backward_ms` (default: the
-    last gradient's ready time) is when the backward ends. See the module docstring for
-    the assumptions."""
+    in launch order) while the backward runs, by the module docstring's recurrence;
+    `backward_ms` (default: the last gradient's ready time) is when the backward ends."""
     _check(grads, world, bytes_per_elem)
     seen = sorted(i for b in buckets for i in b)
     if seen != list(range(len(grads))):
@@ -270,8 +240,6 @@ def plot_timeline(result: Overlap, grads: Sequence[Grad], *, title: str | None =
     with a tick where its last gradient became ready, and the exposed part after the
     backward's end shaded. Returns the figure."""
     import matplotlib.pyplot as plt
-
-    from colossal_lab.palette import BLUE, GREY, ORANGE
 
     if fig is None:
         fig = plt.figure(figsize=(9, 4.2))
@@ -339,8 +307,6 @@ def plot_exposed(rows: Sequence[dict], *, dtype: str = "bf16",
     when a value is 0, drawn at 0). Returns the figure."""
     import matplotlib.pyplot as plt
     import matplotlib.ticker as ticker
-
-    from colossal_lab.palette import BLUE, GREY, ORANGE
 
     rows = [r for r in rows if r.get("kind") == "model" and r["dtype"] == dtype
             and r.get("order") in (order, None)]  # None: the flat bucket, any order

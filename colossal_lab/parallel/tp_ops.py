@@ -1,61 +1,29 @@
-"""The communication of tensor and sequence parallelism, as autograd functions (switch 5).
+"""The linears of tensor and sequence parallelism, as autograd functions (switch 5).
 
-Activations are batch-first, (B, S, d); a *sequence shard* is (B, S/t, d), rank r of a
-tensor-parallel group of t ranks holding tokens [r·S/t, (r+1)·S/t). Weights are
-`nn.Linear`'s (out, in); a rank holds a block of rows (column-parallel: its output
-features) or of columns (row-parallel: its input features).
+A rank holds a block of rows of an (out, in) weight (column-parallel: its output
+features) or of columns (row-parallel: its input features). One autograd function per
+placement of the communication (the collectives are in `tp_collectives`):
 
-**The four collectives and their adjoints** (Megatron-LM's f and g, Shoeybi et al.
-2019; and their sequence-parallel pair, Korthikanti et al. 2022)::
+- `LinearAllReduceBackward` (plain TP, column): the backward all-reduces dX
+  asynchronously while it computes dW = dYᵀX (Megatron's async all-reduce).
+- `GatherLinear` / `LinearReduceScatter` ("split_gather"): the column linear keeps only
+  its input *shard*; its backward re-gathers it while computing dX = dY·W, then
+  reduce-scatters dX while computing dW (Megatron's two backward overlaps).
+- `RingGatherLinear` / `RingLinearReduceScatter` ("ring"): the collective cut into t
+  point-to-point steps, each step's GEMM on the shard that has arrived while the next
+  one travels (Wang et al. 2023). For GEMM + reduce-scatter, at step s rank r computes
+  the partial of chunk c = (r + s + 1) mod t, adds what rank r + 1 sent and passes the
+  sum to rank r − 1; after t steps it holds the full sum of chunk r.
+- `SymmMemGatherLinear` / `SymmMemLinearReduceScatter` ("symm_mem"): the same fused
+  collectives from PyTorch's symmetric memory (CUDA and NCCL).
 
-    op                      forward              backward
-    copy_to_tp     (f)      identity             all-reduce
-    reduce_from_tp (g)      all-reduce           identity
-    gather_seq              all-gather  (seq)    reduce-scatter (seq)
-    scatter_seq             reduce-scatter (seq) all-gather  (seq)
+NCCL runs communication on its own stream: ``work.wait()`` makes the compute stream
+wait, not the host, so a GEMM issued between launch and wait overlaps the transfer. In a
+zero-bubble pipeline each backward's weight-gradient half (its GEMM and the
+communication only it needs) is filed for the schedule's W (`deferral`).
 
-An all-reduce *is* a reduce-scatter followed by an all-gather (that is how a ring
-all-reduce runs), so replacing each g by a reduce-scatter and each f by an all-gather
-moves the same bytes; what changes is what lies between them: a sequence shard instead
-of a replicated tensor.
-
-**The linears**, one autograd function per placement of the communication:
-
-- `LinearAllReduceBackward`, plain TP's column-parallel linear: the backward starts the
-  all-reduce of dX asynchronously and computes dW = dYᵀX while it runs (Megatron's
-  ``async_tensor_model_parallel_allreduce``).
-- `GatherLinear` / `LinearReduceScatter`, sequence parallelism ("split_gather"): the
-  column linear all-gathers its input, keeps only its *shard* for the backward, and in
-  the backward re-gathers it while computing dX = dY·W, then reduce-scatters dX while
-  computing dW = dYᵀX (Megatron's two backward overlaps). The row linear
-  reduce-scatters its output; its backward all-gathers dY before both GEMMs.
-- `RingGatherLinear` / `RingLinearReduceScatter` ("ring"): the collective is cut into
-  t point-to-point steps around the ring, and each step's GEMM runs on the shard that
-  has arrived while the next one travels (Wang et al. 2023; ColossalAI's ``ring`` mode,
-  torch's async TP). All-gather + GEMM: y[j] = x_j Wᵀ for each shard j as it arrives.
-  GEMM + reduce-scatter: at step s rank r computes the partial of chunk
-  c = (r + s + 1) mod t, adds what rank r + 1 sent, and sends the sum to rank r − 1;
-  after t steps it holds the full sum of chunk r. The backward of each is the other
-  (dX of an all-gather-GEMM is a GEMM-reduce-scatter; dY of a GEMM-reduce-scatter is
-  all-gathered through the same ring, its GEMMs consuming each shard as it comes).
-- `SymmMemGatherLinear` / `SymmMemLinearReduceScatter` ("symm_mem"): the same two
-  fused collectives from PyTorch (``torch.ops.symm_mem.fused_all_gather_matmul`` and
-  ``fused_matmul_reduce_scatter``, symmetric memory, CUDA and NCCL only).
-
-**In a zero-bubble pipeline** (switch 7 on a pp × tp mesh) each linear's backward is
-cut in two: B computes and communicates dX at once; the weight-gradient half (its GEMM
-and whatever communication only it needs: the re-gather of x, the ring's second pass)
-is filed with the stage's store and runs in the schedule's W (`deferral`). The same
-arithmetic, moved.
-
-**Where the overlap happens.** On a GPU NCCL runs every collective and every send and
-receive on its own CUDA stream; ``async_op=True`` returns at once and ``work.wait()``
-makes the *compute* stream wait, not the host. So a GEMM issued between the launch and
-the wait runs while the bytes move: the second stream is NCCL's. On the CPU (gloo)
-the same calls run the same math, with gloo's threads moving the bytes.
-
-Shapes in comments: B batch, S sequence, s = S/t a shard, k and n a linear's input
-and (local) output width.
+Shapes: B batch, S sequence, s = S/t a shard, k and n a linear's input and (local)
+output width.
 """
 
 from __future__ import annotations
@@ -64,158 +32,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-SEQ_DIM = 1
-"""The sequence dim of a (B, S, d) activation."""
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-# (torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; older: the old names)
-
-
-def size_and_rank(group) -> tuple[int, int]:
-    """(ranks in `group`, this rank's index in it); (1, 0) without torch.distributed."""
-    if not dist.is_initialized():
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-# --------------------------------------------------------------------- collectives
-
-
-def _stacked_to_seq(buf: torch.Tensor) -> torch.Tensor:
-    """(t, B, s, ...) -> (B, t·s, ...): a view for B = 1, a copy otherwise."""
-    return buf.movedim(0, 1).flatten(1, 2)
-
-
-def _seq_to_stacked(y: torch.Tensor, t: int) -> torch.Tensor:
-    """(B, S, ...) -> (t, B, S/t, ...), contiguous: chunk r is rank r's."""
-    return y.unflatten(SEQ_DIM, (t, y.shape[SEQ_DIM] // t)).movedim(1, 0).contiguous()
-
-
-def all_gather_seq(x: torch.Tensor, group, async_op: bool = False):
-    """Every rank's (B, s, ...) shard -> (B, t·s, ...) in rank order. With `async_op`
-    returns (the (t, B, s, ...) buffer, the work): `_stacked_to_seq` after the wait."""
-    t, _ = size_and_rank(group)
-    buf = x.new_empty((t * x.shape[0], *x.shape[1:]))  # ranks along dim 0 (gloo wants it)
-    work = _all_gather(buf, x.contiguous(), group=group, async_op=async_op)
-    buf = buf.view(t, *x.shape)
-    if async_op:
-        return buf, work
-    return _stacked_to_seq(buf)
-
-
-def reduce_scatter_seq(y: torch.Tensor, group, async_op: bool = False):
-    """(B, S, ...) partial sums on every rank -> this rank's (B, S/t, ...) chunk of the
-    sum. With `async_op` returns (out, work)."""
-    t, _ = size_and_rank(group)
-    if y.shape[SEQ_DIM] % t:
-        raise ValueError(f"sequence length {y.shape[SEQ_DIM]} is not divisible by the "
-                         f"tensor-parallel size {t}")
-    stacked = _seq_to_stacked(y, t)
-    out = y.new_empty(stacked.shape[1:])
-    work = _reduce_scatter(out, stacked.flatten(0, 1), group=group, async_op=async_op)
-    return (out, work) if async_op else out
-
-
-def split_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's (B, S/t, ...) chunk of a (B, S, ...) tensor every rank holds."""
-    t, r = size_and_rank(group)
-    return x.chunk(t, dim=SEQ_DIM)[r].contiguous()
-
-
-class _CopyToTP(torch.autograd.Function):
-    """f: identity forward, all-reduce backward (the input of a column-parallel linear
-    is used by every rank; its gradient is the sum of theirs)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, dy):
-        dy = dy.contiguous().clone()
-        dist.all_reduce(dy, group=ctx.group)
-        return dy, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward (a row-parallel linear's partial sums), identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, dy):
-        return dy, None
-
-
-class _GatherSeq(torch.autograd.Function):
-    """All-gather along the sequence forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return reduce_scatter_seq(dy, ctx.group), None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    """Reduce-scatter along the sequence forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return all_gather_seq(dy, ctx.group), None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    """Column-parallel outputs (..., n/t) -> (..., n) forward; backward keeps this
-    rank's slice (for full logits at inference, not used in training)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        t, _ = size_and_rank(group)
-        buf = x.new_empty((t * x.shape[0], *x.shape[1:]))
-        _all_gather(buf, x.contiguous(), group=group)
-        return buf.view(t, *x.shape).movedim(0, -2).flatten(-2, -1)
-
-    @staticmethod
-    def backward(ctx, dy):
-        t, r = size_and_rank(ctx.group)
-        return dy.chunk(t, dim=-1)[r].contiguous(), None
-
-
-def copy_to_tp(x, group):
-    return _CopyToTP.apply(x, group)
-
-
-def reduce_from_tp(x, group):
-    return _ReduceFromTP.apply(x, group)
-
-
-def gather_seq(x, group):
-    return _GatherSeq.apply(x, group)
-
-
-def scatter_seq(x, group):
-    return _ScatterSeq.apply(x, group)
-
-
-def gather_last_dim(x, group):
-    return _GatherLastDim.apply(x, group)
-
+from colossal_lab.parallel.tp_collectives import (
+    SEQ_DIM,
+    all_gather_seq,
+    reduce_scatter_seq,
+    size_and_rank,
+    stacked_to_seq,
+)
 
 # ------------------------------------------------------------------- GEMM helpers
 
@@ -243,12 +66,9 @@ def deferral(module, x: torch.Tensor):
     pipeline's W (`pipeline.runtime.defer_weight_grads` set ``module.wgrad_store`` and a
     step's forward runs now), else None: then the linear computes dW in its backward.
 
-    With a store, the linear is called with its weight *detached* (no autograd edge: the
-    weight's hooks fire when W adds the gradient, not in B), and each autograd function
-    below files its weight-gradient half with the store: the same GEMMs and the same
-    communication, moved to W. Every rank of a tensor-parallel group runs the same
-    program, so a W that gathers (split_gather's re-gather of x, the ring's) meets its
-    peers there."""
+    With a store the weight comes *detached* (its hooks fire when W adds the gradient,
+    not in B), and the autograd function files its weight-gradient half, communication
+    included; the ranks of a tp group run the same program and meet in W."""
     store = getattr(module, "wgrad_store", None)
     if store is None or store.key is None or not x.requires_grad \
             or not module.weight.requires_grad:
@@ -328,7 +148,7 @@ class GatherLinear(torch.autograd.Function):
         buf, gather = all_gather_seq(x_shard, group, async_op=True)  # (1) re-gather x
         dx_full = dy @ weight  # (2) dgrad (B, S, k) while x travels
         gather.wait()
-        x_full = _stacked_to_seq(buf)
+        x_full = stacked_to_seq(buf)
         dx, scatter = reduce_scatter_seq(dx_full, group, async_op=True)  # (3)
         dw = _wgrad(dy, x_full) if ctx.needs_input_grad[1] else None  # (4) while dX travels
         scatter.wait()
@@ -439,7 +259,7 @@ class RingGatherLinear(torch.autograd.Function):
             torch.mm(xj.reshape(b * s, -1), weight.t(), out=out[j].view(b * s, -1))
 
         ring_all_gather(x_shard, group, gemm)
-        return _stacked_to_seq(out)  # (B, S, n)
+        return stacked_to_seq(out)  # (B, S, n)
 
     @staticmethod
     def backward(ctx, dy):

@@ -1,2 +1,5 @@
-"""Checks shared by the tests and the chapters: the correctness rule and the gradient
-checks of the parallel switches against one process."""
+"""Checks shared by the tests and the chapters.
+
+The correctness rule (`correctness`), the gradient checks of the parallel switches
+against one process (`gradient_checks`) and the pipeline's (`pipeline_check`).
+"""

@@ -21,6 +21,8 @@ import torch
 
 @dataclass(frozen=True)
 class Check:
+    """One comparison's verdict: both errors, the bound they were held to, and ok."""
+
     name: str
     err: float
     err_lowp: float | None
@@ -35,6 +37,7 @@ class Check:
 
 
 def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| in fp64 (NaN if any element is NaN); the shapes must match."""
     if a.shape != b.shape:
         raise AssertionError(f"shape {tuple(a.shape)} != reference {tuple(b.shape)}")
     diff = (a.detach().double() - b.detach().double()).abs()

@@ -1,4 +1,13 @@
-"""Gradient checks of the parallel switches against one process, run on every rank."""
+"""Gradient checks of the parallel switches against one process, run on every rank of a group.
+
+Each check builds the same plain fp32 model on every rank and a copy as the reference,
+parallelises the model (switch 5's `tensor_parallel.apply` or switch 8's
+`data_parallel.apply`), runs the same batch through both and compares the gradients
+parameter by parameter with the rule of `correctness`: ``max|g − g_ref| <= atol +
+rtol · max|g_ref|`` in fp32, and for a low-precision reduction twice the error of the
+same mean computed in that precision. The tests and chapters 05 and 08 call them
+through `distributed.spawn`.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +19,18 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from colossal_lab.parallel import distributed
-from colossal_lab.parallel.data_parallel import full_grad
-from colossal_lab.parallel.tensor_parallel import apply, full_tensor, of
+from colossal_lab.config import tiny
+from colossal_lab.model import build_model
+from colossal_lab.ops.projections import FUSIONS
+from colossal_lab.ops.swiglu import qkv_sizes
+from colossal_lab.parallel import data_parallel, distributed, tensor_parallel
+from colossal_lab.switches import projections
+from colossal_lab.testing.correctness import max_abs_err
 
 
 def hf_split(name: str, tensor: torch.Tensor, cfg) -> dict[str, torch.Tensor]:
     """A full parameter (or gradient) under Hugging Face's names: a fused
     `qkv_proj` / `gate_up_proj` weight split into its parts (views)."""
-    from colossal_lab.ops.projections import FUSIONS
-    from colossal_lab.ops.swiglu import qkv_sizes
-
     for fused, parts in FUSIONS.items():
         if name.endswith(f"{fused}.weight"):
             sizes = (qkv_sizes(cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -34,7 +44,7 @@ def hf_split(name: str, tensor: torch.Tensor, cfg) -> dict[str, torch.Tensor]:
 def full_named(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient: None where it has none) of `model`, whole, under
     Hugging Face's names; the same on every rank (a collective under TP)."""
-    tp = of(model)
+    tp = tensor_parallel.of(model)
     group = tp.group if tp is not None else None
     out = {}
     for n, p in model.named_parameters():
@@ -42,37 +52,32 @@ def full_named(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]
             if p.grad is None:
                 out.update({k: None for k in hf_split(n, p.detach(), model.cfg)})
                 continue
-            full = full_tensor(p, p.grad, group) if tp is not None else p.grad
+            full = tensor_parallel.full_tensor(p, p.grad, group) if tp is not None \
+                else p.grad
         else:
-            full = full_tensor(p, None, group) if tp is not None else p.detach()
+            full = tensor_parallel.full_tensor(p, None, group) if tp is not None \
+                else p.detach()
         out.update(hf_split(n, full, model.cfg))
     return out
 
 
-def tensor_parallel_gradient_check(mode: str, *, cfg=None, batch: int = 2, seq_len: int = 16,
-                   fused: bool = False, atol: float = 1e-6, rtol: float = 1e-5,
-                   seed: int = 0) -> dict:
-    """Run on every rank of a group
-    (`distributed.spawn(tensor_parallel_gradient_check, 2, "ring")`): do the TP model's
-    loss, logits and gradients equal one process's?
+def tensor_parallel_gradient_check(mode: str, *, cfg=None, batch: int = 2,
+                                   seq_len: int = 16, fused: bool = False,
+                                   atol: float = 1e-6, rtol: float = 1e-5,
+                                   seed: int = 0) -> dict:
+    """Do the TP model's loss, logits and gradients equal one process's? Run on every
+    rank of a group: ``distributed.spawn(tensor_parallel_gradient_check, 2, "ring")``.
 
     Every rank builds the same plain fp32 model (`cfg`, default `config.tiny()`; with
-    `fused`, switch 3's fused projections first) and a copy as the reference; `apply`
-    shards the model over the whole world in `mode`; both compute the loss of one batch
-    (the same tokens on every rank) and its backward. The TP gradients are gathered to
-    full shapes (`full_named`) and compared per parameter with the rule of
-    `colossal_lab.testing.correctness`: ``max|g − g_ref| <= atol + rtol · max|g_ref|``; the loss
-    and the logits (a forward without labels) likewise.
+    `fused`, switch 3's fused projections first) and a copy as the reference;
+    `tensor_parallel.apply` shards the model over the whole world in `mode`; both
+    compute the loss of one batch (the same tokens on every rank) and its backward. The
+    TP gradients are gathered to full shapes (`full_named`) and compared per parameter
+    (the fp32 rule above); the loss and the logits (a forward without labels) likewise.
 
     Returns {"ok", "mode" (the one that ran), "loss", "loss_ref", "loss_err",
     "logits_err", "worst" (parameter), "err", "bound", "params" (how many compared),
     "local_numel" (this rank's parameters), "full_numel"}."""
-    from colossal_lab.config import tiny
-    from colossal_lab.model import build_model
-    from colossal_lab.parallel import distributed
-    from colossal_lab.switches import projections
-    from colossal_lab.testing.correctness import max_abs_err
-
     e = distributed.env()
     cfg = cfg or tiny()
     torch.manual_seed(seed)
@@ -80,7 +85,7 @@ def tensor_parallel_gradient_check(mode: str, *, cfg=None, batch: int = 2, seq_l
     if fused:
         projections.apply(model, "eager")
     ref = copy.deepcopy(model)
-    apply(model, mode)
+    tensor_parallel.apply(model, mode)
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen).to(e.device)
     x, y = ids[:, :-1], ids[:, 1:]
@@ -113,9 +118,10 @@ def tensor_parallel_gradient_check(mode: str, *, cfg=None, batch: int = 2, seq_l
 
 
 def tensor_parallel_gradient_checks(cases: dict) -> dict:
-    """`tensor_parallel_gradient_check` for each case ``{name: (mode, keywords)}`` in one group of
-    processes (each costs seconds to start): for the tests and chapter 05."""
-    return {name: tensor_parallel_gradient_check(mode, **kw) for name, (mode, kw) in cases.items()}
+    """`tensor_parallel_gradient_check` for each case ``{name: (mode, keywords)}`` in one
+    group of processes (each costs seconds to start): for the tests and chapter 05."""
+    return {name: tensor_parallel_gradient_check(mode, **kw)
+            for name, (mode, kw) in cases.items()}
 
 
 def _summation_orders(world: int) -> list[tuple[int, ...]]:
@@ -135,36 +141,29 @@ def _sum_in_order(parts: list[torch.Tensor], order: Sequence[int]) -> torch.Tens
 
 
 def data_parallel_gradient_check(backend, *, cfg=None, global_batch: int | None = None,
-                   seq_len: int = 16, micro_batches: int = 1, steps: int = 2,
-                   bucket_elems: int = 4096, first_bucket_elems: int | None = None,
-                   reduce_dtype: torch.dtype | None = None, atol: float = 1e-6,
-                   rtol: float = 1e-5, seed: int = 0) -> dict:
-    """Run on every rank of a group
-    (`distributed.spawn(data_parallel_gradient_check, 2, "overlap")`): are the
-    data-parallel gradients those of one process on the whole batch?
+                                 seq_len: int = 16, micro_batches: int = 1, steps: int = 2,
+                                 bucket_elems: int = 4096,
+                                 first_bucket_elems: int | None = None,
+                                 reduce_dtype: torch.dtype | None = None,
+                                 atol: float = 1e-6, rtol: float = 1e-5,
+                                 seed: int = 0) -> dict:
+    """Are the data-parallel gradients those of one process on the whole batch? Run on
+    every rank of a group: ``distributed.spawn(data_parallel_gradient_check, 2,
+    "overlap")``.
 
-    Every rank builds the same plain fp32 model (`cfg`, default `config.tiny()`) and a
-    copy of it as the reference; the reference computes the gradient of the global
-    batch's mean loss, the data-parallel model that of this rank's 1/W shard (in
-    `micro_batches` slices, all but the last under `no_sync`), then `finish()`. Over
-    `steps` steps (the second after the buckets are rebuilt), on new data each step,
-    with no optimizer step, so that both keep the same weights.
-
-    Per parameter the rule of `colossal_lab.testing.correctness`: fp32 reduction must satisfy
-    ``max|g - g_ref| <= atol + rtol · max|g_ref|``; a low-precision `reduce_dtype` must
-    stay within twice the error of the same mean computed in that dtype (each shard's
-    gradient / W rounded, summed in that dtype) plus `atol`. The all-reduce does not fix
-    the order of the additions (a ring adds each chunk in another order) and each order
-    rounds differently, so that error is the largest over the orders it may use.
+    The reference computes the gradient of the global batch's mean loss, the
+    data-parallel model that of this rank's 1/W shard (in `micro_batches` slices, all
+    but the last under `no_sync`), then `finish()`; over `steps` steps (the second after
+    the buckets are rebuilt), new data each step, no optimizer step. A low-precision
+    `reduce_dtype`'s reference error is the largest over the summation orders the
+    all-reduce may use (a ring adds each chunk in another order, each rounding
+    differently).
 
     Returns this rank's verdict: {"ok", "worst" (parameter), "err", "bound",
     "err_lowp", "backend", "buckets", "ready_order", "bucket_order"}. Keywords go
-    through `functools.partial`, which pickles: ``spawn(partial(data_parallel_gradient_check,
-    reduce_dtype=torch.bfloat16), 2, "overlap")``."""
-    from colossal_lab.config import tiny
-    from colossal_lab.model import build_model
-    from colossal_lab.testing.correctness import max_abs_err
-
+    through `functools.partial`, which pickles:
+    ``spawn(partial(data_parallel_gradient_check, reduce_dtype=torch.bfloat16), 2,
+    "overlap")``."""
     e = distributed.env()
     world = e.world_size
     global_batch = global_batch or 2 * world
@@ -175,9 +174,9 @@ def data_parallel_gradient_check(backend, *, cfg=None, global_batch: int | None 
     torch.manual_seed(seed)
     model = build_model(cfg, e.device)
     ref = copy.deepcopy(model)
-    dp = apply(model, backend, bucket_elems=bucket_elems, reduce_dtype=reduce_dtype,
-               first_bucket_elems=first_bucket_elems)
-    sync = of(model)
+    dp = data_parallel.apply(model, backend, bucket_elems=bucket_elems,
+                             reduce_dtype=reduce_dtype, first_bucket_elems=first_bucket_elems)
+    sync = data_parallel.of(model)
     gen = torch.Generator().manual_seed(seed + 1)
     out = {"ok": True, "worst": None, "err": 0.0, "bound": 0.0, "err_lowp": None}
     worst_ratio = -1.0
@@ -205,7 +204,7 @@ def data_parallel_gradient_check(backend, *, cfg=None, global_batch: int | None 
                     parts.setdefault(n, []).append((p.grad / world).to(reduce_dtype))
         got = dict(model.named_parameters())
         for n, p in ref.named_parameters():
-            g, r = full_grad(got[n]), p.grad
+            g, r = data_parallel.full_grad(got[n]), p.grad
             err = max_abs_err(g, r)
             if parts is not None:
                 err_lowp = max(max_abs_err(_sum_in_order(parts[n], o).float(), r)

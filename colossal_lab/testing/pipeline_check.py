@@ -1,9 +1,10 @@
-"""Is the pipeline right? Loss and gradients against the model without a pipeline, and
-against torch.distributed.pipelining's own schedules on the same model and batch.
+"""Pipeline checks: loss and gradients against one process and against torch's own schedules.
 
-Both functions run on every rank of a group (`distributed.spawn(check_schedules, p,
-cases)`, one process per pipeline rank, gloo on a CPU) and return this rank's verdict;
-the tests and chapter 07 call them.
+Our runtime (`ours`), torch.distributed.pipelining's schedules on the same model, stages
+and batch (`torch_peer`), and the library's own path on a pp × dp × tp mesh
+(`through_switches`) all run on every rank of a group
+(``distributed.spawn(check_schedules, p, cases)``, one process per pipeline rank, gloo on
+a CPU) and return this rank's verdict; the tests and chapter 07 call them.
 
 **The rule** (`colossal_lab.testing.correctness`, fp32): per parameter,
 ``max|g − g_ref| <= atol + rtol · max|g_ref|`` with rtol = 1e-5, atol = 1e-6, and the
@@ -20,12 +21,20 @@ import copy
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 
-from colossal_lab.config import ModelConfig, tiny
+from colossal_lab.config import ModelConfig, Switches, tiny
 from colossal_lab.model import build_model
-from colossal_lab.parallel import distributed, grad_norm
+from colossal_lab.parallel import data_parallel, distributed, grad_norm, tensor_parallel
 from colossal_lab.parallel.pipeline import schedules as sch
+from colossal_lab.parallel.pipeline.runtime import PipelineRuntime
+from colossal_lab.parallel.pipeline.simulate import Span, Timeline
+from colossal_lab.parallel.pipeline.stages import build_stages
+from colossal_lab.parallel.pipeline.validate import peak_activations
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.switches.pipeline_parallel import make_schedule
 from colossal_lab.testing.correctness import max_abs_err
+from colossal_lab.testing.gradient_checks import hf_split
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -88,9 +97,6 @@ def ours(name: str, *, p: int, m: int = 4, chunks: int = 2, cfg: ModelConfig | N
     rank's verdict {"ok", "worst", "err", "bound", "loss", "ref_loss", "loss_ok",
     "counts", "stages", "params", "trace" (the runtime's, actions as text), "t0" (its
     `step_start`)}."""
-    from colossal_lab.parallel.pipeline.runtime import PipelineRuntime
-    from colossal_lab.parallel.pipeline.stages import build_stages
-
     schedule = sch.make(name, p, m, chunks)
     cfg = cfg or config_for(schedule.num_stages)
     x, y = batch(cfg, m * micro_batch, seq_len)
@@ -128,9 +134,7 @@ def torch_peer(name: str, *, p: int, m: int = 4, cfg: ModelConfig | None = None,
     same model, stages (`stages.Stage`) and batch: this rank's verdict as `ours`, with
     "counts" of its F, B (full backward), I (input gradient) and W steps, or
     {"skipped": why} when the installed torch lacks the class."""
-    from torch.distributed import pipelining
-
-    from colossal_lab.parallel.pipeline.stages import build_stages
+    from torch.distributed import pipelining  # seconds to import: only for this peer
 
     cls = getattr(pipelining, TORCH_PEERS[name], None)
     if cls is None:
@@ -163,7 +167,6 @@ def torch_peer(name: str, *, p: int, m: int = 4, cfg: ModelConfig | None = None,
     kw = {"target": y, "losses": losses} if has_last else {}
     sched.step(*args, **kw)
     loss = torch.stack(losses).mean() if has_last else torch.zeros(())
-    dist = torch.distributed
     owner = placement[S - 1]
     dist.broadcast(loss, src=owner)
     grads = {names[n]: prm.grad for st in mine.values()
@@ -189,20 +192,12 @@ def through_switches(style: str, *, pp: int, dp: int = 1, tp: int = 1,
     then ``data_parallel.of(model).finish()``; against one process on the global batch,
     the tensor-parallel gradients gathered whole (`tensor_parallel.full_tensor`).
     Returns this rank's verdict as `ours`."""
-    from colossal_lab.config import Switches
-    from colossal_lab.parallel import data_parallel
-    from colossal_lab.parallel import tensor_parallel as tpl
-    from colossal_lab.switches.apply import apply_switches
-    from colossal_lab.testing import gradient_checks
-
     mesh = distributed.make_mesh(dp=dp, pp=pp, tp=tp)
     sp = tp > 1 and tp_mode != "all_reduce"
     sw = Switches.naive("fp32").replace(
         pp_style=style, num_microbatches=m, num_model_chunks=chunks,
         overlap_p2p=overlap_p2p, overlap_communication=dp_backend if dp > 1 else False,
         enable_sequence_parallelism=sp, sequence_parallelism_mode=tp_mode if sp else None)
-    from colossal_lab.switches.pipeline_parallel import make_schedule
-
     cfg = cfg or config_for(make_schedule(sw, pp).num_stages)
     x, y = batch(cfg, dp * m * micro_batch, seq_len)
     model, ref, ref_loss = _reference(cfg, x, y, seed)
@@ -216,9 +211,8 @@ def through_switches(style: str, *, pp: int, dp: int = 1, tp: int = 1,
         group = mesh.get_group("tp")
         grads = {}
         for n, prm in piped.named_parameters():
-            g = None if prm.grad is None else tpl.full_tensor(prm, prm.grad, group)
-            grads.update(gradient_checks.hf_split(names[n], g, cfg) if g is not None
-                         else {names[n]: None})
+            g = None if prm.grad is None else tensor_parallel.full_tensor(prm, prm.grad, group)
+            grads.update(hf_split(names[n], g, cfg) if g is not None else {names[n]: None})
     else:
         grads = {names[n]: prm.grad for n, prm in piped.named_parameters()}
     out = _compare(grads, ref, rtol, atol)
@@ -291,9 +285,6 @@ def measured_timeline(name: str, p: int, verdicts: list[dict], m: int = 4,
     """A `simulate.Timeline` of what the ranks of a gloo run really did: each rank's
     trace (from `ours`, one verdict per rank) on the clock they share, from the first
     rank's start, in milliseconds; for `simulate.plot_gantt`."""
-    from colossal_lab.parallel.pipeline.simulate import Span, Timeline
-    from colossal_lab.parallel.pipeline.validate import peak_activations
-
     schedule = sch.make(name, p, m, chunks)
     start = min(v["t0"] for v in verdicts)
     rows = []

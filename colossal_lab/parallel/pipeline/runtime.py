@@ -1,77 +1,37 @@
-"""Run a pipeline schedule for real: this rank's program of F, B, W and transfers, over
-``torch.distributed`` point-to-point on the pipeline group.
+"""Run a pipeline schedule for real: this rank's F, B, W and transfers, over point-to-point.
 
-**What runs.** `PipelineRuntime(stages, schedule)` takes this rank's stages (`stages.
-build_stages`) and any schedule of `schedules` that `validate` accepts. The schedule is
-lowered with eager receives (`Schedule.lower`: each SEND right after the compute that
-made the tensor, each RECV where the tensor is sent in the schedule's own timeline) and
+`PipelineRuntime(stages, schedule)` takes this rank's stages (`stages.build_stages`) and
+a schedule that `validate` accepts, lowered with eager receives (`Schedule.lower`);
 `step(input_ids, labels)` walks this rank's program in order:
 
-* ``F(mb, s)``: stage s's forward of micro-batch mb, on the token ids (stage 0), on the
-  received activation, or on the output of stage s − 1 when that stage is on this rank
-  too (the tip of the V, or one rank). The last stage returns its micro-batch's mean
-  loss; what it backpropagates is that loss / m, so the gradients add up to those of the
-  **mean over the micro-batches**, which for equal micro-batches is the mean over the
-  whole batch: the loss and gradients of the model without a pipeline.
-* ``B(mb, s)``: the backward from the stage's output (the received gradient, or the
-  loss) to its input, whose gradient goes to stage s − 1. Where the schedule does not
-  split the backward (GPipe, 1F1B, interleaved) it is the whole backward, weight
-  gradients included.
-* ``W(mb, s)``: the weight gradients that B left for later (below).
-* ``SEND_*`` / ``RECV_*``: one group of consecutive transfers is posted together
-  (``dist.batch_isend_irecv``).
+* ``F(mb, s)``: stage s's forward of micro-batch mb. The last stage backpropagates its
+  loss / m, so the gradients add up to those of the mean over the micro-batches: for
+  equal micro-batches, the model's without a pipeline.
+* ``B(mb, s)``: the backward from the stage's output to its input, whose gradient goes
+  to stage s − 1; the whole backward where the schedule does not split it.
+* ``W(mb, s)``: the weight gradients that B deferred.
+* ``SEND_*`` / ``RECV_*``: consecutive transfers, posted together (``batch_isend_irecv``).
 
-**How B and W are split: deferred weight-gradient GEMMs, one store per stage.** Every
-`nn.Linear` of a stage of a split-backward schedule (ZB-H1, ZB-V) runs through
-`DeferredLinear`, whose backward computes the input gradient dx = dy · W at once and
-*defers* the weight gradient dW = dyᵀ · x: it puts a job holding dy and x into its
-stage's `WeightGradStore`, filed under the micro-batch whose forward made the node, and
-returns no gradient for the weight. ``W(mb, s)`` runs stage s's jobs of micro-batch
-mb and adds their dW to the weights' ``.grad`` through autograd (so gradient hooks, such
-as switch 8's, fire as for any gradient). B is then one ordinary backward call; its
-cost is the input-gradient GEMMs plus everything that is not a linear layer (attention,
-norms, SwiGLU, whose few weights, the norm scales, get their gradients in B), and W's
-is the weight GEMMs, about half the FLOPs of the backward. This is how the zero-bubble
-authors, Megatron and ColossalAI (``WeightGradStore``) split it. The alternative,
-``torch.autograd.grad`` on the stage input with ``retain_graph`` for B and on the
-parameters for W, needs no change to the layers but makes W walk the graph again from
-the output, recomputing every activation gradient: W would cost about as much as the
-whole backward. torch.distributed.pipelining avoids that by cutting the autograd graph
-at the weights' consumers (``stage_backward_input`` / ``stage_backward_weight``); the
-store does it at the layer, where it is visible.
-
-One store per stage, not one for the process: with two chunks per rank (ZB-V) the two
-stages' W run at different times, and each ``W(mb, s)`` must find exactly its own jobs.
-A stage's linears that another switch replaced (fp8 linears) or whose weight is used
-without its forward (the fused loss reads ``lm_head.weight`` directly) compute their
-weight gradient in B: correct, only not deferred, and so does a linear whose input
-needs no gradient (no backward would reach it). Outside a pipeline step a
-`DeferredLinear` behaves like `nn.Linear`.
-
-**Memory.** From F to B a stage keeps its micro-batch's input and autograd graph; B
-frees the graph, and the deferred jobs keep the linears' inputs and output gradients
-until W (`validate`'s ``w_stash``).
+**Splitting B and W** (ZB-H1, ZB-V). Every plain `nn.Linear` of a stage runs through
+`DeferredLinear`, whose backward computes dx = dy · W at once and files a job holding dy
+and x with the stage's `WeightGradStore`; ``W(mb, s)`` runs the jobs and adds
+dW = dyᵀ · x through autograd, so gradient hooks (switch 8's) fire. B costs the input
+GEMMs and everything that is not a linear, W the weight GEMMs, about half the backward's
+FLOPs; this is how the zero-bubble authors, Megatron and ColossalAI split it. (Calling
+``torch.autograd.grad`` on the parameters for W instead would walk the graph again,
+recomputing every activation gradient.) One store per stage: with two chunks per rank
+each W must find exactly its own jobs. Tensor-parallel linears file their weight
+gradient's communication too (`tp_ops.deferral`): a stage's tp ranks meet in W. Linears
+that another switch replaced (fp8) compute dW in B: correct, only not deferred.
 
 **overlap_p2p** (ColossalAI's flag, on by default). Off: each group of transfers is
-waited for where the schedule puts it, before the next compute. On: the group is posted
-there and nothing waits until a compute needs one of its received tensors; sends are
-waited at the end of the step. Receives are posted as early as the lowered program
-puts them, and with NCCL a transfer runs on its own stream beside the compute. Neither
-mode can deadlock: `validate` plays the same programs with every group blocking
-(``p2p="batched"``), and waiting later only removes waits.
+waited for where the schedule puts it. On: nothing waits until a compute needs a
+received tensor, and sends are waited at the end of the step. Neither can deadlock:
+`validate` plays the programs with every group blocking.
 
-**Transfers have no metadata.** A receiver allocates (b, S, d) in the activation dtype
-(`act_dtype`, the embedding's dtype: the residual stream keeps it under every precision
-of switch 6) from the step's input shape, and messages between two ranks match in the
-order they are posted, which `validate` checks. A stage whose output has another shape or
-dtype raises before anything is sent. Under tensor parallelism with sequence
-parallelism (a pp × tp mesh) each rank of a stage holds (b, S/t, d) and sends it to the
-rank of the same tp index in the next stage (the "pp" group of its mesh coordinates).
-
-**Tensor-parallel stages.** Their linears carry their own weight-gradient
-communication (split_gather's re-gather of x, the ring's); in a split-backward schedule
-each files that half, communication and all, with the stage's store (`tp_ops.deferral`),
-so W runs it: the tp ranks of a stage run the same program and meet there.
+**No metadata on the wire.** A receiver allocates (b, S, d), or (b, S/t, d) under
+sequence parallelism, in `act_dtype` from the step's input shape; messages between two
+ranks match in posting order, which `validate` checks.
 """
 
 from __future__ import annotations
@@ -87,7 +47,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from colossal_lab import precision as precision_mod
 from colossal_lab.ops import autocast_state
+from colossal_lab.parallel import distributed
 from colossal_lab.parallel.pipeline import schedules as sch
 from colossal_lab.parallel.pipeline.schedules import Action, Schedule
 from colossal_lab.parallel.pipeline.validate import validate
@@ -236,8 +198,6 @@ class _Posted:
 
     def wait(self) -> None:
         if self.works is not None:
-            from colossal_lab.parallel import distributed
-
             with distributed.collective("pipeline point-to-point"):
                 for w in self.works:
                     w.wait()
@@ -306,8 +266,6 @@ class PipelineRuntime:
         of a machine on Linux: the ranks' traces line up)."""
         if p > 1:  # every rank of the group talks once before the first batched p2p
             # (NCCL creates its communicator lazily on the first call of the group)
-            from colossal_lab.parallel import distributed
-
             with distributed.collective("pipeline group warm-up"):
                 dist.all_reduce(torch.zeros(1, device=self._comm_device()), group=group)
 
@@ -323,8 +281,6 @@ class PipelineRuntime:
         the schedule's m micro-batches along B. Gradients are added to this rank's
         parameters' ``.grad``; returns the loss, the mean over the micro-batches of
         their mean cross-entropy, on every rank of the pipeline."""
-        from colossal_lab import precision as precision_mod
-
         m = self.schedule.num_microbatches
         if input_ids.shape != labels.shape or input_ids.dim() != 2:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels "
@@ -387,8 +343,6 @@ class PipelineRuntime:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.schedule.num_ranks > 1:
-            from colossal_lab.parallel import distributed
-
             t = loss.to(self._comm_device())
             with distributed.collective("pipeline loss broadcast"):
                 dist.broadcast(t, src=self.peers[owner], group=self.group)
@@ -408,8 +362,6 @@ class PipelineRuntime:
         return x.requires_grad_()  # a leaf: B reads its .grad
 
     def _forward(self, a: Action) -> None:
-        from colossal_lab import precision as precision_mod
-
         mb, s = a.mb, a.stage
         stage, last = self.stages[s], self.schedule.num_stages - 1
         x = self._input(mb, s)
@@ -473,8 +425,6 @@ class PipelineRuntime:
                 ops.append(dist.P2POp(dist.irecv, t, self.peers[peer], self.group))
                 recvs.append(((kind, a.mb, a.stage), t))
             tensors.append(t)
-        from colossal_lab.parallel import distributed
-
         with distributed.collective("pipeline point-to-point"):
             works = dist.batch_isend_irecv(ops)
         posted = _Posted(list(works or []), tensors)

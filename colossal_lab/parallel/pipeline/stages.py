@@ -1,38 +1,18 @@
-"""Cut our LLaMA into pipeline stages: contiguous decoder layers, the embedding on the
-first stage, the final norm, the output head and the loss on the last.
+"""Cut our LLaMA into pipeline stages: contiguous decoder layers, embedding first, head last.
 
-**Virtual stages.** A schedule (`schedules`) runs ``S = p · v`` virtual stages, ``v``
-model chunks on each of ``p`` ranks, and its ``placement`` says which rank holds which
-stage. The model is cut the same way whatever the placement: stage ``s`` holds decoder
-layers ``s · L/S .. (s + 1) · L/S − 1`` (L layers), stage 0 also the token embedding,
-stage S − 1 also the final norm, the head and the loss. Only *where* a stage runs
-differs:
+A schedule runs S = p · v virtual stages (v model chunks on each of p ranks), and its
+``placement`` says which rank holds which. The model is cut the same way whatever the
+placement: stage s holds decoder layers s · L/S .. (s + 1) · L/S − 1, stage 0 also the
+embedding, stage S − 1 the final norm, the head and the loss. Linear placement (GPipe,
+1F1B, ZB-H1) puts stage s on rank s, interleaved stage c · p + r on rank r, and V (ZB-V)
+stages r and 2p − 1 − r on rank r, so rank 0 holds the embedding *and* the head.
 
-* linear (GPipe, 1F1B, ZB-H1): stage s on rank s;
-* interleaved (Megatron): stage ``c · p + r`` is chunk c of rank r, so rank r holds
-  layers from v places along the model;
-* V (ZB-V): rank r holds stage r and stage 2p − 1 − r, so rank 0 holds the first *and*
-  the last stage (embedding and head on one rank), and the last rank holds the two
-  middle stages, p − 1 and p, back to back.
-
-A `Stage` does not copy anything: it holds the model's own modules (the embedding, the
-layers, the norm, the head), so its parameters *are* the model's, gradients land on
-them, and `model_names` maps each back to its name in the full model's state dict. The
-switches applied to the model before (kernels, fused projections, checkpointing,
-precision) come along with the modules.
-
-**Shapes.** Stage 0 takes token ids (b, S) and every other stage a hidden state
-(b, S, d); every stage but the last returns the hidden state (b, S, d) (what goes over
-the wire, `activation_shape`); the last returns the mean next-token cross-entropy of
-its micro-batch when given labels, else the logits (b, S, V). Each stage computes its
-own rotary tables from the sequence length (a few element-wise ops): nothing but the
-hidden state travels between stages.
-
-**With tensor parallelism** (switch 5, applied to the model before the cut, on the
-mesh's "tp" dim) a stage holds its rank's shards of the same modules; under sequence
-parallelism the hidden state between stages is this rank's (b, S/t, d) shard
-(`seq_shards`), and the last stage ends in the vocabulary-parallel head and loss
-(`tensor_parallel.head_and_loss`).
+A `Stage` holds the model's own modules, nothing copied: gradients land on the model's
+parameters, and the switches applied before come along. Stage 0 takes token ids (b, S),
+the others the hidden state (b, S, d), which is all that travels (each stage computes its
+own rotary tables). Under sequence parallelism (switch 5, applied before the cut) the
+hidden state is this rank's (b, S/t, d) shard, and the last stage ends in the
+vocabulary-parallel head and loss (`tensor_parallel.head_and_loss`).
 """
 
 from __future__ import annotations
@@ -42,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from colossal_lab.ops import cross_entropy as loss_switch
+from colossal_lab.parallel.tensor_parallel import head_and_loss
 
 
 class StageError(ValueError):
@@ -134,8 +115,6 @@ class Stage(nn.Module):
             return x  # (b, S, d) or (b, S/t, d): the activation sent to the next stage
         hidden = self.norm(x)
         if self.tp is not None:
-            from colossal_lab.parallel.tensor_parallel import head_and_loss
-
             return head_and_loss(self.tp, self.lm_head, hidden, labels)
         if labels is not None and self.loss_backend:
             return loss_switch.fused_linear_cross_entropy(
