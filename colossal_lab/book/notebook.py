@@ -11,6 +11,8 @@ import inspect
 import time
 from pathlib import Path
 
+from colossal_lab.benchmarks.two_gpu import format_targets
+from colossal_lab.measure import results
 from colossal_lab.measure.results import error_line
 
 SOURCE_KEY = "colossal_lab"
@@ -105,9 +107,6 @@ def show_multi_gpu(name: str, what: str, columns: dict[str, str | None], *,
     not (`two_gpu.format_targets`). Without a run on record: one line saying so and the
     command that measures it (on `gpus` GPUs). Returns the runs."""
     from IPython.display import display
-
-    from colossal_lab.benchmarks.two_gpu import format_targets
-    from colossal_lab.measure import results
 
     runs = results.load_multi_gpu(name)
     if not runs:

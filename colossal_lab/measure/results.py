@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from colossal_lab.measure import hardware
+from colossal_lab.measure.timing import CAPTURE_FAILED
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # colossal_lab/measure/results.py
 REFERENCE_GPU = "h200"
 """The GPU whose recorded results the book shows when run without one."""
 BANNER_PREFIX = "Numbers from "
@@ -214,8 +215,6 @@ def load_partial(name: str, gpu: str | None = None) -> dict | None:
 def fell_back(row: dict) -> bool:
     """Whether `row` was timed by a fallback (its `timing` says the CUDA-graph capture
     failed and events timed it instead): a failed measurement, to be taken again."""
-    from colossal_lab.measure.timing import CAPTURE_FAILED
-
     return CAPTURE_FAILED in str(row.get("timing", ""))
 
 
