@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import platform
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -230,8 +230,6 @@ def measure_ceilings() -> Ceilings:
 
 def ceilings_row() -> dict:
     """One results row: the device, its datasheet peaks and its measured ceilings."""
-    from dataclasses import asdict
-
     dev = detect()
     return {"gpu": dev.name, "peak_bf16_tflops": dev.peak_tflops("bf16"),
             "peak_fp8_tflops": dev.peak_tflops("fp8"),

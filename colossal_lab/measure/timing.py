@@ -248,8 +248,9 @@ def gbps(nbytes: float, ms: float) -> float:
 
 def eager_and_graph(fn: Callable[[], object], device) -> dict:
     """Both timings a user meets, in ms: eager (`time_fn`: do_bench for about 50
-    milliseconds, or a CPU loop) as "eager_ms", and on a GPU CUDA-graph replay (`time_kernels`, as many
-    replays as fit in ~0.1 s, 10 to 100) as "ms"; "timing" says how "ms" was taken."""
+    milliseconds, or a CPU loop) as "eager_ms", and on a GPU CUDA-graph replay
+    (`time_kernels`, as many replays as fit in ~0.1 s, 10 to 100) as "ms"; "timing"
+    says how "ms" was taken."""
     eager = time_fn(fn, device=device, warmup_ms=10, rep_ms=50).median_ms
     if torch.device(device).type != "cuda":
         return {"ms": eager, "eager_ms": eager, "timing": "perf_counter"}
