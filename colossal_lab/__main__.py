@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import platform
 import sys
+
+import torch
+
+from colossal_lab import doctor, wheelhouse
+from colossal_lab.book import notebook
+from colossal_lab.measure import hardware
+from colossal_lab.measure.results import save_results
+from colossal_lab.training import cli as cli_train
 
 
 def cmd_env(a) -> None:
     """The device, its datasheet peaks and the ceilings it really reaches."""
-    import platform
-
-    import torch
-
-    from colossal_lab.measure import hardware
-
     dev = hardware.detect()
     print(f"device      {dev.describe()}")
     print(f"software    torch {torch.__version__}, CUDA {torch.version.cuda}, "
@@ -42,8 +45,6 @@ def cmd_env(a) -> None:
             print(f"matmul {name} {row[key]:8.1f} TFLOP/s")
     print(f"copy        {row['copy_gbps']:8.1f} GB/s (read + write){frac(row['copy_gbps'], mem)}")
     if a.save:
-        from colossal_lab.measure.results import save_results
-
         print("saved", save_results("env", [row], command="python -m colossal_lab env --save"))
 
 
@@ -64,8 +65,6 @@ def main(argv=None) -> None:
 
     t = sub.add_parser("train", help="train a preset with any switches; checkpoints, "
                        "exact resume, Hugging Face export")
-    from colossal_lab.training import cli as cli_train
-
     cli_train.add_arguments(t)
 
     b = sub.add_parser("bench", help="run a GPU benchmark and save its results",
@@ -73,8 +72,6 @@ def main(argv=None) -> None:
     b.add_argument("name")
 
     d = sub.add_parser("doctor", help="the seed's tuning checklist, run on a configuration")
-    from colossal_lab import doctor
-
     doctor.add_arguments(d)
 
     sub.add_parser("execute", help="execute notebooks in place (refresh their outputs)",
@@ -86,12 +83,8 @@ def main(argv=None) -> None:
     if a.cmd == "bench":
         return cmd_bench(a, rest)
     if a.cmd == "execute":
-        from colossal_lab.book import notebook
-
         return notebook.main(rest)
     if a.cmd == "wheelhouse":
-        from colossal_lab import wheelhouse
-
         return wheelhouse.main(rest)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -10,6 +10,7 @@ honest name (see chapter 03 on fused projections).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -246,6 +247,35 @@ class Switches:
 
     def replace(self, **changes) -> Switches:
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, fields: dict, *, checkpoint_config: Callable | None = None,
+                  where: str = "") -> Switches:
+        """`Switches` from a dict of its fields, as read from JSON; the one parser.
+
+        `checkpoint_config` turns a `gradient_checkpoint_config` given as a dict into a
+        `GradientCheckpointConfig`: pass `switches.checkpointing.resolve` (that class
+        lives with the switch, a layer above this module). Bad input raises ValueError,
+        prefixed with `where` (e.g. "--switches FILE"): not a dict, unknown fields (the
+        known ones are named), a checkpoint config that cannot be built."""
+        prefix = f"{where}: " if where else ""
+        if not isinstance(fields, dict):
+            raise ValueError(f"{prefix}expected a JSON object of Switches fields")
+        known = set(cls.__dataclass_fields__)
+        if unknown := sorted(set(fields) - known):
+            raise ValueError(f"{prefix}unknown fields {unknown}; Switches has "
+                             f"{sorted(known)}")
+        fields = dict(fields)
+        ckpt = fields.get("gradient_checkpoint_config")
+        if checkpoint_config is not None and ckpt is not None:
+            try:
+                fields["gradient_checkpoint_config"] = checkpoint_config(ckpt)
+            except TypeError as e:
+                raise ValueError(f"{prefix}{e}") from None
+        elif isinstance(ckpt, dict):
+            raise TypeError("a gradient_checkpoint_config dict needs checkpoint_config="
+                            "switches.checkpointing.resolve to become its class")
+        return cls(**fields)
 
     @classmethod
     def naive(cls, precision: str = "fp32") -> Switches:

@@ -12,6 +12,7 @@ MFU = 6 · N · tokens / (step time · peak).
 from __future__ import annotations
 
 from colossal_lab.measure import hardware
+from colossal_lab.palette import GREY
 
 SEED_GOOD, SEED_EXCELLENT = 0.50, 0.55
 """The seed chapter's verdicts for LLaMA-7B: above 50% MFU is good, above 55% excellent."""
@@ -77,8 +78,6 @@ def plot_mfu_vs_step_time(n_params: float, tokens: int, *, gpus: list[str] | Non
     import matplotlib.pyplot as plt
     import matplotlib.ticker
     import numpy as np
-
-    from colossal_lab.book.plot import GREY
 
     peaks = gpu_peaks()
     gpus = gpus or [name for name in ("NVIDIA A100", "NVIDIA H100", "NVIDIA H200",

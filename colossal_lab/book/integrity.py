@@ -1,5 +1,4 @@
-"""Every number traceable: checks that the committed results files and the book's
-outputs still agree with what produced them.
+"""Every number traceable: results files and book outputs still agree with their sources.
 
 * `check_rows`: each derived field of a row recomputes from the row's own inputs
   (tokens/s, MFU, MFU with attention, HFU, TFLOP/s, GB/s, the predicted largest
@@ -22,19 +21,27 @@ Each returns a list of problems (strings); empty means clean. The tests and
 from __future__ import annotations
 
 import datetime as _dt
-import importlib
 import json
 import math
+import pkgutil
 import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from colossal_lab.benchmarks import collectives
+from colossal_lab.benchmarks import flash_attention as fa
+from colossal_lab.benchmarks import grad_overlap_measured as gom
+from colossal_lab.benchmarks.curves import FINAL_WINDOW
+from colossal_lab.benchmarks.fused_norm import moved_bytes
+from colossal_lab.benchmarks.pipeline_measured import bubble
 from colossal_lab.book import notebook
 from colossal_lab.config import preset
 from colossal_lab.measure import mfu, timing
 from colossal_lab.measure.results import BANNER_PREFIX, REPO_ROOT
+from colossal_lab.switches.checkpointing import colossalai_flops
+from colossal_lab.training.memory import largest_batch
 
 RTOL = 2e-3
 """Relative tolerance of a recomputed field."""
@@ -72,8 +79,6 @@ def _step_fields(row: dict, batch: int, recompute_tflop) -> dict:
     if recompute_tflop is not None:
         out["hfu"] = s.hfu
     if _num(row.get("ckpt_layers")):
-        from colossal_lab.switches.checkpointing import colossalai_flops
-
         peak = row["peak_tflops"] * 1e12
         out["mfu_colossalai"] = colossalai_flops(cfg, batch * seq,
                                                  row["ckpt_layers"] > 0) / t / peak
@@ -90,9 +95,6 @@ def _recompute(row: dict, scale: float = 1.0):
 
 def expected(row: dict) -> dict:
     """The derived fields of `row` recomputed from its inputs (those it has)."""
-    from colossal_lab.benchmarks import flash_attention as fa
-    from colossal_lab.training.memory import largest_batch
-
     want: dict = {}
     if all(_num(row.get(k)) for k in ("step_ms", "batch", "seq_len")):
         want.update(_step_fields(row, row["batch"], _recompute(row)))
@@ -127,8 +129,6 @@ def expected(row: dict) -> dict:
         want.update(step_ms=statistics.median(times), step_ms_p10=q[0], step_ms_p90=q[1],
                     steps_timed=len(times))
     if row.get("kind") == "loss_curve" and isinstance(row.get("losses"), list):
-        from colossal_lab.benchmarks.curves import FINAL_WINDOW
-
         window = row["losses"][-min(FINAL_WINDOW, len(row["losses"])):]
         want["final_loss"] = sum(window) / len(window)
     if _num(row.get("ms")) and row["ms"] > 0 and _num(row.get("gbytes")):
@@ -137,9 +137,7 @@ def expected(row: dict) -> dict:
             want["of_copy_ceiling"] = want["gbps"] / row["copy_gbps"]
     if row.get("kind") in ("tune", "tune-small") and _num(row.get("ms")) and row["ms"] > 0 and \
             row.get("pass") in ("fwd", "bwd") and _num(row.get("tokens")):
-        from colossal_lab.benchmarks.fused_norm import moved_bytes  # bench fused_norm --tune
-
-        elem = {"bfloat16": 2, "float16": 2, "float32": 4}[row["dtype"]]
+        elem = {"bfloat16": 2, "float16": 2, "float32": 4}[row["dtype"]]  # bench fused_norm --tune
         fwd, bwd = moved_bytes("rms_norm", row["tokens"], row["hidden"], elem)
         want["gbps"] = timing.gbps(fwd if row["pass"] == "fwd" else bwd, row["ms"])
     if row.get("kind") == "gemm" and _num(row.get("ms")) and "in_features" in row:
@@ -157,9 +155,6 @@ def _multi_gpu_fields(row: dict) -> dict:
     and bus bandwidth from its message size and time (`bench collectives`), a
     data-parallel step's exposed communication, overlap efficiency and communication
     share from its times (`bench grad_overlap_measured`)."""
-    from colossal_lab.benchmarks import collectives
-    from colossal_lab.benchmarks import grad_overlap_measured as gom
-
     want: dict = {}
     kind = row.get("kind")
     if kind == "collective":
@@ -207,8 +202,6 @@ def _parallel_step_fields(row: dict) -> dict:
     useful = row.get("useful_ms_per_rank")
     if isinstance(useful, list) and useful and all(_num(u) for u in useful) \
             and "bubble" in row:
-        from colossal_lab.benchmarks.pipeline_measured import bubble
-
         want["bubble"] = bubble(useful, step)
         if _num(row.get("bubble_sim")) and row["bubble_sim"] and "bubble_vs_sim" in row:
             want["bubble_vs_sim"] = want["bubble"] / row["bubble_sim"]
@@ -392,11 +385,8 @@ def _text(v) -> str:
 
 
 def _resolve(source_of: str):
-    module, qualname = source_of.split(":", 1)
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
+    """The object a notebook showed, by its recorded "module:qualname"."""
+    return pkgutil.resolve_name(source_of)
 
 
 def _check_source(where: str, out: dict, meta: dict) -> list[str]:

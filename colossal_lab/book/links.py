@@ -1,11 +1,11 @@
-"""Where the book's sources live: papers, ColossalAI's files and issues at one commit,
-PyTorch and Hugging Face pages, other projects, and the chapters themselves.
+"""Where the book's sources live: one table of links, ColossalAI's pinned to one commit.
 
-Why one table. A chapter that cites FlashAttention-2 or ColossalAI's
+Papers, ColossalAI's files and issues, PyTorch and Hugging Face pages, other projects,
+and the chapters themselves. Why one table. A chapter that cites FlashAttention-2 or ColossalAI's
 `grad_ckpt_config.py` links it with `markdown_link(key)`, so
 
 - every link into ColossalAI's source names the same commit, `COLOSSALAI_COMMIT` (the
-  newest snapshot of hpcaitech/ColossalAI when these links were written, 2026-04-09):
+  newest snapshot of hpcaitech/ColossalAI when these links were written):
   files move and line numbers drift on `main`, a pinned blob does not. A line anchor
   (`#L164`) is given only where the line was read at that commit;
 - every paper is its arXiv abstract page, every PyTorch page the `stable` docs;
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 COLOSSALAI_REPO = "https://github.com/hpcaitech/ColossalAI"
 COLOSSALAI_COMMIT = "4f9953be335ef371b3848719ddafe596c01ecd37"
-"""hpcaitech/ColossalAI at 2026-04-09 ("Update README.md (#6412)"): every ColossalAI
-source link below is a blob or tree at this commit."""
+"""hpcaitech/ColossalAI's commit "Update README.md (#6412)": every ColossalAI source
+link below is a blob or tree at this commit."""
 
 
 def _cai(path: str, lines: str = "") -> str:
@@ -57,6 +57,11 @@ def _arxiv(arxiv_id: str) -> str:
 
 def _torch(page: str) -> str:
     return f"https://docs.pytorch.org/docs/stable/{page}"
+
+
+def _torch_note(page: str) -> str:
+    """A page of PyTorch's notes (its design and semantics pages)."""
+    return _torch(f"notes/{page}")
 
 
 def _hf(page: str) -> str:
@@ -228,9 +233,9 @@ DOCS: dict[str, tuple[str, str]] = {
     "torch:cuda_event": ("PyTorch torch.cuda.Event",
                          _torch("generated/torch.cuda.Event.html")),
     "torch:cuda_graphs": ("PyTorch CUDA semantics: CUDA Graphs",
-                          _torch("notes/cuda.html#cuda-graphs")),
+                          _torch_note("cuda.html#cuda-graphs")),
     "torch:extending": ("PyTorch: Extending PyTorch (torch.autograd.Function)",
-                        _torch("notes/extending.html")),
+                        _torch_note("extending.html")),
     "torch:tensor_parallel": ("PyTorch torch.distributed.tensor.parallel (ColwiseParallel, "
                               "RowwiseParallel, SequenceParallel)",
                               _torch("distributed.tensor.parallel.html")),

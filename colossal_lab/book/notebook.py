@@ -7,10 +7,14 @@ book and the library cannot drift apart; its output records what it showed, and
 
 from __future__ import annotations
 
+import argparse
 import inspect
+import os
 import time
 from pathlib import Path
 
+from colossal_lab.benchmarks.two_gpu import format_targets
+from colossal_lab.measure import results
 from colossal_lab.measure.results import error_line
 
 SOURCE_KEY = "colossal_lab"
@@ -101,13 +105,10 @@ def show_multi_gpu(name: str, what: str, columns: dict[str, str | None], *,
     """Every multi-GPU run of benchmark `name` on record (`results.load_multi_gpu`: two
     GPUs, then four), each with its banner, its rows (those `select` keeps) as a
     `table` of `columns`, with `plot(rows)` a figure, and with `targets(rows)` (the
-    benchmark's own verdicts over every row of the file) the issues' targets, met or
+    benchmark's own verdicts over every row of the file) the benchmark's targets, met or
     not (`two_gpu.format_targets`). Without a run on record: one line saying so and the
     command that measures it (on `gpus` GPUs). Returns the runs."""
     from IPython.display import display
-
-    from colossal_lab.benchmarks.two_gpu import format_targets
-    from colossal_lab.measure import results
 
     runs = results.load_multi_gpu(name)
     if not runs:
@@ -127,8 +128,6 @@ def show_multi_gpu(name: str, what: str, columns: dict[str, str | None], *,
 def execute(paths: list[str | Path], timeout: int = 1800, kernel: str = "python3") -> None:
     """Execute notebooks in place (each in its own folder), keeping their outputs: how
     the committed notebooks are refreshed on a GPU node."""
-    import os
-
     import nbformat
     from nbclient import NotebookClient
 
@@ -152,8 +151,7 @@ def execute(paths: list[str | Path], timeout: int = 1800, kernel: str = "python3
 
 
 def main(argv=None) -> None:
-    import argparse
-
+    """`python -m colossal_lab execute NOTEBOOK...`: execute them in place."""
     ap = argparse.ArgumentParser(description="Execute notebooks in place.")
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per cell")

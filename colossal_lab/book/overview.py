@@ -18,6 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import matplotlib.pyplot as plt
+import matplotlib.ticker
+from matplotlib.patches import Patch
+
 from colossal_lab.book import notebook, plot
 from colossal_lab.measure import compare, results
 
@@ -346,10 +350,6 @@ def plot_mfu_per_switch(entries: list[Entry], ax=None):
     """Paired horizontal bars of MFU per chapter: switch off (grey) and on (blue), with
     whiskers over the p10-p90 step times, the on bar annotated with the step-time ratio
     ("level" when inside the noise). Entries without numbers show their reason."""
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-    from matplotlib.patches import Patch
-
     groups = _layout(entries)
     if ax is None:
         height = sum(len(bars) for _, bars in groups) * BAR + len(groups) * GAP + 1.8

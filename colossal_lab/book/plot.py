@@ -5,6 +5,10 @@ from __future__ import annotations
 import matplotlib
 import matplotlib.pyplot as plt
 import matplotlib.ticker
+import numpy as np
+from matplotlib.colors import CenteredNorm
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
 
 from colossal_lab.measure import compare
 from colossal_lab.measure.results import error_line
@@ -14,8 +18,6 @@ _ERR = {"ecolor": "#333333", "elinewidth": 1.0, "capsize": 2.5}
 
 
 def _spread_handle():
-    from matplotlib.lines import Line2D
-
     return Line2D([], [], color=_ERR["ecolor"], lw=1, marker="|", ms=6,
                   label="p10–p90 of the step time")
 
@@ -85,8 +87,6 @@ def grouped_bars(categories: list[str], series: dict[str, list[float]], *, ylabe
                  title: str | None = None, ceiling: float | None = None,
                  ceiling_label: str = "measured ceiling", ax=None):
     """Bars per category for several providers (e.g. TFLOP/s per sequence length)."""
-    import numpy as np
-
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 4))
     x = np.arange(len(categories))
@@ -242,8 +242,6 @@ def waterfall(rows: list[dict], *, peers=None, key: str = "setup", label: str = 
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
         lambda v, _: f"{v / 1e3:,.0f}k" if v else "0"))
     ax.set_xlabel("tokens/s (MFU, and × the bar above)", fontsize=9)
-    from matplotlib.patches import Patch
-
     handles = [Patch(color=BLUE, label="ours, one switch more per bar")]
     if theirs:
         handles.append(Patch(facecolor=GREY, hatch="//", edgecolor="white",
@@ -366,10 +364,6 @@ def ratio_grid(panels: dict[str, list[list[tuple[float | None, str]]]],
     one diverging colormap centred at 1.0 (blue above 1). Each cell is annotated with
     its ratio; a cell without one (ratio None) is grey and hatched and shows `why`
     ("err", "skip", "–"). Returns the axes, one per panel."""
-    import numpy as np
-    from matplotlib.colors import CenteredNorm
-    from matplotlib.patches import Rectangle
-
     values = [v for g in panels.values() for line in g for v, _ in line if v is not None]
     half = max([0.25] + [abs(v - 1.0) * 1.05 for v in values])
     norm, cmap = CenteredNorm(vcenter=1.0, halfrange=half), plt.get_cmap("RdBu")

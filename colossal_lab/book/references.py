@@ -31,7 +31,7 @@ ANCHORS = {a.key: a for a in (
            "full gradient checkpointing, fused AdamW, one H200; MFU 6N (the weights' "
            "dtype was not recorded; a 101 GiB peak suggests fp32 weights and states)",
            0.380, "mfu",
-           "measured by the colossal_lab maintainers on one H200, 2026-11-30 (torch "
+           "measured by the colossal_lab maintainers on one H200 (torch "
            "2.11.0+cu130), outside this repository's benchmarks: 9.3k tokens/s, 101 GiB"),
     Anchor("llm_foundry_7b_ckpt_h100",
            "llm-foundry (MosaicML), 7B, 8xH100, bf16, seq 4096, activation "

@@ -1,5 +1,4 @@
-"""Comparing measured steps honestly: a ratio, its spread, and "level" when the
-difference is inside the noise.
+"""Comparing measured steps honestly: a ratio, its spread, "level" inside the noise.
 
 Every step row carries the median step time and its p10 and p90 over at least 20
 timed steps (`train.measure_step`). Two setups differ only when their medians lie

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import platform
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
+
+from colossal_lab.measure.timing import time_fn
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ GPUS: tuple[GPUSpec, ...] = (
     GPUSpec("NVIDIA H200", "h200", 989.4, 989.4, 494.7, 66.9, 1978.9, 4800,
             "NVIDIA H200 SXM datasheet (2024), sparse figures halved", ("SXM",)),
     # GH200's GPU is an H100 SXM (same peaks) with HBM3 (the "480GB" module: 96 GB at
-    # 4 TB/s) or HBM3e (144 GB at 4.9 TB/s); by substring it used to match the H200 row
+    # 4 TB/s) or HBM3e (144 GB at 4.9 TB/s); by substring it would match the H200 row
     GPUSpec("NVIDIA GH200 144G HBM3e", "gh200-hbm3e", 989.4, 989.4, 494.7, 67.0, 1978.9,
             4900, "NVIDIA GH200 Grace Hopper Superchip datasheet (2024), sparse figures "
             "halved"),
@@ -162,8 +164,6 @@ def default_device() -> torch.device:
 def measure_matmul_tflops(n: int | None = None, dtype: torch.dtype = torch.bfloat16,
                           device: torch.device | None = None) -> float:
     """Median TFLOP/s of an n×n×n matmul on random data (8192 on a GPU, 1024 on CPU)."""
-    from colossal_lab.measure.timing import time_fn
-
     device = device or default_device()
     if n is None:
         n = 8192 if device.type == "cuda" else 1024
@@ -177,8 +177,6 @@ def measure_matmul_tflops(n: int | None = None, dtype: torch.dtype = torch.bfloa
 
 def measure_fp8_tflops(n: int = 8192) -> float | None:
     """Median TFLOP/s of an fp8 e4m3 `torch._scaled_mm` (None where fp8 is not there)."""
-    from colossal_lab.measure.timing import time_fn
-
     if not (torch.cuda.is_available() and detect().supports_fp8):
         return None
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
@@ -190,8 +188,6 @@ def measure_fp8_tflops(n: int = 8192) -> float | None:
 
 def measure_copy_gbps(nbytes: int | None = None, device: torch.device | None = None) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
-    from colossal_lab.measure.timing import time_fn
-
     device = device or default_device()
     if nbytes is None:
         nbytes = (2 << 30) if device.type == "cuda" else (64 << 20)
@@ -234,8 +230,6 @@ def measure_ceilings() -> Ceilings:
 
 def ceilings_row() -> dict:
     """One results row: the device, its datasheet peaks and its measured ceilings."""
-    from dataclasses import asdict
-
     dev = detect()
     return {"gpu": dev.name, "peak_bf16_tflops": dev.peak_tflops("bf16"),
             "peak_fp8_tflops": dev.peak_tflops("fp8"),

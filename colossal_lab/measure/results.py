@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from colossal_lab.measure import hardware
+from colossal_lab.measure.timing import CAPTURE_FAILED
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # colossal_lab/measure/results.py
 REFERENCE_GPU = "h200"
 """The GPU whose recorded results the book shows when run without one."""
 BANNER_PREFIX = "Numbers from "
@@ -214,8 +215,6 @@ def load_partial(name: str, gpu: str | None = None) -> dict | None:
 def fell_back(row: dict) -> bool:
     """Whether `row` was timed by a fallback (its `timing` says the CUDA-graph capture
     failed and events timed it instead): a failed measurement, to be taken again."""
-    from colossal_lab.measure.timing import CAPTURE_FAILED
-
     return CAPTURE_FAILED in str(row.get("timing", ""))
 
 
@@ -224,25 +223,16 @@ def resumed_rows(name: str, recorded, config: dict, error, *, what: str = "saved
                  may_change: tuple[str, ...] = (),
                  retry: Callable[[dict], bool] | None = None) -> tuple[list[dict], dict]:
     """(rows kept, config) for an invocation that continues `recorded` (`--resume`):
-    a results document (a dict with "config", "provenance" and "rows", as
-    `save_partial` writes it) or a `Results`, or None when nothing was saved.
+    a results document (as `save_partial` writes it), a `Results`, or None.
 
-    The rows kept are the finished ones (a row with an `error`, or one whose timing
-    fell back to another method, `fell_back`, runs again), each with
-    `measured_at`, the commit it was measured at (the resuming run's rows have none).
-    With `retry`, only the failed rows it accepts (those the resuming run measures) are
-    left out; the others stay as recorded, their failure on them, rather than vanish
-    from the file when a narrower run continues it.
-    The config is `config` with `resumed_from`, the provenance of every invocation
-    before this one, and the entries named in `carry` (ones each invocation adds to)
-    taken over from `recorded`. `error` (argparse's) refuses a missing `what` of `name`
-    or one measured with another configuration (compared as the file holds it), except
-    that a list entry named in `grown` may have gained items (providers added to a
-    sweep: the resuming run measures them where the recorded rows lack them), and an
-    entry named in `may_change` may differ (the config then holds the new value, and
-    the earlier invocations' entry in `resumed_from` keeps the old one under
-    "config_then": e.g. a kernel-choice rule changed before some points are measured
-    again, each row saying which kernels ran)."""
+    The rows kept are the finished ones, each with `measured_at` (its commit); a row
+    with an `error`, or whose timing fell back (`fell_back`), runs again, and with
+    `retry` only the failed rows it accepts do. The config is `config` with
+    `resumed_from` (every earlier invocation's provenance) and the `carry` entries taken
+    over from `recorded`. `error` (argparse's) refuses a missing `what` of `name` or
+    another configuration, except list entries in `grown` that gained items (providers
+    added to a sweep) and entries in `may_change`, whose old value `resumed_from` keeps
+    under "config_then"."""
     if recorded is None:
         error(f"--resume: no {what} of {name} is saved to continue from")
     if isinstance(recorded, Results):

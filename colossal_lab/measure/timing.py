@@ -108,15 +108,13 @@ def _capture(fn: Callable[[], object], graph: torch.cuda.CUDAGraph,
     (or `stream`), under CUDA's capture error `mode` (default `CAPTURE_MODES[0]`, or the
     environment's COLOSSAL_LAB_CAPTURE_MODE, which overrides every mode asked for).
 
-    Why not plain `torch.cuda.graph(graph)`: seen on the H200, after the first capture
-    of a process failed, a sweep's memory grew case by case until everything ran out
-    of memory, with all of PyTorch's live allocations in private pools. Our reading:
-    the failed capture's error leaves the caching allocator sending the capture
-    stream's allocations to that graph's pool, and `torch.cuda.graph` reuses one
-    default capture stream for every capture, so every later capture allocated from
-    an orphaned pool that `empty_cache()` never returns. With each capture on its own
-    pool and stream, and a failed one's pool routing ended here, free memory stayed
-    flat through the whole recorded sweep (`gpu_free_gib` in fused_norm.json)."""
+    Why not plain `torch.cuda.graph(graph)`: a failed capture can leave the caching
+    allocator sending the capture stream's allocations to that graph's pool, and
+    `torch.cuda.graph` reuses one default capture stream for every capture, so every
+    later capture allocates from an orphaned pool that `empty_cache()` never returns
+    and a sweep's memory grows case by case. With each capture on its own pool and
+    stream, and a failed one's pool routing ended here, free memory stays flat
+    (`gpu_free_gib` in fused_norm.json)."""
     pool = torch.cuda.graph_pool_handle()
     try:
         mode = os.environ.get("COLOSSAL_LAB_CAPTURE_MODE") or mode or CAPTURE_MODES[0]
@@ -134,14 +132,10 @@ def _capture(fn: Callable[[], object], graph: torch.cuda.CUDAGraph,
 CAPTURE_MODES = ("thread_local", "global")
 """The capture error modes `time_kernels` tries, in turn. "thread_local" first: the
 autograd engine's worker thread may touch CUDA during a capture. "global", torch's own
-default, second: on the H200 (torch 2.11; notes/probe_norm_capture.py, 2026-12-03) the
-backward alone of F.rms_norm at 16384 x 1000 fp32, replayed on a graph its forward built
-outside the capture, failed under "thread_local" in every try ("operation failed due to
-a previous error during capture") and was captured under "global" and "relaxed", at the
-same time to 0.4 µs. In the sweep the second mode did not rescue those rows: there a
-graph kept alive from the warm-up call ran the leaves' gradient accumulators on the
-default stream (fixed in `fused_norm.measure`). A row's timing label does not say which
-mode captured it."""
+default, second: some captures fail under "thread_local" ("operation failed due to a
+previous error during capture") and succeed under "global", such as the backward alone
+of `F.rms_norm` replayed on a graph whose forward was built outside the capture. A row's
+timing label does not say which mode captured it."""
 
 CAPTURE_FAILED = "capture failed"
 """What a `time_kernels` label holds when the graph capture failed and events timed it."""
@@ -153,10 +147,9 @@ def time_kernels(fn: Callable[[], object], *, device=None, reps: int = 100,
     ("cuda_graph", `time_cuda_graph`), the capture tried up to `captures` times, each on
     a pool and stream of its own and under the next of `CAPTURE_MODES`; where every try
     fails, eagerly with `do_bench` ("events (capture failed: why)": Python launch gaps
-    included, and said so); on a CPU a loop ("perf_counter"). On the H200 with torch
-    2.11 the backward-only pass of F.rms_norm failed its "thread_local" captures at some
-    shapes, every time (`CAPTURE_MODES`); such a row says so, and `--resume` measures it
-    again (`results.fell_back`)."""
+    included, and said so); on a CPU a loop ("perf_counter"). Some passes fail every
+    capture at some shapes (`CAPTURE_MODES`); such a row says so, and `--resume`
+    measures it again (`results.fell_back`)."""
     if not _on_cuda(device):
         return time_fn(fn, device=device), "perf_counter"
     error: Exception = RuntimeError("no capture tried")
@@ -254,9 +247,10 @@ def gbps(nbytes: float, ms: float) -> float:
 
 
 def eager_and_graph(fn: Callable[[], object], device) -> dict:
-    """Both timings a user meets, in ms: eager (`time_fn`: do_bench for ~50 ms, or a
-    CPU loop) as "eager_ms", and on a GPU CUDA-graph replay (`time_kernels`, as many
-    replays as fit in ~0.1 s, 10 to 100) as "ms"; "timing" says how "ms" was taken."""
+    """Both timings a user meets, in ms: eager (`time_fn`: do_bench for about 50
+    milliseconds, or a CPU loop) as "eager_ms", and on a GPU CUDA-graph replay
+    (`time_kernels`, as many replays as fit in ~0.1 s, 10 to 100) as "ms"; "timing"
+    says how "ms" was taken."""
     eager = time_fn(fn, device=device, warmup_ms=10, rep_ms=50).median_ms
     if torch.device(device).type != "cuda":
         return {"ms": eager, "eager_ms": eager, "timing": "perf_counter"}

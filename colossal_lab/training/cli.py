@@ -15,15 +15,29 @@ argparse's own errors do: never a traceback from inside the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from colossal_lab.config import PRESETS, SWITCH_SETS, Switches
+from colossal_lab.config import PRESETS, SWITCH_SETS, Switches, preset
+from colossal_lab.fallback import BackendUnavailable
+from colossal_lab.ops import attention, cross_entropy, embedding, norm, rope, swiglu
+from colossal_lab.parallel import data_parallel, distributed
+from colossal_lab.precision import OPTIMIZER_BACKENDS, PRECISIONS
+from colossal_lab.switches import checkpointing
+from colossal_lab.switches.checkpointing import GradientCheckpointConfig
+from colossal_lab.switches.compile import MODES as COMPILE_MODES
+from colossal_lab.training import train
+from colossal_lab.training.checkpoint import CheckpointError
 
 CKPT_MODES = ("none", "full", "selective", "elementwise")
 
 
-def _whole(low: int):
+def whole(low: int):
+    """An argparse type: a whole number >= `low`, or a one-line error."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -68,35 +82,29 @@ def _backend(names: tuple[str, ...]):
 
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
-    from colossal_lab.ops import attention, embedding, norm, rope
-    from colossal_lab.ops import cross_entropy as loss
-    from colossal_lab.ops import swiglu as projections
-    from colossal_lab.parallel import data_parallel
-    from colossal_lab.precision import OPTIMIZER_BACKENDS, PRECISIONS
-    from colossal_lab.switches.compile import MODES as COMPILE_MODES
-
+    """The `train` command's flags, in groups: run, switches, data parallelism, checkpoints."""
     run = t.add_argument_group("run")
     run.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    run.add_argument("--steps", type=_whole(1), default=50)
-    run.add_argument("--batch", type=_whole(1), default=8)
-    run.add_argument("--micro-batch", type=_whole(1))
-    run.add_argument("--seq-len", type=_whole(2), default=128)
+    run.add_argument("--steps", type=whole(1), default=50)
+    run.add_argument("--batch", type=whole(1), default=8)
+    run.add_argument("--micro-batch", type=whole(1))
+    run.add_argument("--seq-len", type=whole(2), default=128)
     run.add_argument("--lr", type=_positive_float, default=3e-4)
     run.add_argument("--data", default="corpus", choices=["corpus", "random"])
-    run.add_argument("--vocab-size", type=_whole(2), help="tokenizer vocabulary "
+    run.add_argument("--vocab-size", type=whole(2), help="tokenizer vocabulary "
                      "(default: the preset's)")
-    run.add_argument("--max-files", type=_whole(1), help="use a subset of the corpus")
-    run.add_argument("--seed", type=_whole(0), default=0)
-    run.add_argument("--log-every", type=_whole(1), default=10)
+    run.add_argument("--max-files", type=whole(1), help="use a subset of the corpus")
+    run.add_argument("--seed", type=whole(0), default=0)
+    run.add_argument("--log-every", type=whole(1), default=10)
     run.add_argument("--device", help="cuda, cuda:1, cpu (default: the GPU if any)")
     sw = t.add_argument_group("switches (a set or file, then one flag per field)")
     sw.add_argument("--switches", default="best", help=f"one of {', '.join(SWITCH_SETS)} "
                     "or a JSON file of Switches fields (default: best)")
     sw.add_argument("--attention", type=_backend(attention.BACKENDS))
     sw.add_argument("--norm", type=_backend(norm.BACKENDS))
-    sw.add_argument("--projections", type=_backend(projections.ACTIVATIONS))
+    sw.add_argument("--projections", type=_backend(swiglu.ACTIVATIONS))
     sw.add_argument("--rope", type=_backend(rope.BACKENDS), help="our RoPE kernel")
-    sw.add_argument("--loss", type=_backend(loss.BACKENDS), help="fused head + loss")
+    sw.add_argument("--loss", type=_backend(cross_entropy.BACKENDS), help="fused head + loss")
     sw.add_argument("--embedding", type=_backend(embedding.BACKENDS),
                     help="our embedding backward")
     sw.add_argument("--checkpointing", choices=CKPT_MODES)
@@ -113,11 +121,11 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
                     "aot_eager or eager to trace without generating code)")
     sw.add_argument("--fp8-scaling", choices=["dynamic", "delayed"])
     dp = t.add_argument_group("data parallelism (switch 8)")
-    dp.add_argument("--nproc", type=_whole(1), default=1, help="processes on this node "
+    dp.add_argument("--nproc", type=whole(1), default=1, help="processes on this node "
                     "(re-launched through torchrun; one per GPU, gloo on a CPU)")
     dp.add_argument("--dp", type=_backend(data_parallel.BACKENDS),
                     help="gradient reduction: true (= overlap), naive, overlap, ddp, fsdp2")
-    dp.add_argument("--dp-bucket-elems", type=_whole(1), help="elements per bucket "
+    dp.add_argument("--dp-bucket-elems", type=whole(1), help="elements per bucket "
                     f"(default {data_parallel.DEFAULT_BUCKET_ELEMS:,}, ColossalAI's 12M)")
     dp.add_argument("--dp-reduce-dtype", choices=["bfloat16", "float32"],
                     help="reduce gradients in this dtype (default: theirs)")
@@ -125,7 +133,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
                     help="seconds any collective may wait before the run stops")
     ck = t.add_argument_group("checkpoints")
     ck.add_argument("--save-dir", help="folder for checkpoints (step_N/, latest)")
-    ck.add_argument("--save-every", type=_whole(0), default=0, help="steps between "
+    ck.add_argument("--save-every", type=whole(0), default=0, help="steps between "
                     "checkpoints (0: only at the end)")
     ck.add_argument("--resume", action="store_true", help="continue from --save-dir's "
                     "newest checkpoint")
@@ -144,25 +152,12 @@ def load_switches(spec: str) -> Switches:
         fields = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"--switches {spec}: not valid JSON ({e})") from None
-    if not isinstance(fields, dict):
-        raise ValueError(f"--switches {spec}: expected a JSON object of Switches fields")
-    known = set(Switches.__dataclass_fields__)
-    if unknown := sorted(set(fields) - known):
-        raise ValueError(f"--switches {spec}: unknown fields {unknown}; "
-                         f"Switches has {sorted(known)}")
-    from colossal_lab.switches.checkpointing import resolve
-
-    try:
-        fields["gradient_checkpoint_config"] = resolve(fields.get("gradient_checkpoint_config"))
-    except TypeError as e:
-        raise ValueError(f"--switches {spec}: {e}") from None
-    return Switches(**fields)
+    return Switches.from_dict(fields, checkpoint_config=checkpointing.resolve,
+                              where=f"--switches {spec}")
 
 
 def switches_from(a: argparse.Namespace) -> Switches:
     """The set or file, then each given flag over its field."""
-    from colossal_lab.switches.checkpointing import GradientCheckpointConfig
-
     sw = load_switches(a.switches)
     changes = {k: v for k, v in (("enable_flash_attention", a.attention),
                                  ("enable_fused_normalization", a.norm),
@@ -191,9 +186,6 @@ def switches_from(a: argparse.Namespace) -> Switches:
 def relaunch(argv: list[str], nproc: int) -> int:
     """Run this same command on `nproc` processes through torchrun (one node), without
     `--nproc`; returns torchrun's exit status."""
-    import subprocess
-    import sys
-
     rest, skip = [], False
     for arg in argv:
         if skip:
@@ -211,16 +203,6 @@ def run(a: argparse.Namespace, error, argv: list[str] | None = None) -> None:
     """Train as `a` says; `error(message)` ends the program with status 2. With
     `--nproc N` outside torchrun, re-launch `argv` through it; under torchrun, this is
     one rank (`colossal_lab.parallel.distributed`), and rank 0 prints."""
-    import contextlib
-    import os
-    import sys
-
-    from colossal_lab.config import preset
-    from colossal_lab.fallback import BackendUnavailable
-    from colossal_lab.parallel import distributed
-    from colossal_lab.training import train
-    from colossal_lab.training.checkpoint import CheckpointError
-
     if a.nproc > 1 and "WORLD_SIZE" not in os.environ:
         sys.exit(relaunch(argv if argv is not None else sys.argv[1:], a.nproc))
     env = distributed.init(timeout_s=a.dist_timeout)

@@ -1,36 +1,20 @@
 """A real text corpus on every machine, with no download: the Python standard library.
 
-Why this corpus
----------------
 Throughput runs need no real data (`random_batches`), but a loss curve does: to show that
 a switch leaves learning unchanged we need text with structure, identical on a laptop, a
-CI runner and a GPU node that cannot reach the internet. The source of Python's standard
-library is already installed wherever Python is: on 3.11, 1,788 files, 31.5 MB of code,
-docstrings and comments by hundreds of authors, 8.0 M tokens with a 32000-token BPE
-(3.95 bytes per token). A small model learns it quickly enough for its loss to fall
-visibly within a short run.
+CI runner and an offline GPU node. The standard library's source is installed wherever
+Python is: tens of megabytes of code, docstrings and comments by hundreds of authors,
+`corpus_stats` says how much on this machine.
 
-Which files
------------
-Every ``*.py`` under ``sysconfig.get_paths()["stdlib"]``, **test suites included**: they
-are ordinary idiomatic Python and more than double the text (31.5 MB against 12 MB on
-3.11). Left out:
+**Which files.** Every ``*.py`` under ``sysconfig.get_paths()["stdlib"]``, test suites
+included (ordinary idiomatic Python, more than half of the text), but not
+``site-packages`` / ``dist-packages`` (third-party, differs per environment) nor
+``_sysconfigdata_*.py`` and ``config-3.*/`` (the build machine's paths and flags). Files
+are sorted by relative POSIX path and read as UTF-8 with ``errors="replace"``. The
+standard library differs between Python versions, so every cache key carries the Python
+version and a fingerprint of the file list.
 
-- ``site-packages`` / ``dist-packages``: third-party code that differs per environment;
-- ``_sysconfigdata_*.py`` and ``config-3.*/``: written when Python was built, they hold
-  the build machine's paths and flags, so two machines with the same Python would
-  otherwise have different corpora.
-
-Files are ordered by their relative POSIX path (a plain string sort) and read as UTF-8
-with ``errors="replace"`` (a few test files are Latin-1 or KOI8-R on purpose) and
-universal newlines. The standard library differs between Python versions (3.11 here,
-3.12 on the GPU node) and some distributions ship the test suite separately, so every
-cache key carries the Python version and a fingerprint of the file list;
-`corpus_stats` prints what this machine has.
-
-Pipeline
---------
-::
+**Pipeline**::
 
     corpus_files  ─split_of─────────▶  train files, val files  crc32(path) % 20 == 0: val
     train files   ─train_tokenizer──▶  byte-level BPE          cached .json
@@ -41,11 +25,10 @@ Pipeline
 The split hashes the path, not the contents, so a file keeps its split whatever
 ``max_files`` is: a validation file never leaks into a tokenizer or a model trained on a
 subset. The tokenizer is GPT-2's recipe (byte-level BPE: 256 byte tokens, so every string
-round-trips and nothing is ever unknown) trained with Hugging Face ``tokenizers`` on the
-train split only. Caches are written to a temporary file and renamed into place, so an
-interrupted run never leaves a half-written cache behind. Processes that start at once
-(``torchrun`` ranks) each build and the last rename wins; the builds are identical, but
-calling `load_tokens` on rank 0 before the others start saves the repeated work.
+round-trips) trained with Hugging Face ``tokenizers`` on the train split only. Caches
+are written to a temporary file and renamed into place, so an interrupted run never
+leaves a half-written cache; processes that start at once (``torchrun`` ranks) build
+identical caches and the last rename wins.
 
 References: Radford et al. 2019 (GPT-2, byte-level BPE); Sennrich et al. 2016 (BPE);
 https://huggingface.co/docs/tokenizers.
@@ -68,21 +51,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-__all__ = [
-    "EOS_ID",
-    "EOS_TOKEN",
-    "SPLITS",
-    "CorpusStats",
-    "batches",
-    "corpus_files",
-    "corpus_stats",
-    "load_tokens",
-    "packed_sequences",
-    "random_batches",
-    "split_of",
-    "stdlib_root",
-    "train_tokenizer",
-]
+__all__ = ["EOS_ID", "EOS_TOKEN", "SPLITS", "CorpusStats", "batches", "corpus_files",
+           "corpus_stats", "load_tokens", "packed_sequences", "random_batches", "split_of",
+           "stdlib_root", "train_tokenizer"]
 
 Split = Literal["train", "val"]
 SPLITS: tuple[Split, ...] = ("train", "val")
@@ -309,9 +280,8 @@ def train_tokenizer(
             of the corpus, ``vocab_size`` and ``max_files``.
 
     ``EOS_TOKEN`` has id ``EOS_ID`` (0). Training is deterministic: the same corpus and
-    arguments give the same merges (checked across processes). The full corpus at 32000
-    tokens trains in about 6 s on two CPU cores (3.11, tokenizers 0.23); after that the
-    cached file loads in a fraction of a second.
+    arguments give the same merges (checked across processes); later calls load the
+    cached file.
     """
     path, max_files = _tokenizer_path(vocab_size, max_files, cache_dir)
     if path.exists():

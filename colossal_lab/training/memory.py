@@ -1,6 +1,7 @@
-"""Memory of a training step, measured and modelled: what the forward keeps, what one
-more sequence costs, the largest batch that fits and the fewest checkpointed layers that
-fit a batch.
+"""Memory of a training step, measured and modelled.
+
+What the forward keeps, what one more sequence costs, the largest batch that fits and
+the fewest checkpointed layers that fit a batch.
 
 `MemoryModel` is the model: peak memory as a straight line in the batch.
 `benchmarks.steps.measure_one` uses the probes on a GPU (chapter 04): one extra forward +
@@ -20,6 +21,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from colossal_lab import precision
+from colossal_lab.switches import checkpointing
+from colossal_lab.switches import compile as compile_switch
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.training import data
+from colossal_lab.training.step import make_step
 
 GIB = 2**30
 
@@ -88,8 +96,6 @@ def memory_probe(model, loss_fn, input_ids: torch.Tensor, labels: torch.Tensor,
     before: what the forward keeps for the backward, and the loss) and `per_layer`: what
     each decoder layer in `layers` left allocated when its forward returned (from the
     second layer on). Empty on a CPU, which has no allocator statistics."""
-    from colossal_lab import precision
-
     if input_ids.device.type != "cuda":
         return {}
     model.zero_grad(set_to_none=True)
@@ -145,8 +151,6 @@ class Prober:
     `benchmarks.steps.Setup` being measured)."""
 
     def __init__(self, model, loss_fn, setup, cfg, seq_len: int, device):
-        from colossal_lab.switches import compile as compile_switch
-
         self.model, self.loss_fn, self.setup = model, loss_fn, setup
         self.cfg, self.seq_len, self.device = cfg, seq_len, device
         inner = getattr(model, "model", None)
@@ -159,8 +163,6 @@ class Prober:
         """Allocator statistics exist (a GPU)."""
 
     def __call__(self, batch: int) -> dict:
-        from colossal_lab.training import data
-
         ids, labels = next(data.random_batches(self.cfg.vocab_size, batch, self.seq_len,
                                                seed=1, device=self.device))
         r = memory_probe(self.model, self.loss_fn, ids, labels, self.layers)
@@ -188,8 +190,6 @@ class Prober:
         return out
 
     def _flags(self):
-        from colossal_lab.switches import checkpointing
-
         return checkpointing.checkpointed(self.model) or None
 
 
@@ -206,14 +206,10 @@ def auto_ratio(probe: Prober, model, opt, batch: int) -> dict:
     that fit `batch`, from probes at batch 1 and 2 with every layer checkpointed and at
     batch 1 with none (`MemoryModel`). The checkpoint configs are applied through
     `apply_switches`, so `model.switches` says what was timed."""
-    from colossal_lab.switches.apply import apply_switches
-    from colossal_lab.switches.checkpointing import GradientCheckpointConfig
-    from colossal_lab.training import data, train
-
     if not probe.available:
         return {}
     inner = model.model
-    base = model.switches.gradient_checkpoint_config or GradientCheckpointConfig()
+    base = model.switches.gradient_checkpoint_config or checkpointing.GradientCheckpointConfig()
 
     def set_ratio(r: float) -> None:
         ckpt = dataclasses.replace(base, gradient_checkpointing_ratio=r,
@@ -221,7 +217,7 @@ def auto_ratio(probe: Prober, model, opt, batch: int) -> dict:
         apply_switches(model, model.switches.replace(gradient_checkpoint_config=ckpt))
 
     set_ratio(1.0)
-    warm = train.make_step(model, opt, probe.loss_fn)
+    warm = make_step(model, opt, probe.loss_fn)
     warm(*next(data.random_batches(probe.cfg.vocab_size, 1, probe.seq_len, seed=3,
                                    device=probe.device)))  # optimizer states exist now
     one, two = probe(1), probe(2)

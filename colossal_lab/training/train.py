@@ -1,11 +1,9 @@
-"""Compose config → plain model → `apply_switches` → a training loop that reports MFU
-honestly.
+"""The training loop: config → plain model → `apply_switches` → steps, reporting MFU honestly.
 
 `train()` is the loop a reader runs (real text, a progress bar with loss, tokens/s, both
-MFUs and peak memory); `measure_step()` is the same step timed for the benchmarks. Both
-use `make_step`, so what is measured is what is trained. The step asks the precision
-module (`switches.precision`) for its autocast, TF32 mode, loss scaler and optimizer:
-the precision is the one the model was given.
+MFUs and peak memory); `measure_step()` times the same step for the benchmarks. Both run
+`make_step`'s `Step` (`training.step`, whose names this module re-exports), so what is
+measured is what is trained.
 """
 
 from __future__ import annotations
@@ -22,95 +20,23 @@ import torch
 from colossal_lab import precision as precision_mod
 from colossal_lab.config import ModelConfig, Switches
 from colossal_lab.measure import hardware, mfu, timing
+from colossal_lab.measure.progress import Progress
 from colossal_lab.model import build_model
-from colossal_lab.parallel import grad_norm
-from colossal_lab.switches import compile as compile_switch
+from colossal_lab.parallel import data_parallel, distributed
+from colossal_lab.switches import checkpointing
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.apply import check as check_switches
-from colossal_lab.training.optimizer import (
-    make_optimizer,  # noqa: F401  (re-exported)
-    moments_of,
+from colossal_lab.switches.resolved import backends_in_use
+from colossal_lab.training import checkpoint
+from colossal_lab.training import data as data_mod
+from colossal_lab.training.optimizer import make_optimizer, moments_of
+from colossal_lab.training.step import (  # noqa: F401  (re-exported: `train.make_step`)
+    LossFn,
+    Step,
+    hf_loss,
+    make_step,
+    our_loss,
 )
-
-LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def our_loss(model, input_ids, labels):
-    """Our model takes already-shifted labels and returns the mean cross-entropy."""
-    return model(input_ids, labels)
-
-
-def hf_loss(model, input_ids, labels):
-    """Hugging Face models shift `labels` themselves: pass the inputs as labels."""
-    return model(input_ids=input_ids, labels=input_ids).loss
-
-
-def make_step(model, optimizer, loss_fn: LossFn = our_loss, micro_batches: int = 1,
-              clip: float | None = 1.0):
-    """A function `step(input_ids, labels) -> loss tensor` doing forward, backward over
-    `micro_batches` slices of the batch (gradient accumulation) and the optimizer step,
-    in the precision the model was given (`apply_switches`; a plain model is fp32).
-
-    fp16 scales the loss dynamically (`step.scaler`, a `DynamicLossScaler`): gradients
-    are unscaled before clipping and an overflowing step is skipped, all on device.
-    With data parallelism (switch 8, `switches.data_parallel`) every micro-batch but
-    the last accumulates locally (`no_sync`), and the reduction is finished after the
-    last backward, before clipping and the optimizer. With `extra["adamw_defer"]` and
-    our AdamW the update is applied during the next step's forward
-    (`switches.deferred_adamw`); `step.flush()` applies it now (a no-op otherwise): call
-    it before reading the weights or the optimizer's state."""
-    from colossal_lab.parallel import data_parallel
-    from colossal_lab.switches import deferred_adamw
-
-    inner = data_parallel.unwrap(model)  # DDP / torch.compile wrappers: call `model`
-    device = next(inner.parameters()).device
-    precision = precision_mod.of(inner)
-    scaler = precision_mod.loss_scaler(precision)
-    sync = data_parallel.of(model)
-    switches = getattr(inner, "switches", None)
-    ours = hasattr(optimizer, "take_coefficient")  # FusedAdamW: its update in parts
-    deferred = deferred_adamw.DeferredUpdate(inner, optimizer, device) \
-        if ours and deferred_adamw.requested(switches) else None
-
-    def step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with precision_mod.matmul_mode(precision):  # "tf32": the backward's matmuls too
-            return _step(input_ids, labels)
-
-    def _step(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros((), device=device)
-        chunks = list(zip(input_ids.chunk(micro_batches), labels.chunk(micro_batches)))
-        for i, (ids, lab) in enumerate(chunks):
-            last = i == len(chunks) - 1
-            with contextlib.nullcontext() if last else sync.no_sync():
-                with precision_mod.autocast(precision, device):
-                    loss = loss_fn(model, ids, lab) / len(chunks)
-                (loss if scaler is None else scaler.scale(loss)).backward()
-            total += loss.detach()
-        sync.finish()  # every rank's gradients: the mean over the data-parallel ranks
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        if clip is not None:  # by the whole model's norm, also when split over ranks;
-            grad_norm.clip_(inner, optimizer, clip)  # FusedAdamW: inside its step
-        if deferred is not None:  # applied during the next forward, or by `flush`
-            deferred.defer()
-            return total
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        return total
-
-    step.scaler = scaler
-    step.precision = precision
-    step.deferred = deferred
-    step.flush = deferred.flush if deferred is not None else lambda: None
-    if compile_switch.resolve(getattr(switches, "enable_compile", False)) == "graph":
-        from colossal_lab.switches.step_graph import GraphedStep
-
-        return GraphedStep(step, optimizer, device)  # eager once, then replayed
-    return step
 
 
 class GcPauses:
@@ -267,8 +193,6 @@ def _take(it: Iterator, n: int):
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from colossal_lab.measure.progress import Progress
-
     return Progress(total=total, desc=desc, enabled=enabled, leave=False)
 
 
@@ -327,12 +251,6 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
     the same global batch of `batch` sequences and trains on its 1/world share, so the
     run follows the single-process one; rank 0 prints and exports; MFU counts the
     global tokens against world x the peak."""
-    from colossal_lab.parallel import distributed
-    from colossal_lab.switches import checkpointing
-    from colossal_lab.switches.resolved import backends_in_use
-    from colossal_lab.training import checkpoint
-    from colossal_lab.training import data as data_mod
-
     switches = switches or Switches()
     env = distributed.env()
     world, rank = env.world_size, env.rank
@@ -359,8 +277,6 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
 
     torch.manual_seed(seed)  # every rank builds the same weights
     model = apply_switches(build_model(cfg, device), switches)  # DDP: the wrapper
-    from colossal_lab.parallel import data_parallel
-
     inner = data_parallel.unwrap(model)
     opt = make_optimizer(inner, lr)
     step = make_step(model, opt, micro_batches=local // micro)
@@ -398,9 +314,6 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
         cfg, batch, seq_len, switches.gradient_checkpoint_config,
         attention_backend=backends_in_use(inner)["attention_backend"])
     timing.reset_peak_memory()
-
-    from colossal_lab.measure.progress import Progress
-
     stats = None
     t_start = time.perf_counter()
     bar = Progress(range(start, steps), desc=f"train {cfg.num_hidden_layers}L",
