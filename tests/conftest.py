@@ -19,6 +19,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["COLOSSAL_LAB_STRICT"] = "1"  # read at each fallback, so set before any runs
 
+# Under pytest-xdist (`make test` runs `-n 2`) the workers share the machine's cores: each
+# one's torch (and the processes it starts: CLI runs, spawned gloo ranks, torchrun) gets
+# its share of them, not all of them each, which oversubscribes and spins.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+    torch.set_num_threads(_THREADS)
+
 MODEL_CONFIGS = {  # shared shapes: GQA, MHA with odd widths, MQA with tied embeddings
     "tiny-gqa": tiny(),
     "gqa-6:2-odd": ModelConfig(vocab_size=301, hidden_size=96, intermediate_size=250,
