@@ -78,6 +78,31 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [item for item in items if not item.get_closest_marker("browser")]
 
 
+@pytest.fixture(scope="module")
+def few_cpu_reps():
+    """CPU timings (`timing.time_fn`'s loop, which `time_kernels` runs on a CPU) of 1
+    warm-up and 3 calls instead of 2 and 10, for this module: every timing path still
+    runs (and the Triton interpreter is slow); for benchmark smoke tests that assert no
+    speed and no count of calls. Patched where the benchmarks look it up: the timing
+    module, and each colossal_lab module that imported `time_fn` by name."""
+    import sys
+
+    from colossal_lab import timing
+
+    real = timing.time_fn
+
+    def few(fn, **kw):
+        kw.setdefault("cpu_warmup", 1)
+        kw.setdefault("cpu_reps", 3)
+        return real(fn, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("colossal_lab") and getattr(mod, "time_fn", None) is real:
+                mp.setattr(mod, "time_fn", few)
+        yield
+
+
 def count_launches(monkeypatch, *kernels) -> dict[str, int]:
     """Count the launches of Triton kernels (`@triton.jit`, interpreted or compiled, or
     autotuned): `kernel[grid](...)` calls the kernel object's `run`, wrapped here. Proves

@@ -9,7 +9,7 @@ from colossal_lab.benchmarks import precision
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
+def rows(tmp_path_factory, few_cpu_reps):
     import os
 
     # a cache of this module's own, set for this run only: a bare os.environ.setdefault
