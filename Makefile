@@ -19,10 +19,16 @@ book: $(VENV)/.installed
 	@echo "open _build/html/index.html"
 
 ## test: unit tests, every notebook executed on this machine (nbval), lint, book build,
-## then the built book opened in headless Chromium (tests/test_book_browser.py)
+## then the built book opened in headless Chromium (tests/test_book_browser.py).
+## Unit tests and notebooks run on TEST_WORKERS processes (pytest-xdist; CI has 2 cores):
+## a test file, or a notebook's cells, stay together on one worker (--dist loadfile);
+## OMP_NUM_THREADS=1 keeps each notebook's kernel to one core of its own.
+## `make test TEST_WORKERS=0` runs everything in one process, as before.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not browser" tests
-	$(PY) -m pytest -q --nbval-lax --nbval-current-env book/
+	$(PY) -m pytest -q $(XDIST) -m "not browser" --durations=15 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) --durations=12 --nbval-lax --nbval-current-env book/
 	$(VENV)/bin/ruff check colossal_lab tests notes
 	$(MAKE) book
 	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \

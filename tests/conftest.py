@@ -19,6 +19,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["COLOSSAL_LAB_STRICT"] = "1"  # read at each fallback, so set before any runs
 
+# Under pytest-xdist (`make test` runs `-n 2`) the workers share the machine's cores: each
+# one's torch (and the processes it starts: CLI runs, spawned gloo ranks, torchrun) gets
+# its share of them, not all of them each, which oversubscribes and spins.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+    torch.set_num_threads(_THREADS)
+
 MODEL_CONFIGS = {  # shared shapes: GQA, MHA with odd widths, MQA with tied embeddings
     "tiny-gqa": tiny(),
     "gqa-6:2-odd": ModelConfig(vocab_size=301, hidden_size=96, intermediate_size=250,
@@ -67,6 +76,31 @@ def pytest_collection_modifyitems(config, items):
         if browser:
             config.hook.pytest_deselected(items=browser)
             items[:] = [item for item in items if not item.get_closest_marker("browser")]
+
+
+@pytest.fixture(scope="module")
+def few_cpu_reps():
+    """CPU timings (`timing.time_fn`'s loop, which `time_kernels` runs on a CPU) of 1
+    warm-up and 3 calls instead of 2 and 10, for this module: every timing path still
+    runs (and the Triton interpreter is slow); for benchmark smoke tests that assert no
+    speed and no count of calls. Patched where the benchmarks look it up: the timing
+    module, and each colossal_lab module that imported `time_fn` by name."""
+    import sys
+
+    from colossal_lab import timing
+
+    real = timing.time_fn
+
+    def few(fn, **kw):
+        kw.setdefault("cpu_warmup", 1)
+        kw.setdefault("cpu_reps", 3)
+        return real(fn, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("colossal_lab") and getattr(mod, "time_fn", None) is real:
+                mp.setattr(mod, "time_fn", few)
+        yield
 
 
 def count_launches(monkeypatch, *kernels) -> dict[str, int]:

@@ -358,7 +358,7 @@ def test_bad_inputs_are_clear_errors():
         adamw_step([f], [f], None, [f], [f], [], **HP)
 
 
-def test_optimizer_benchmark_runs_quick():
+def test_optimizer_benchmark_runs_quick(few_cpu_reps):
     from colossal_lab.benchmarks import optimizer
 
     rows = optimizer.run(quick=True, progress=False)

@@ -14,6 +14,11 @@ FIELDS = ("op", "provider", "tokens", "hidden", "dtype", "fwd_ms", "bwd_ms", "fw
           "fwd_gbps", "bwd_gbps", "fwd_bwd_gbps")
 
 
+# CPU timings of 1 warm-up and 3 calls (conftest.few_cpu_reps): nothing here asserts
+# a speed or a count of calls
+pytestmark = pytest.mark.usefixtures("few_cpu_reps")
+
+
 @pytest.fixture(scope="module")
 def rows():
     return fused_norm.run(quick=True)

@@ -9,11 +9,15 @@ from colossal_lab.benchmarks import precision
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
+def rows(tmp_path_factory, few_cpu_reps):
     import os
 
-    os.environ.setdefault("COLOSSAL_LAB_CACHE", str(tmp_path_factory.mktemp("cache")))
-    return precision.run(quick=True)
+    # a cache of this module's own, set for this run only: a bare os.environ.setdefault
+    # left it set for every later test of the same process (which differ under xdist)
+    with pytest.MonkeyPatch.context() as mp:
+        if "COLOSSAL_LAB_CACHE" not in os.environ:
+            mp.setenv("COLOSSAL_LAB_CACHE", str(tmp_path_factory.mktemp("cache")))
+        return precision.run(quick=True)
 
 
 def test_gemm_rows(rows):

@@ -412,7 +412,7 @@ def test_apply_sets_every_loss_module():
 # --------------------------------------------------------------------------- benchmark
 
 
-def test_benchmark_quick():
+def test_benchmark_quick(few_cpu_reps):
     from colossal_lab.benchmarks import cross_entropy as bench
 
     rows = bench.run(quick=True)

@@ -410,7 +410,7 @@ def test_linear_swap_keeps_hf_state_dict_and_blocks_conversion():
 
 
 @pytest.fixture(scope="module")
-def bench_rows():
+def bench_rows(few_cpu_reps):
     return fused_qkv.run(quick=True)
 
 

@@ -417,7 +417,7 @@ def test_eager_traffic_matches_docstring():
     assert ideal[0] == ideal[1] == 2 * n + 2 * S * 64 * 4
 
 
-def test_benchmark_quick_runs():
+def test_benchmark_quick_runs(few_cpu_reps):
     rows = rope_bench.run(quick=True)
     ops = [r for r in rows if r["kind"] == "op"]
     assert {r["provider"] for r in ops} == {"eager", "triton"}
