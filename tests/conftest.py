@@ -87,7 +87,7 @@ def few_cpu_reps():
     module, and each colossal_lab module that imported `time_fn` by name."""
     import sys
 
-    from colossal_lab import timing
+    from colossal_lab.measure import timing
 
     real = timing.time_fn
 
