@@ -24,8 +24,7 @@ from colossal_lab.ops.cross_entropy import (
     cross_entropy_ref,
     fused_linear_cross_entropy,
 )
-from colossal_lab.ops import cross_entropy as loss
-from colossal_lab.switches import loss as loss_switch
+from colossal_lab.switches import loss
 from colossal_lab.testing.correctness import check_close
 from tests.conftest import count_launches
 
@@ -401,12 +400,12 @@ class _Head(nn.Module):
 
 def test_apply_sets_every_loss_module():
     model = nn.Sequential(_Head(), nn.Linear(2, 2), _Head())
-    assert loss_switch.apply(model, "triton") == 2
+    assert loss.apply(model, "triton") == 2
     assert [m.loss_backend for m in model if isinstance(m, _Head)] == ["triton"] * 2
-    assert loss_switch.apply(model, True) == 2 and model[0].loss_backend is True
+    assert loss.apply(model, True) == 2 and model[0].loss_backend is True
     assert not hasattr(model[1], "loss_backend")
     with pytest.raises(ValueError, match="choose False"):
-        loss_switch.apply(model, "cut")
+        loss.apply(model, "cut")
     assert model[0].loss_backend is True  # unchanged by the rejected value
 
 
