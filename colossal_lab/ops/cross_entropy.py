@@ -38,7 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from colossal_lab.kernels.cross_entropy import cross_entropy_loss_and_grad_, scale_cast
+from colossal_lab.kernels import cross_entropy as ce_kernel
 from colossal_lab.ops import autocast_state, kernel_switch
 
 BACKENDS = ("eager", "chunked", "triton")
@@ -203,7 +203,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             h_c = h[start:end]  # (c, d)
             z = torch.mm(h_c, w.t(), out=z_buf[:end - start])  # (c, V) logits
             if use_triton:
-                rows = cross_entropy_loss_and_grad_(
+                rows = ce_kernel.cross_entropy_loss_and_grad_(
                     z, labels[start:end], grad_scale=grad_scale, ignore_index=ignore_index)
             else:
                 rows = _loss_and_grad_torch_(z, labels[start:end], grad_scale, ignore_index)
@@ -234,7 +234,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        cast = scale_cast if ctx.use_triton else _scale_cast_torch  # one pass each
+        cast = ce_kernel.scale_cast if ctx.use_triton else _scale_cast_torch  # one pass
         # out of place: a retained graph may run backward again
         dh = None if grad_h is None else cast(grad_h, grad_out, h_dtype)
         dw = None if grad_w is None else cast(grad_w, grad_out, w_dtype)

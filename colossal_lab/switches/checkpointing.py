@@ -24,32 +24,21 @@ per token in bf16, 0.62 GiB per layer per 4096-token sequence.
 
 **What can be recomputed** (`GradientCheckpointConfig.mode`):
 
-* ``"full"``: keep the layer input only (h per token, 95 % less for 7B); recompute the
-  layer: +1 forward of its GEMMs and of its attention core, except the last GEMM
-  (down_proj): the non-reentrant checkpoint stops recomputing as soon as the backward
-  has every tensor it saved, and down_proj's input is saved before down_proj runs.
-* ``"selective"``: keep the layer input and the GEMM outputs the recompute needs (q, k,
-  v, o_proj, gate, up: 5h + 2i for 7B, 47 % less) and recompute everything cheap in
-  between: the norms, RoPE, the attention core, SiLU·up, the layout copies.
-  This is Korthikanti et al. 2022's *selective activation recomputation* (they recompute
-  the attention core because it holds the S×S scores; with flash attention it holds
-  none, so here it is the element-wise tensors that are worth dropping). Extra FLOPs:
-  the attention core's forward only.
-* ``"elementwise"``: also keep the attention kernel's output and log-sum-exp (6h + 2i,
-  42 % less); recompute only element-wise ops. No extra matmul FLOPs at all, when the
-  attention kernel is one the dispatcher sees (SDPA, cuDNN, flash_attn; our Triton
-  kernel and naive attention are recomputed, as in "selective").
+* ``"full"``: keep the layer input only (95 % less for 7B); recompute the layer, but for
+  down_proj, whose input is saved before it runs (the non-reentrant checkpoint stops as
+  soon as the backward has every tensor it saved).
+* ``"selective"`` (Korthikanti et al. 2022): also keep the GEMM outputs (q, k, v,
+  o_proj, gate, up: 5h + 2i, 47 % less) and recompute what is cheap between them:
+  norms, RoPE, the attention core, SiLU·up. Extra FLOPs: the attention core's forward.
+* ``"elementwise"``: also keep the attention output and log-sum-exp (6h + 2i, 42 %
+  less): no extra matmul FLOPs where the dispatcher sees the attention kernel (SDPA,
+  cuDNN, flash_attn; ours and naive attention are recomputed as in "selective").
 
-Selective modes use PyTorch's selective activation checkpointing
-(`torch.utils.checkpoint.create_selective_checkpoint_contexts`): a policy decides per
-aten op whether its output is saved. GEMMs are recognised by op (``aten.mm``,
-``aten.addmm``, ``aten._scaled_mm``); ``aten.bmm`` is *not* saved, since in our model it
-is naive attention's QKᵀ or PV, the core selective recomputation exists to drop.
-Attention kernels are recognised by op as well (SDPA's, `flash_attn`'s). Our Triton
-kernels are autograd Functions the dispatcher cannot see: always recomputed (correct,
-just not savable). Always the **non-reentrant** checkpoint (``use_reentrant=False``):
-it takes keyword arguments, nested autograd Functions and selective policies, and
-stops recomputing as soon as the backward has what it needs.
+The selective modes are a policy per aten op
+(`torch.utils.checkpoint.create_selective_checkpoint_contexts`): GEMMs (``aten.mm``,
+``aten.addmm``, ``aten._scaled_mm``) and attention kernels are saved; ``aten.bmm``,
+naive attention's QKᵀ and PV, is not. Our Triton kernels are autograd Functions the
+dispatcher cannot see, so they are always recomputed (correct, just not savable).
 
 **Which layers: ColossalAI's semantics** (`colossalai/shardformer/shard/
 grad_ckpt_config.py` and the LLaMA policy's forward), matched here:

@@ -1,4 +1,4 @@
-"""`enable_fused_cross_entropy` (no ColossalAI flag; Liger's peer): sets how the head's loss runs.
+"""`enable_fused_cross_entropy` (no ColossalAI flag): sets how the causal-LM head computes its loss.
 
 Values: False (full fp32 logits, then cross-entropy), True ("triton" on a GPU, "chunked"
 on the CPU) or a name in `ops.cross_entropy.BACKENDS` ("eager", "chunked", "triton").
