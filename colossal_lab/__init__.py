@@ -4,11 +4,10 @@
     model = apply_switches(build_model(preset("llama-7b-8l"), "cuda"),
                            Switches(enable_flash_attention=True, precision="bf16"))
 
-The library behind the book: the MFU meter (`mfu`), timing and recorded results
-(`timing`, `results`), a plain LLaMA (`model`), the switches and the one function that
-applies them (`switches`, `switches.apply`), Triton kernels (`kernels`), memory probes
-and model (`memory`), a real-text corpus (`data`), a trainer (`train`) and the
-experiments behind each chapter (`benchmarks`).
+The library behind the book, in layers that import only downward: `kernels` (Triton),
+`ops` (each op's reference, dispatch and autograd), `model` (a plain LLaMA), `switches`
+(`apply_switches` and one `apply` per switch), `parallel`, `training`, `measure` (timing,
+MFU, results) and the experiments behind each chapter (`benchmarks`).
 """
 
 __version__ = "0.1.0"

@@ -4,8 +4,8 @@ A backend asked for by name that cannot run here (a library missing, no GPU, a s
 kernel does not take) goes through `fallback`: one warning, then the next best backend.
 With ``COLOSSAL_LAB_STRICT=1`` (set for the whole test session and in the chapters) it
 raises `BackendUnavailable` instead, so that no measurement silently times another kernel
-than the one its label names. This module imports nothing from the package: the kernels
-and the switches both use it.
+than the one its label names. This module imports nothing from the package: the kernels,
+the ops and the switches all use it.
 """
 
 from __future__ import annotations

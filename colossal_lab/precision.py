@@ -1,4 +1,4 @@
-"""Switch 6, `precision`: which number formats the step computes and stores in.
+"""Switch 6's precision policies: which number formats a step computes and stores in.
 
     precision   parameters   matmuls        gradients    optimizer state     loss scaling
     fp32        fp32         fp32           fp32         fp32 m, v           no
@@ -11,32 +11,20 @@
                              bf16 the rest                                    fp8 scales)
 
 **Why bf16 needs no loss scaling and fp16 does** (Micikevicius et al., "Mixed Precision
-Training", ICLR 2018). bf16 keeps fp32's 8 exponent bits: anything fp32 can hold, bf16
-can, with 3 significant digits fewer. fp16 has 5 exponent bits: its smallest subnormal
-is 6e-8 and its largest value 65504, so small gradients flush to zero. Multiplying the
-loss by S shifts every gradient up by log2(S) binades into range; the optimizer divides
-by S again. *Dynamic* loss scaling picks S by trial: halve it (and skip the step)
-whenever a gradient overflows to inf/NaN, double it after `growth_interval` clean steps.
-`DynamicLossScaler` does that with no host synchronisation: the overflow check, the
-unscale and the scale update are device-side ops (`torch._amp_*`, what
-`torch.amp.GradScaler` uses), and a fused optimizer skips the step itself when told
-`found_inf`.
+Training", 2018). bf16 keeps fp32's 8 exponent bits; fp16 has 5 (largest 65504, smallest
+subnormal 6e-8), so small gradients flush to zero. Multiplying the loss by S shifts every
+gradient up by log2(S) binades; `DynamicLossScaler` halves S (and skips the step) on an
+inf/NaN gradient and doubles it after `growth_interval` clean steps, all on the device.
 
-**Master weights** (same paper). An update lr·g is often smaller than half a unit in
-the last place of a bf16 weight (2^-8 relative), so applied to bf16 weights it rounds
-away. "bf16" autocast sidesteps this by keeping fp32 parameters and casting them to bf16
-for every matmul. "bf16-pure" stores the model in bf16 (half the parameter and gradient
-memory, no per-step weight casts, gradients reduced in bf16) and keeps the fp32 copy in
-the optimizer only: `MasterAdamW` updates fp32 masters with fp32 Adam moments and writes
-the rounded result back into the bf16 parameters.
+**Master weights.** An update lr·g is often below half an ulp of a bf16 weight (2^-8
+relative) and rounds away. "bf16" autocast keeps fp32 parameters and casts them per
+matmul; "bf16-pure" stores the model in bf16 and keeps fp32 masters in the optimizer
+only (`training.optimizer.MasterAdamW`, or our `FusedAdamW`).
 
-fp8 is its own module, `colossal_lab.ops.fp8`.
-
-**The one place.** `POLICIES` is that table as data, and this module is where the rest
-of the library asks: `apply` sets the parameter dtype and the fp8 linears (called by
-`apply_switches`), `step_context` gives the autocast and TF32 mode of a step,
-`loss_scaler` the fp16 loss scaler, `make_optimizer` the optimizer with or without
-master weights, and `of(model)` what a model was given.
+`POLICIES` is the table as data; `step_context` gives a step's autocast and TF32 mode,
+`loss_scaler` the fp16 scaler, `optimizer_backend` and `adamw_moments` the optimizer's
+options, `of(model)` what a model was given. `switches.precision` applies a precision to
+a model; fp8 linears are `ops.fp8`.
 """
 
 from __future__ import annotations
@@ -49,6 +37,7 @@ import torch
 
 from colossal_lab.config import PRECISIONS
 from colossal_lab.kernels.adamw import FusedAdamW
+from colossal_lab.ops import kernel_switch
 
 
 @dataclass(frozen=True)
@@ -114,8 +103,6 @@ OPTIMIZER_BACKENDS = ("torch", "triton")
 def optimizer_backend(value, device) -> str:
     """The optimizer `Switches.enable_fused_optimizer = value` picks on `device` (the
     rule of `kernel_switch.resolve`: True = "triton" on a GPU, "torch" elsewhere)."""
-    from colossal_lab.ops import kernel_switch
-
     return kernel_switch.resolve(value, device, names=OPTIMIZER_BACKENDS,
                                  field="enable_fused_optimizer", what="AdamW",
                                  off="torch", cpu="torch")

@@ -55,10 +55,11 @@ def test_order_is_the_documented_one(monkeypatch):
                      "gradient_checkpoint_config", "precision", "enable_compile",
                      "overlap_communication")
     doc = apply_mod.__doc__  # lists each switch's function in the same order
-    where = [doc.index(f"switches.{m}.apply") for m in
-             ("attention", "rope", "norm", "projections", "loss", "embedding",
-              "checkpointing",
-              "precision", "compile", "data_parallel")]
+    where = [doc.index(f"{m}.apply") for m in
+             ("switches.attention", "switches.rope", "switches.norm",
+              "switches.projections", "switches.loss", "switches.embedding",
+              "switches.checkpointing", "switches.precision", "switches.compile",
+              "parallel.data_parallel")]
     assert where == sorted(where)
     calls = []
 
@@ -70,7 +71,7 @@ def test_order_is_the_documented_one(monkeypatch):
 
     for field, fn in list(apply_mod._APPLY.items()):
         monkeypatch.setitem(apply_mod._APPLY, field, spy(field, fn))
-    monkeypatch.setattr(precision, "apply", spy("precision", precision_switch.apply))
+    monkeypatch.setattr(precision_switch, "apply", spy("precision", precision_switch.apply))
     monkeypatch.setattr(apply_mod.compile_switch, "apply",
                         spy("enable_compile", apply_mod.compile_switch.apply))
     monkeypatch.setattr(apply_mod.data_parallel, "apply",
@@ -195,14 +196,16 @@ def _calls_outside(names: set[str], allowed: set[str]) -> list[str]:
 
 def test_precision_is_decided_in_one_module():
     """Autocast, TF32, loss scaling, master weights and the fp8 conversion are set up
-    by `switches.precision` only. `switches.autocast_state` may only read the dtype
-    precision chose and turn autocast off around a Function's own GEMMs (fp8 linears,
-    the fused loss); nothing else calls any of it."""
+    by `precision` (the policies), `switches.precision` (applied to a model) and
+    `training.optimizer` (master weights) only. `ops.autocast_state` may only read the
+    dtype precision chose and turn autocast off around a Function's own GEMMs (fp8
+    linears, the fused loss); nothing else calls any of it."""
     hits = _calls_outside({"autocast", "DynamicLossScaler", "MasterAdamW",
                            "convert_to_fp8", "GradScaler"},
-                          allowed={"switches/precision.py", "switches/autocast_state.py"})
+                          allowed={"precision.py", "switches/precision.py",
+                                   "training/optimizer.py", "ops/autocast_state.py"})
     assert hits == []
-    state = (PACKAGE / "switches/autocast_state.py").read_text()
+    state = (PACKAGE / "ops/autocast_state.py").read_text()
     calls = [n for n in ast.walk(ast.parse(state)) if isinstance(n, ast.Call)
              and getattr(n.func, "attr", "") == "autocast"]
     assert len(calls) == 1 and [(k.arg, k.value.value) for k in calls[0].keywords] \

@@ -1,5 +1,6 @@
-"""What the RMSNorm and LayerNorm kernels share: tiling, launch settings, the persistent
-backward grid and input checks.
+"""What the RMSNorm and LayerNorm kernels share: tiling, launch settings and input checks.
+
+The launch settings include the persistent backward grid.
 
 Both norms reduce over the last dimension H of a (rows, H) matrix, and both are
 memory-bound: per element they do a handful of FLOPs against 2 to 10 bytes of traffic.
@@ -113,8 +114,8 @@ class LaunchConfig:
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) in plain Python: `triton.cdiv` is a ConstexprFunction in Triton 3.7
-    and costs ~4 us per host call (measured on the CPU, notes/fused_norm.md)."""
+    """ceil(a / b) in plain Python: `triton.cdiv` is a ConstexprFunction in Triton 3.7,
+    whose host-side call costs more than the arithmetic it does."""
     return -(-a // b)
 
 

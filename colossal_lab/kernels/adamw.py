@@ -17,16 +17,12 @@ bf16 parameters and gradients (e = 2 bytes) with fp32 masters and moments::
       (`split_master`, bf16)                                    m, v         26 + 2
       and bf16 moments (`moments="bf16"`)  m, v in bf16          m, v in bf16 18 + 2
 
-For llama-7b-8l (1.88 G parameters) that is 86 GB against 53 GB a step: about 8 ms
-at the H200's ~4.3 TB/s copy bandwidth, and four times that for the full LLaMA-7B.
-The split master keeps the fp32 master as the bf16 parameter (its high half, rounded
-to nearest) plus an int16 low half: bit for bit the same master, 2 bytes of state and
-2 bytes of traffic a parameter less, and a parameter that differs from the
-nearest-even rounding of the master only at exact ties (one in 65536), by one ulp. With
-fp32 parameters (no masters: fp32, tf32, bf16 autocast, fp8) the kernel reads g, w, m, v
-and writes w, m, v: 28 bytes, as torch's fused AdamW, but the clipping's 12 bytes of
-extra passes are gone. bf16 moments (stochastically rounded, `_round_stochastic`; a
-change of numerics, `SWITCH_SETS["best"]` has them) take 8 bytes more off either.
+For llama-7b-8l (1.88 G parameters) that is 86 GB against 53 GB a step. The split
+master keeps the fp32 master as the bf16 parameter (its high half, rounded to nearest)
+plus an int16 low half: bit for bit the same master, 2 bytes a parameter less. With fp32
+parameters the kernel moves torch's fused AdamW's 28 bytes, minus the clipping's extra
+passes. bf16 moments (stochastically rounded, `_round_stochastic`; a change of numerics)
+take 8 bytes more off either.
 
 **Math** (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019; the
 update of `torch.optim.AdamW`), per element, t the step, c the clipping coefficient::
@@ -69,7 +65,7 @@ def _hash32(x):
     C. Wellons' hash-prospector): each output bit flips with probability ~1/2 for any
     change of the input. About 8 integer operations an element, against ~100 for the
     Philox rounds of `tl.randint`: on the H200 the bf16-moment update (with its norm
-    pass) took 9.19 ms with it against 9.75 with Philox (notes/probe_adamw_rng.py)."""
+    pass) is about 6% faster with it than with Philox."""
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
@@ -243,11 +239,10 @@ def _sum_squares_kernel(X, PARTIAL, n, BLOCK: tl.constexpr):
 def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Σ x² over every element of every tensor (contiguous, one device), a 0-dim fp32
     tensor: one launch per tensor writes its block sums into one shared buffer, then one
-    sum over the buffer. Deterministic (no atomics). On the H200, over llama-7b-8l's
-    bf16 gradients, 1.31 ms against 1.86 for `torch._foreach_norm` with fp32 results
-    (notes/probes/step_glue_2185b9b.json). The launches go through `launch.launch`:
-    at about 25 µs of GPU time a tensor, Triton's own launch path (about 29 µs of
-    host time each) would leave the GPU waiting."""
+    sum over the buffer. Deterministic (no atomics); on the H200, over llama-7b-8l's bf16
+    gradients, about 30% faster than `torch._foreach_norm` with fp32 results. The
+    launches go through `launch.launch`: per tensor, Triton's own launch path takes
+    more host time than the kernel takes GPU time, and would leave the GPU waiting."""
     counts = [triton.cdiv(t.numel(), SUMSQ_BLOCK) for t in tensors]
     if not sum(counts):
         return torch.zeros((), device=tensors[0].device, dtype=torch.float32)

@@ -24,7 +24,7 @@ tensor. The caller must not read the logits afterwards.
 
 Bytes moved per logit (e: its element size, 2 for bf16; N·V logits)::
 
-                                      eager, fp32 (the model today)   this kernel
+                                      eager, fp32 (the model's)       this kernel
     forward: cast to fp32               read e, write 4
              log_softmax, saved         read 4, write 4
     backward: nll grad (zeros+scatter)  write 4
@@ -33,10 +33,10 @@ Bytes moved per logit (e: its element size, 2 for bf16; N·V logits)::
     total                               32 + 2e = 36 B (bf16)          3e = 6 B (bf16)
 
 (pass 1 reads e, pass 2 reads e, often from L2, and writes e). At N = 16384 tokens and
-V = 32000 that is 18.9 GB against 3.1 GB: about 3.9 ms against 0.65 ms at an H200's
-4.8 TB/s; we measure 4 ms for the eager loss, and Liger-Kernel's takes 1 ms. The eager
-path also keeps the fp32 log-probabilities (N·V·4 bytes, 2.1 GB) from the forward to
-the backward and makes their fp32 gradient (2.1 GB more) there.
+V = 32000 that is 18.9 GB against 3.1 GB (`results/h200/cross_entropy.json` has the
+times, with Liger-Kernel's beside them). The eager path also keeps the fp32
+log-probabilities (N·V·4 bytes, 2.1 GB) from the forward to the backward and makes their
+fp32 gradient (2.1 GB more) there.
 
 Labels outside [0, V) other than `ignore_index` are not read (no out-of-bounds access):
 their row's loss and gradient are NaN, which a checking caller sees without a
@@ -213,9 +213,8 @@ def scale_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     """A new tensor (x · scale) in `dtype`, one pass; `scale` a one-element tensor on
     x's device. The fused loss's backward scales its precomputed gradients by the
     incoming gradient with it: eager `(x * g).to(dtype)` reads and writes x twice, and
-    its multiply by a 0-d tensor runs TensorIterator's strided kernel (0.41 + 0.18 ms
-    for an fp32 (32000, 4096) dW on the H200, against about 0.23 at the copy rate).
-    Falls back to eager for a non-contiguous x."""
+    its multiply by a 0-d tensor runs TensorIterator's strided kernel, well below the
+    copy rate. Falls back to eager for a non-contiguous x."""
     if not x.is_contiguous() or x.numel() == 0:
         return (x * scale.to(x.dtype)).to(dtype)
     y = torch.empty(x.shape, dtype=dtype, device=x.device)

@@ -96,21 +96,18 @@ accepts the inputs, torch.compile is not tracing and the pass's rules (`AUTO_HOP
 fp32, odd shapes)."""
 AUTO_HOPPER = {"forward": {"head_dims": (128, 256), "min_seq_len": 1024},
                "backward": {"head_dims": (64, 128, 256), "min_seq_len": 1024}}
-"""Where "auto" may take the Hopper kernel over the portable one, per pass: from the H200
-probes of notes/flash_attention.md (same process, bf16, 30 timed calls each). The Hopper
-forward lost to the portable one at S = 512 (0.74x) and at head dim 64 (0.94x), and won
-at 256 (1.3x with the mask, 1.5x without, S = 4096); its backward lost only at S = 512
-(0.87x). Inside these bounds the forward also needs a row of `AUTO_FORWARD`. The sweep
-(`bench flash_attention`) records both next to cuDNN at every point."""
+"""Where "auto" may take the Hopper kernel over the portable one, per pass, from H200
+probes (same process, bf16). The Hopper forward lost to the portable one at S = 512 and
+at head dim 64, and won at 256 (1.3x with the mask, 1.5x without, S = 4096); its
+backward lost only at S = 512. Inside these bounds the forward also needs a row of
+`AUTO_FORWARD`. The sweep (`bench flash_attention`, `results/h200/flash_attention.json`)
+records both next to cuDNN at every point."""
 SHORT_CAUSAL = {"keys_per_step": 64, "stages": 4, "diag_skip": True, "epilogue": "tma"}
 """The Hopper forward's options for short causal rows: 64 keys a step, four K/V slots
 (as many as fit: two at head dim 256), warpgroup 0 leaving out each tile's last key
 tile, and O stored through shared memory by TMA (`flash_attention_hopper.forward`). At
-S = 1024, D = 128 (MHA and GQA-4) they ran 422-430 TFLOP/s, 0.92-0.93x cuDNN, against
-370-377 without the TMA store, and 364-368 with 128 keys and two slots, as before the
-skip (graph replay, three interleaved rounds, H200:
-notes/probes/flash_attention_hopper_9ec73cd_tma_skip.json; the skip alone at head dim 256:
-407 against 391, notes/probes/flash_attention_hopper_f2b4e06_skip_d256.json)."""
+S = 1024, D = 128 (MHA and GQA-4) they ran at 0.92-0.93x cuDNN on the H200, about 15%
+ahead of the same kernel without the TMA store or with 128 keys and two slots."""
 AUTO_FORWARD = (
     # (causal, longest S or None, (schedule, scheduler[, options of
     # `flash_attention_hopper.forward`]) or None for the portable forward): the first
@@ -121,16 +118,13 @@ AUTO_FORWARD = (
     (False, 1024, ("pingpong", "static")),
     (False, None, ("serial", "static")),
 )
-"""The Hopper forward's plan per mask and length, from H200 probes at D = 128
-(notes/probes/). With the mask, "overlap" under the dynamic scheduler: at S = 1024 it
-ran 0.79x cuDNN against the portable forward's 0.73x (0.92x with `SHORT_CAUSAL`), MHA
-and GQA-8 alike (graph replay, three interleaved rounds, p10-p90 within 1%: notes/probes/
-flash_attention_hopper_9cb8826_s1024.json; the eager probes before it had the portable
-one ahead, inside their noise), and at S = 2048 (GQA-8) 404-423 TFLOP/s against 335-394
-for "serial" on the grid, which stays from 4096 on (level there, ahead at 16k). Without
-the mask at S = 1024 the persistent ping-pong forward ran at 0.87-0.89x cuDNN against
-the portable one's 0.62-0.73x; "serial" stays from 2048 on (level with ping-pong at
-4096)."""
+"""The Hopper forward's plan per mask and length, from H200 probes at D = 128 (graph
+replay, interleaved rounds). With the mask, "overlap" under the dynamic scheduler: at
+S = 1024 it ran 0.79x cuDNN against the portable forward's 0.73x (0.92x with
+`SHORT_CAUSAL`), MHA and GQA-8 alike, and at S = 2048 (GQA-8) it led "serial" on the
+grid, which takes over from 4096 on (level there, ahead at 16k). Without the mask at
+S = 1024 the persistent ping-pong forward ran at 0.87-0.89x cuDNN against the portable
+one's 0.62-0.73x; "serial" takes over from 2048 on (level with ping-pong at 4096)."""
 DQ_MODES = ("separate", "atomic")
 DEFAULT_DQ_MODE = "separate"
 """How the backward computes dQ (see `flash_attention_backward`). "separate" is
@@ -746,8 +740,8 @@ def _fit_options(options: dict, d: int, causal: bool, schedule: str) -> dict:
 def _plan_name(plan: tuple[str, str, dict], d: int) -> str:
     """"hopper-overlap-dynamic", with "-tma" (the epilogue, where not the default),
     "-k64" (keys a step other than `block_n(d)`), "-s4" (K/V slots other than `STAGES`)
-    and "-skip" (the diagonal skip) as they apply: the names of
-    notes/probe_flash_attention_hopper.py."""
+    and "-skip" (the diagonal skip) as they apply: the names the probes and the sweep
+    record."""
     schedule, scheduler, options = plan
     keys = options.get("keys_per_step") or hopper.block_n(d)
     stages = options.get("stages", hopper.STAGES)

@@ -28,10 +28,10 @@ block, head, batch) tiles p, p + P, p + 2P, ..., so one tile's epilogue and the 
 tile's first loads overlap (+13% at S = 2048 and 4096 on the H200). Under the mask the
 tiles' lengths differ, static shares balance badly (0.91x at S = 16384), and one
 program per tile, which the hardware hands to whichever SM frees first, is faster
-(`SCHEDULERS`, `forward(..., scheduler=)`; notes/flash_attention.md has the
-measurements). A third, "dynamic", keeps the program per SM but hands tiles out in
-order as programs ask for them, through a global counter: the hardware's balance with
-the persistent kernel's overlap (written for short causal sequences; not yet measured).
+(`SCHEDULERS`, `forward(..., scheduler=)`). A third, "dynamic", keeps the program per
+SM but hands tiles out in order as programs ask for them, through a global counter: the
+hardware's balance with the persistent kernel's overlap (written for short causal
+sequences).
 
 The online softmax, the LSE it saves for the backward and the causal schedule (unmasked
 tiles first, the diagonal tile masked, longest query blocks first) are the portable
@@ -100,7 +100,7 @@ SHARED_LIMIT = 227 * 1024 - 1024
 HEAD_DIMS = (64, 128, 256)
 """Head dims of the forward. At 256 it steps 64 keys at a time (`block_n`; one Q buffer,
 192 KiB of shared memory in all); compiled for sm_90a with 80 B of spills, and chosen
-by no rule until the H200 says it beats the portable forward."""
+by a rule only where the H200 probes found it ahead of the portable forward."""
 BACKWARD_HEAD_DIMS = (64, 128, 256)
 """Head dims of the backward (`flash_attention_hopper_backward`; at 256 its warpgroups
 split the head dim instead of the keys)."""
@@ -109,8 +109,8 @@ SCHEDULES = ("serial", "overlap", "pingpong")
 matmul at once; "overlap" computes the softmax of S_j while P_{j-1} V_{j-1} runs;
 "pingpong" adds turns between the two warpgroups."""
 DEFAULT_SCHEDULE = "serial"
-"""Fastest or level at every D = 128 shape of the H200 probes (event-timed, same process;
-notes/flash_attention.md); in the sweep's graph replay at the canonical point the three
+"""Fastest or level at every D = 128 shape of the H200 probes (event-timed, same process);
+in the sweep's graph replay at the canonical point the three
 schedules are level within the p10-p90 spread (about 10%). The two warpgroups seem to
 interleave their softmax and matmuls well enough without being told."""
 EPILOGUES = ("registers", "tma")
@@ -122,10 +122,9 @@ S1024 D128 causal on the H200); or "tma", through the warpgroup's half of the Q 
 as FlashAttention-3 does. "tma" needs O with a 2-D TMA view (`rows_view`); the Q buffer
 is then released after the store instead of before the last P V."""
 DEFAULT_EPILOGUE = "registers"
-"""The H200 probe at 62665f5 (notes/flash_attention.md): "tma" lifts the ping-pong
-schedule (0.85 -> 0.90 of cuDNN at S 2048 GQA-8 causal, 0.79 -> 0.87 at S 1024 full),
-where the rules' plans already meet the target, and not the short causal forward; no
-default changes before the sweep has timed it."""
+"""On the H200 "tma" lifts the ping-pong schedule (0.85 -> 0.90 of cuDNN at S 2048 GQA-8
+causal, 0.79 -> 0.87 at S 1024 full), where the rules' plans already meet the target, but
+not the short causal forward; the plans that want it name it (`SHORT_CAUSAL`)."""
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 SCHEDULERS = ("grid", "static", "dynamic")
@@ -134,8 +133,8 @@ tile, handed out by the hardware as SMs free up; "static", persistent, one progr
 SM taking tiles p, p + P, ...; "dynamic", persistent, each program asking a global
 counter for the next tile when it starts one (its load warp asks, and passes the id to
 the consumers through shared memory). All three give bit-equal outputs on the H200
-(GPU test); "dynamic" is chosen by no default yet (its probe numbers:
-notes/flash_attention.md)."""
+(GPU test); "dynamic" is the choice of `flash_attention.AUTO_FORWARD`'s causal plans up
+to S = 2048, not a default here."""
 
 
 def shared_bytes(head_dim: int, keys: int, stages: int, q_bufs: int) -> int:
@@ -162,7 +161,7 @@ def block_n(head_dim: int) -> int:
 
 
 def default_scheduler(causal: bool) -> str:
-    """Measured on the H200 (notes/flash_attention.md): "static" without the causal mask
+    """Measured on the H200: "static" without the causal mask
     (+13% over "grid" at S 2048 and 4096), "grid" with it (static shares of unequal
     tiles balance badly: 0.91x at S 16384)."""
     return "grid" if causal else "static"

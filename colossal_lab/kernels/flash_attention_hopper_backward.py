@@ -38,7 +38,7 @@ One program per (key block, key/value head, batch), launched in that order, so t
 programs running together share a few heads' Q and dO in L2 and the hardware hands
 the next program to whichever SM frees first. A persistent version (one program per
 SM over a strided share of the tiles) was measured and lost: static shares balance
-badly under the causal mask (0.85x at S = 1024, 0.82x at 16k; notes/flash_attention.md).
+badly under the causal mask (0.85x at S = 1024, 0.82x at 16k).
 
 Registers per consumer thread: dK and dV 64 each, Sᵀ and dPᵀ 32 each, dQ 32; the
 producer needs 24 (`worker_num_regs` re-balances them). Shared memory at head dim 128:

@@ -2,16 +2,15 @@
 
 `kernel[grid](*args, **constexprs)` does tens of microseconds of Python before the
 driver call: it binds the arguments, works out what to specialise on, builds and looks
-up the cache key and checks the globals the kernel read. Measured on the H200's host,
-about 29 µs per launch, and an RMSNorm forward + backward makes three launches: at
-small shapes that is most of an eager call, and more than the GPU time. `launch` does
-that work once per specialisation: the first call goes through Triton's JIT, which
-compiles and returns the compiled kernel; later calls with the same key go to the
-compiled kernel's launcher (`_Runner`), 6 to 11 µs there (two probes on two nodes,
-notes/fused_norm.md).
+up the cache key and checks the globals the kernel read. An RMSNorm forward + backward
+makes three launches: at small shapes that host work is most of an eager call, and more
+than the GPU time. `launch` does that work once per specialisation: the first call goes
+through Triton's JIT, which compiles and returns the compiled kernel; later calls with
+the same key go to the compiled kernel's launcher (`_Runner`), a third to a fifth of
+the host time.
 
-Even `CompiledKernel[grid](*args)`, Triton's own way back in, costs about 9 µs: since
-Triton 3.5 the launch hooks are `HookChain`s, never None, so every launch builds the
+Even `CompiledKernel[grid](*args)`, Triton's own way back in, is slower: in Triton 3.5
+and later the launch hooks are `HookChain`s, never None, so every launch builds the
 hooks' metadata and calls two empty chains from C. `_Runner` passes no hooks while the
 chains are empty and goes through `CompiledKernel[grid]` as soon as a profiler has
 added one.
@@ -20,7 +19,7 @@ The key is at least as fine as Triton's specialisation (the current device; each
 tensor's dtype and 16-byte alignment; each integer's divisibility by 16, whether it is
 1 and whether it fits in 32 bits; the constexprs, warps and stages), so a cached kernel
 is reused only where Triton would have picked the same one. Working that out from the
-arguments (`_spec`) costs about 6 µs a launch on the H200's host; a caller that already
+arguments (`_spec`) is itself a good part of that host time; a caller that already
 holds what determines it (shapes, strides, dtypes, pointer alignments) passes it as
 `key` instead. Under the interpreter, or if the compiled kernel's launcher does not
 take the call (another Triton version), every launch goes through `kernel[grid]` as

@@ -1,14 +1,13 @@
-"""RMSNorm's forward and backward with no Python between the call and the GPU
-(`csrc/rms_norm_native.cpp`, built on first use with `torch.utils.cpp_extension`).
+"""RMSNorm's forward and backward with no Python between the call and the GPU, in C++.
 
-From Python each eager forward + backward pays for a Python autograd `Function` and
-three calls into Triton's launcher: about 200 µs of host time on the H200's host even
-with everything precomputed, against about 126 µs for `F.rms_norm`, whose autograd node
-is C++ (notes/fused_norm.md). Where the GPU work is shorter than that, eager training
-waits on the host. The native path keeps every decision in Python and moves only the
-per-call work to C++:
+The C++ is `csrc/rms_norm_native.cpp`, built on first use with
+`torch.utils.cpp_extension`. From Python each eager forward + backward pays for a Python
+autograd `Function` and three calls into Triton's launcher: about twice the host time of
+`F.rms_norm`, whose autograd node is C++, even with everything precomputed. Where the
+GPU work is shorter than that, eager training waits on the host. The native path keeps
+every decision in Python and moves only the per-call work to C++:
 
-1. the first call of a shape goes through `rms_norm.TritonRMSNormFunction` as before:
+1. the first call of a shape goes through `rms_norm.TritonRMSNormFunction`:
    checks, tiles, compilation, launches;
 2. `register_launch` (called from there) hands each launch to C++: the compiled kernel's
    function handle, grid, threads, shared memory, and where each kernel argument comes
@@ -18,12 +17,11 @@ per-call work to C++:
 3. later calls of that shape find the plan in C++ (`rms_norm`), which allocates, launches
    and records a C++ autograd node whose backward does the same.
 
-On by default for CUDA tensors (the H200: one eager forward + backward 95 µs of host
-time against 96 µs for `F.rms_norm` and 230 µs through Python; notes/fused_norm.md).
-`COLOSSAL_LAB_NATIVE=0` turns it off; it is off under the interpreter, while
-torch.compile traces, and where the extension cannot be built (no C++ compiler:
-`why_not()` says why, and the Python path runs). The first use builds the extension
-(about a minute) into a cache folder; later processes load it.
+On by default for CUDA tensors (the H200: one eager forward + backward then takes the
+host time of `F.rms_norm`). `COLOSSAL_LAB_NATIVE=0` turns it off; it is off under the
+interpreter, while torch.compile traces, and where the extension cannot be built (no C++
+compiler: `why_not()` says why, and the Python path runs). The first use builds the
+extension (about a minute) into a cache folder; later processes load it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Rotary position embedding (RoPE) in Triton: q and k in one launch, forward and
-backward from one kernel, reading the projections' (B, S, H, D) layout as it is.
+"""Rotary position embedding (RoPE) in Triton: q and k in one launch, forward and backward.
+
+One kernel does both directions, reading the projections' (B, S, H, D) layout as it is.
 
 Math (Su et al., RoFormer, 2021), LLaMA's half-split convention: a head vector
 x = [x1 | x2] of D = 2·h dims is rotated, pair by pair (x1_j, x2_j), by the angle
@@ -18,59 +19,37 @@ transpose, the rotation by −θ::
 the forward kernel with sin negated (`BACKWARD`). Nothing of q or k is saved for the
 backward: only the tables (S·D/2 fp32 each).
 
-Layout. q (B, S, Hq, D) and k (B, S, Hkv, D), before the transpose to (B, H, S, D) the
-attention wants; any strides over B, S and H, unit stride over D. So q and k may be
-column slices of the fused qkv GEMM output (B, S, (Hq + 2·Hkv)·D), viewed as
-`q.unflatten(-1, (Hq, D))` (no copy): their rows are (Hq + 2·Hkv)·D apart, not Hq·D.
-The outputs are new tensors, contiguous (B, S, H, D), in the input dtype (not written
-in place into the fused output: autograd refuses in-place writes to the views `split`
-returns, and v, which the attention saves, shares that storage). The gradients come
-back in any strides (the attention's dq in (B, H, S, D), transposed) and the backward
-writes contiguous (B, S, H, D) gradients, which the `.view(B, S, H·D)` of the caller
-takes as they are.
+Layout. q (B, S, Hq, D) and k (B, S, Hkv, D), before the transpose to (B, H, S, D);
+any strides over B, S and H, unit stride over D, so q and k may be column slices of the
+fused qkv output, `q.unflatten(-1, (Hq, D))` (rows (Hq + 2·Hkv)·D apart). The outputs
+are new contiguous (B, S, H, D) tensors (not written into the fused output: autograd
+refuses in-place writes to `split`'s views, and v, which attention saves, shares that
+storage). The backward takes gradients in any strides and writes contiguous ones.
 
-Tables. cos and sin of shape (S', D), fp32, with S' ≥ S (the model's, or longer), or
-just their first half (S', D/2): the kernel reads only columns [0, D/2), since the
-half-split tables repeat them. Position s reads row s. The math is done in fp32 with
-fp32 tables, rounded once to the output dtype; the model's eager path rounds the tables
-to bf16 first and every intermediate, so this kernel is slightly *more* accurate than
-the code it replaces: the tests hold it to an fp64 reference, within twice the error
-of the model's own bf16 path.
+Tables. cos and sin (S', D) fp32, S' ≥ S, or their first halves (S', D/2): the kernel
+reads only columns [0, D/2), rounding once to the output dtype, so it is slightly *more*
+accurate than the eager path, which rounds the tables to bf16 first.
 
-Bytes moved per element of q and k (N = B·S·(Hq + Hkv)·D elements of e bytes; the
-eager column counted op by op on meta tensors by
-`colossal_lab.benchmarks.rope.eager_traffic`, for `model.apply_rotary` on the
-transposed views, as the model runs today)::
+Bytes per element of q and k (N = B·S·(Hq + Hkv)·D elements of e bytes; the eager column
+counted op by op by `colossal_lab.benchmarks.rope.eager_traffic`)::
 
                    eager (apply_rotary)                        Triton (this file)
-    forward        per tensor: mul 2, neg 1, cat 2, mul 2,     read q, k; write
-                   add 3                     = 10 N e,          q_rot, k_rot = 2 N e,
-                   12 kernels (+2 table casts)                  1 kernel
-    backward       mul 2, neg 1, cat 2, mul 2, add 3           read dq, dk; write
-                                             = 10 N e,          dq, dk      = 2 N e,
-                   10 kernels                                   1 kernel
+    forward        mul 2, neg 1, cat 2, mul 2, add 3 = 10 N e   2 N e, 1 kernel
+    backward       the same                          = 10 N e   2 N e, 1 kernel
     fused qkv,     + a transposing copy of the (B, H, S, D)     nothing: the gradient
-    backward       gradient to (B, S, H·D): 2 N e, 2 kernels    is (B, S, H, D) already
+    backward       gradient to (B, S, H·D): 2 N e               is (B, S, H, D) already
 
-plus the tables, 4·D bytes per token per program (1/(Hq + Hkv) of the q/k traffic,
-served from L2). With fused qkv, both also pay the split's backward, which autograd
-adds after either: the concatenation of dq, dk, dv into the one qkv gradient, 3·N e
-at Hq = Hkv (the benchmark's count, 15.5 N e for eager, adds 0.5 N e of zeros for
-its unused dv). `RotaryQKVFunction`, the model's path with fused projections, takes
-the split into its own node and so skips that: its backward rotates dq and dk
-straight into their columns of the qkv gradient and copies dv into the rest in the same
-launch (N e / 2 at Hq = Hkv, against 3 N e; as a separate `copy_` of the attention's
-transposed dv it took 0.19 ms a layer at LLaMA-7B's shape on the H200: 268 MB read and
-written at 1.4 TB/s, a third of the copy bandwidth). LLaMA-7B at B 4, S 4096 (Hq = Hkv =
-32, D 128, bf16): q and k are 256 MiB together, so eager moves 2.5 GiB forward and 2.5
-to 3 GiB backward per layer, this kernel 0.5 GiB each way.
+With fused qkv, `RotaryQKVFunction` also takes the split into its node: its backward
+rotates dq and dk straight into their columns of the qkv gradient and copies dv into the
+rest in the same launch (N e / 2 at Hq = Hkv), where autograd would concatenate dq, dk,
+dv (3 N e). At LLaMA-7B, B 4, S 4096, bf16, eager moves 2.5 GiB each way per layer,
+this kernel 0.5 GiB.
 
-Launch: a 2-D grid, (B·S tokens) × (head blocks). Program (t, j) loads the cos/sin
-half-row of token t's position once and rotates heads [j·BLOCK_H, (j+1)·BLOCK_H) of q
-and of k, as a (BLOCK_H, D/2) tile per half; BLOCK_H = next_power_of_2(max(Hq, Hkv)),
-capped so a tile holds at most `MAX_TILE` elements, so every model we run (D ≤ 128,
-≤ 64 heads) needs one head block: one program per token, ~32 KB of bf16 traffic each
-for LLaMA-7B. Loads are 16-byte vectors when D/2 and the strides are multiples of 8.
+Launch: a 2-D grid, (B·S tokens) × (head blocks). Program (t, j) loads token t's cos/sin
+half-row once and rotates heads [j·BLOCK_H, (j+1)·BLOCK_H) of q and k as (BLOCK_H, D/2)
+tiles per half; BLOCK_H = next_power_of_2(max(Hq, Hkv)) capped at `MAX_TILE` elements,
+so every model we run needs one head block. Loads are 16-byte vectors when D/2 and the
+strides are multiples of 8.
 """
 
 from __future__ import annotations
@@ -371,8 +350,7 @@ class RotaryQKVFunction(torch.autograd.Function):
     qkv -> q_rot (B, S, Hq, D) and k_rot (B, S, Hkv, D), new and contiguous, and v
     (B, S, Hkv, D), a view of qkv. The backward writes dq and dk (rotated back) and dv
     into one qkv gradient, where `split` + `RotaryFunction` leave autograd to
-    concatenate the three (a read and a write of all of them: about 1 ms a step at
-    LLaMA-7B-8L, seq 4096, batch 4, notes/finale.md)."""
+    concatenate the three (a read and a write of all of them)."""
 
     @staticmethod
     def forward(ctx, qkv, n_q, n_kv, cos, sin):

@@ -1,4 +1,4 @@
-"""Switch 1, `enable_flash_attention`: exact attention without the S×S matrix.
+"""Attention, the op of switch 1 (`enable_flash_attention`): exact, without the S×S matrix.
 
 Naive attention materialises the scores P = softmax(QKᵀ/√d) — an (S, S) matrix per head
 — writes it to memory, reads it back for PV, and keeps it for the backward: O(S²) memory
@@ -6,6 +6,9 @@ and traffic. Flash attention tiles Q, K and V, keeps a running max and sum per r
 (the online softmax) and never writes P; the backward recomputes it from Q, K and the
 saved log-sum-exp. Same FLOPs, O(S) memory. Dao et al., FlashAttention (2022) and
 FlashAttention-2 (2023).
+
+Here: the reference, the backends and the dispatch between them; `switches.attention`
+sets the backend on a model's attention modules.
 
 Shapes: q (B, Hq, S, D); k, v (B, Hkv, S, D) with Hq a multiple of Hkv (grouped-query
 attention); output (B, Hq, S, D).
@@ -17,9 +20,15 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from colossal_lab import kernels
 from colossal_lab.fallback import fallback
-from colossal_lab.kernels.flash_attention import check_shapes
+from colossal_lab.kernels.flash_attention import (
+    SUPPORTED_HEAD_DIMS,
+    check_shapes,
+    flash_attention,
+)
 
 BACKENDS = ("naive", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-math", "cudnn",
             "triton", "flash_attn")
@@ -60,8 +69,6 @@ def _sdpa(q, k, v, causal, groups):
 
 
 def _sdpa_with(backend_name: str):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     which = {"sdpa-flash": SDPBackend.FLASH_ATTENTION,
              "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
              "sdpa-math": SDPBackend.MATH,
@@ -71,14 +78,12 @@ def _sdpa_with(backend_name: str):
 
 def available_backends(device: torch.device | str | None = None) -> list[str]:
     """Backends that can run on `device` (default: the current one)."""
-    from colossal_lab.kernels import runs_on
-
     dev = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     out = ["naive", "sdpa", "sdpa-math"]
     if dev.type == "cuda":
         out += ["sdpa-flash", "sdpa-efficient", "cudnn"]
-    if runs_on(dev):
+    if kernels.runs_on(dev):
         out.append("triton")  # on the CPU under the interpreter: correct, slow
     if dev.type == "cuda":
         try:
@@ -93,9 +98,7 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 def _cudnn_attention_available() -> bool:
     """cuDNN's fused attention (SDPA's CUDNN_ATTENTION): needs torch >= 2.5 built with
     cuDNN >= 9 and an Ampere or newer GPU. On an H200 it is the fastest backend we measure
-    (BASELINES.md: 538 vs 319 TFLOP/s for SDPA flash, causal fwd at S=4096)."""
-    from torch.nn.attention import SDPBackend
-
+    (`results/h200/flash_attention.json`)."""
     if not (torch.cuda.is_available() and hasattr(SDPBackend, "CUDNN_ATTENTION")):
         return False
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
@@ -119,15 +122,11 @@ def _why_not(backend: str, dev: torch.device, dtype, head_dim) -> str | None:
     if backend == "flash_attn" and "flash_attn" not in available_backends(dev):
         return "needs flash-attn installed and a CUDA GPU"
     if backend == "triton":
-        from colossal_lab.kernels import INTERPRET, runs_on
-
-        if not runs_on(dev):
+        if not kernels.runs_on(dev):
             return "needs a CUDA GPU or TRITON_INTERPRET=1"
-        from colossal_lab.kernels.flash_attention import SUPPORTED_HEAD_DIMS
-
         if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
             return f"supports head_dim in {SUPPORTED_HEAD_DIMS}, not {head_dim}"
-        if dtype == torch.float32 and (head_dim or 0) > 128 and not INTERPRET:
+        if dtype == torch.float32 and (head_dim or 0) > 128 and not kernels.INTERPRET:
             return f"does not fit fp32 with head_dim={head_dim} in shared memory"
     return None
 
@@ -141,7 +140,7 @@ def resolve_backend(backend, device: torch.device | str | None = None, *,
     True picks the fastest backend we trust: cuDNN attention on a GPU that has it (for
     bf16/fp16), else PyTorch SDPA (its own choice of flash / memory-efficient / math
     kernel). A named backend that cannot run here becomes "sdpa" through
-    `switches.fallback`: one warning, or `BackendUnavailable` in strict mode."""
+    `colossal_lab.fallback`: one warning, or `BackendUnavailable` in strict mode."""
     if backend is False or backend is None:
         return "naive"
     dev = torch.device(device) if device is not None else (
@@ -183,8 +182,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         with _sdpa_with(name):  # resolve_backend kept only those that run here
             return _sdpa(q, k, v, causal, groups)
     if name == "triton":
-        from colossal_lab.kernels.flash_attention import flash_attention
-
         return flash_attention(q, k, v, causal=causal)
     if name == "flash_attn":
         from flash_attn import flash_attn_func

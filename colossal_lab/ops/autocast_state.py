@@ -1,10 +1,8 @@
 """What autocast is doing now, for autograd Functions that run their own GEMMs.
 
-The precision is decided in `switches.precision`; a few Functions (fp8 linears, the
-fused head + loss) read the dtype it chose for this region and then turn autocast off
-around their own matmuls, so that autocast does not cast their operands a second time.
-Those two things, and nothing else about autocast, live here (a leaf module: the
-switches that need it import nothing else for it).
+A step's autocast is set by `colossal_lab.precision.step_context`; a few Functions (fp8
+linears, the fused head + loss) read the dtype it chose and turn autocast off around
+their own matmuls, so that it does not cast their operands a second time. A leaf module.
 """
 
 from __future__ import annotations

@@ -1,88 +1,34 @@
-"""The loss switch, `loss_backend`: fused linear + cross-entropy that never makes the
-(N, V) logits.
+"""Fused linear + cross-entropy (`enable_fused_cross_entropy`): the loss without (N, V) logits.
 
-**What the model does today.** `LlamaForCausalLM` computes all the logits, `lm_head` on
-N = B·S tokens of the last hidden state (d wide) against V vocabulary rows, and takes
-the mean cross-entropy in fp32::
-
-    z    = h Wᵀ                         (N, V), bf16 under autocast
-    loss = mean_i (lse(z_i) − z_i,y_i)  F.cross_entropy(z.float(), y)
-
-In our bf16 LLaMA-7B-8L step on an H200 (N = 16384, d = 4096, V = 32000) that loss takes
-4 ms, against 1 ms for Liger-Kernel's fused linear cross-entropy: the eager loss moves
-about 36 bytes per logit (casts, log-softmax, its backward, casts back: the table in
-`colossal_lab.kernels.cross_entropy`) where 6 suffice. And it costs memory: between the
-forward and the backward autograd keeps the fp32 log-probabilities (N·V·4 bytes), and
-the backward makes their fp32 gradient (N·V·4 more) next to the bf16 logits and their
-bf16 gradient. With V = 32000 that is 2·2.1 GB of fp32 plus 2·1.05 GB of bf16; with
-LLaMA-3's V = 128256, 2·8.4 GB plus 2·4.2 GB, more than the 8 decoder layers' own
-activations.
-
-**The idea** (Wijmans et al. 2024, who take it furthest; Liger-Kernel's
-`LigerFusedLinearCrossEntropyFunction` is the peer we measure against): the loss needs
-only lse and z_y per token, and the backward of the linear layer needs only
-dz = (softmax(z) − onehot(y)) / n_valid. Both come from one chunk of tokens at a time,
-so the *forward* loops over chunks of c tokens::
+The eager head computes all logits z = h Wᵀ (N = B·S tokens, V vocabulary rows) and the
+mean of lse(z_i) − z_i,y_i in fp32: about 36 bytes moved per logit where 6 suffice
+(`kernels.cross_entropy`), and fp32 log-probabilities and their gradient, N·V·4 bytes
+each, alive at the peak (2.1 GB each at N = 16384, V = 32000; four times that at
+LLaMA-3's V = 128256). The loss needs only lse and z_y per token, and the linear's
+backward only dz = (softmax(z) − onehot(y)) / n_valid, so the *forward* loops over
+chunks of c tokens (Wijmans et al. 2024; Liger-Kernel's peer)::
 
     z_c   = h_c Wᵀ                              (c, V), the only logits alive
-    loss += Σ (lse − z_y)   and   z_c ← dz_c    our Triton kernel, in place
+    loss += Σ (lse − z_y)   and   z_c ← dz_c    one kernel, in place
     dh_c  = dz_c W                              (c, d), into the (N, d) gradient
-    dW   += dz_cᵀ h_c                           (V, d)
+    dW   += dz_cᵀ h_c                           (V, d), fp32 across chunks
 
-and keeps dh and dW for the backward, which only multiplies them by the incoming
-gradient (a scalar). The GEMM FLOPs are the eager ones (2·N·d·V forward, twice that
-backward), only issued earlier; the loss itself becomes one kernel of 3·N·V·e bytes.
-Extra memory at the peak is one chunk of logits, (c, V), instead of the (N, V) ones.
-From forward to backward we hold dh (N, d) and dW (V, d) where the eager path holds h
-(saved by lm_head) and the (N, V) fp32 log-probabilities; dh and dW are what the eager
-backward makes anyway, only made earlier.
+and the backward only scales dh and dW by the incoming scalar. Same GEMM FLOPs, issued
+earlier. Chunks (`default_chunk_tokens`): the fewest equal ones whose logits stay under
+`CHUNK_BYTES`. The matmuls run in autocast's dtype (else the inputs', which must agree);
+dz is rounded once to the logits' dtype, as the eager backward does. With every label
+ignored the loss is 0 (F.cross_entropy's mean gives NaN). Labels out of range raise on
+CPU tensors; on a GPU (where a check would sync) the Triton kernel makes that row NaN.
 
-**Chunk size** (`default_chunk_tokens`): as many equal chunks as it takes for each one's
-logits to stay under `CHUNK_BYTES` = 512 MiB,
-c = ⌈N / ⌈N·V·e / 512 MiB⌉⌉. For N = 16384 bf16 tokens that is 2 chunks of 8192 at
-V = 32000 and 8 chunks of 2048 at V = 128256: each chunk's GEMMs (≥ 2048 × 4096 ×
-32000) are large enough to run at the card's matmul rate, and 512 MiB is a quarter of
-the fp32 logits the eager path keeps at V = 32000. Equal chunks, not a fixed size with a
-remainder, so that no chunk is a sliver. (Liger sizes chunks from V/d so that a chunk's
-logits take about as much memory as the hidden states; ours is in bytes, so it does not
-depend on d.)
+Backends (the head's `loss_backend`, which `switches.loss` sets): "eager"
+(`cross_entropy_ref` of the full logits), "chunked" (torch ops per chunk, runs anywhere),
+"triton" (our kernel per chunk; on a CPU under the interpreter, else "chunked" through
+`colossal_lab.fallback`); False / None = "eager", True = "triton" on a GPU, "chunked"
+on a CPU. `results/h200/cross_entropy.json` measures them with Liger's.
 
-**Numerics.** The matmuls run in the dtype autocast would use (bf16 under
-`torch.autocast(bf16)`, else the inputs' dtype, which must then agree); the kernel
-works in fp32 and rounds dz once, to the logits' dtype, as the eager backward does
-when it casts the fp32 gradient back for the bf16 GEMM. dW is summed over the chunks in
-an fp32 buffer when there is more than one chunk or the weight is fp32 (autocast's
-master weights: the buffer is then the returned gradient). On CUDA the bf16 GEMM writes
-and then accumulates into that buffer itself (`out_dtype=torch.float32`,
-`mm_fp32_out_supported`); elsewhere each chunk's bf16 partial is added to a zeroed
-buffer. With a bf16 weight that is a
-(V, d) fp32 buffer of 0.5 GB at V = 32000, against the GBs saved, and rounding to bf16
-once at the end keeps dW as close to the eager one as a single GEMM's. The per-chunk
-partial dz_cᵀ h_c is one (V, d) temporary in the matmul dtype (fp32 matmuls add into the
-buffer directly). The loss is the sum of per-token losses divided by the number of
-non-ignored labels; with every label ignored it is 0 (F.cross_entropy's mean gives NaN).
-
-**Switch values** (`BACKENDS`, the attribute `loss_backend` of a module):
-
-- "eager": `cross_entropy_ref(hidden @ weight.T)`, the model's math, (N, V) logits.
-- "chunked": the chunked fused function with torch ops for the loss (`logsumexp`,
-  softmax − onehot on an fp32 copy of the chunk): runs anywhere, no Triton.
-- "triton": the chunked fused function with our kernel
-  (`colossal_lab.kernels.cross_entropy`); on a CPU it runs under the interpreter, and
-  without it falls back to "chunked" (`colossal_lab.fallback`).
-- False / None: "eager"; True: "triton" on a CUDA device, "chunked" on a CPU.
-
-**Checked cheaply** (no device synchronisation): shapes, dtypes, devices, a positive
-`chunk_tokens`. Labels out of range [0, V) are caught on CPU tensors (ValueError); on a
-GPU checking would cost a sync per step, so the Triton kernel instead makes that row's
-loss and gradient NaN (it never reads out of bounds), and the torch paths raise a
-device-side assert.
-
-References: E. Wijmans, B. Huval, A. Hertzberg, V. Koltun, P. Krähenbühl, *Cut Your
-Losses in Large-Vocabulary Language Models*, arXiv:2411.09009, 2024 (never materialise
-the logits); P.-L. Hsu et al., *Liger Kernel: Efficient Triton Kernels for LLM
-Training*, arXiv:2410.10216, 2024 (`LigerFusedLinearCrossEntropyLoss`, chunked like
-ours); M. Milakov, N. Gimelshein, *Online normalizer calculation for softmax*, 2018.
+References: Wijmans et al., *Cut Your Losses in Large-Vocabulary Language Models*,
+arXiv:2411.09009; Hsu et al., *Liger Kernel*, arXiv:2410.10216; Milakov & Gimelshein,
+*Online normalizer calculation for softmax*, 2018.
 """
 
 from __future__ import annotations
@@ -92,6 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from colossal_lab.kernels import cross_entropy as ce_kernel
 from colossal_lab.ops import autocast_state, kernel_switch
 
 BACKENDS = ("eager", "chunked", "triton")
@@ -215,6 +162,12 @@ def _loss_and_grad_torch_(z: torch.Tensor, labels: torch.Tensor,
     return loss
 
 
+def _scale_cast_torch(g: torch.Tensor, s: torch.Tensor, dtype) -> torch.Tensor:
+    """g · s cast to `dtype`, with torch ops (what `kernels.cross_entropy.scale_cast`
+    does in one pass)."""
+    return (g * s.to(g.dtype)).to(dtype)
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Mean cross-entropy of (hidden @ weightᵀ) over non-ignored labels, chunk by chunk;
     the gradients are computed in the forward and scaled in the backward."""
@@ -245,15 +198,12 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=dev)
         z_buf = torch.empty((min(chunk_tokens, n_tokens), vocab), dtype=dtype, device=dev)
 
-        if use_triton:
-            from colossal_lab.kernels.cross_entropy import cross_entropy_loss_and_grad_
-
         for start in range(0, n_tokens, chunk_tokens):
             end = min(start + chunk_tokens, n_tokens)
             h_c = h[start:end]  # (c, d)
             z = torch.mm(h_c, w.t(), out=z_buf[:end - start])  # (c, V) logits
             if use_triton:
-                rows = cross_entropy_loss_and_grad_(
+                rows = ce_kernel.cross_entropy_loss_and_grad_(
                     z, labels[start:end], grad_scale=grad_scale, ignore_index=ignore_index)
             else:
                 rows = _loss_and_grad_torch_(z, labels[start:end], grad_scale, ignore_index)
@@ -284,14 +234,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        if ctx.use_triton:  # one pass per gradient (`scale_cast`)
-            from colossal_lab.kernels.cross_entropy import scale_cast
-        else:
-            def scale_cast(g, s, dtype):
-                return (g * s.to(g.dtype)).to(dtype)
+        cast = ce_kernel.scale_cast if ctx.use_triton else _scale_cast_torch  # one pass
         # out of place: a retained graph may run backward again
-        dh = None if grad_h is None else scale_cast(grad_h, grad_out, h_dtype)
-        dw = None if grad_w is None else scale_cast(grad_w, grad_out, w_dtype)
+        dh = None if grad_h is None else cast(grad_h, grad_out, h_dtype)
+        dw = None if grad_w is None else cast(grad_w, grad_out, w_dtype)
         return dh, dw, None, None, None, None, None
 
 
@@ -336,8 +282,3 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     with autocast_state.off(device_type):  # dtype decided above, explicitly
         return FusedLinearCrossEntropyFunction.apply(
             h2d, weight, y, max(1, chunk_tokens), ignore_index, dtype, name == "triton")
-
-
-# ---------------------------------------------------------------------------- the switch
-
-

@@ -1,4 +1,4 @@
-"""Switch 6b, fp8 linear layers: all three GEMMs of a linear in 8-bit floats.
+"""fp8 linear layers (part of switch 6, `precision="fp8"`): a linear's three GEMMs in 8 bits.
 
 **Formats** (Micikevicius et al., "FP8 Formats for Deep Learning", 2022; OCP FP8 spec):
 E4M3 (`torch.float8_e4m3fn`: 4 exponent bits, 3 mantissa, largest 448, no infinities)
@@ -20,27 +20,21 @@ writes this tensor's amax for the next step; an outlier larger than the history
 saturates once. Choose with `Fp8Config.scaling` or `Switches.extra["fp8_scaling"]`.
 
 **Layouts.** `torch._scaled_mm` takes A row-major and B column-major; the cast kernel
-(`colossal_lab.kernels.fp8_cast`) writes each tensor and its transpose in one pass, so
-the forward uses W's fp8 copy viewed transposed (no copy), the backward the saved fp8
-Wᵀ and xᵀ (1 byte per element: half the activation memory of a bf16 linear) and dy,
-dyᵀ from one cast. Output dtypes avoid casts: y and dx in the autocast dtype (bf16) or
-x's, dW in the weight's dtype (fp32 master weights under autocast). Fast (reduced-
-precision) accumulation is on for the forward GEMM, off for the two backward GEMMs by
-default, as in torchao: dW sums over all M tokens of the batch, where Hopper's fp8
-accumulator loses bits (DeepSeek-V3 report, 2024, §3.3.2).
+(`kernels.fp8_cast`) writes each tensor and its transpose in one pass, so the backward
+keeps fp8 Wᵀ and xᵀ (half a bf16 linear's activation memory). y and dx come out in the
+autocast dtype, dW in the weight's. Fast accumulation is on for the forward GEMM and off
+for the backward ones, as in torchao: dW sums over every token, where Hopper's fp8
+accumulator loses bits (DeepSeek-V3 report, §3.3.2).
 
-**Where it does not run.** fp8 tensor cores exist from compute capability 8.9 (Ada,
-Hopper); older GPUs get a clear error. `_scaled_mm` needs the inner dimension of every
-GEMM and the output width to be multiples of 16: a linear whose in or out features are
-not stays a plain (bf16 under autocast) `nn.Linear`, with one warning listing them
-(ColossalAI's FP8 path crashes there instead, hpcaitech/ColossalAI#6390); a token count
-that is not is padded with zeros in the transposed copies. On a CPU the GEMMs run in an
-*emulation*: the same quantisation through the float8 dtypes, then an fp32 matmul of
-the dequantised values, so every scaling rule here is tested in CI.
+**Where it does not run.** fp8 tensor cores need compute capability 8.9 or more (a clear
+error elsewhere). `_scaled_mm` needs multiples of 16: a linear whose features are not
+stays a plain `nn.Linear`, with one warning (ColossalAI's FP8 path crashes there,
+hpcaitech/ColossalAI#6390); a token count that is not is zero-padded. On a CPU the GEMMs
+are *emulated* (quantise, dequantise, fp32 matmul), so every scaling rule runs in CI.
+`switches.fp8` swaps a model's linears for `Fp8Linear`.
 
 References: Micikevicius et al. 2022 (arXiv:2209.05433); NVIDIA Transformer Engine
-(delayed scaling, amax history); torchao.float8 (tensorwise dynamic scaling; +25% on
-Llama3-8B in torchtitan); PyTorch `torch._scaled_mm`.
+(delayed scaling); torchao.float8 (tensorwise dynamic scaling); `torch._scaled_mm`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""How a switch whose fast path is one of our Triton kernels turns its value into the
-backend that runs (SwiGLU, RoPE, the fused loss): one rule, in one place.
+"""The one rule by which a switch whose fast path is our Triton kernel picks its backend.
+
+Used by SwiGLU, RoPE, the fused loss, the embedding and the optimizer:
 
     False / None  -> `off` (the eager reference)
     True          -> "triton" on a CUDA device, `cpu` elsewhere
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from colossal_lab import kernels
 from colossal_lab.fallback import fallback
 
 
@@ -27,8 +29,6 @@ def resolve(value, device, *, names: tuple[str, ...], field: str, what: str,
             off: str = "eager", cpu: str = "eager") -> str:
     """The backend `value` picks on `device` (see the module docstring); `what` names
     the kernel in the fallback message."""
-    from colossal_lab.kernels import runs_on
-
     check_value(value, names, field)
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
@@ -36,7 +36,7 @@ def resolve(value, device, *, names: tuple[str, ...], field: str, what: str,
         return off
     if value is True:
         return "triton" if dev.type == "cuda" else cpu
-    if value == "triton" and not runs_on(dev):
+    if value == "triton" and not kernels.runs_on(dev):
         fallback(f"{what} backend 'triton' needs a CUDA device or TRITON_INTERPRET=1", cpu)
         return cpu
     return value

@@ -1,4 +1,4 @@
-"""Switch 2, `enable_fused_normalization`: one kernel per normalisation.
+"""RMSNorm and LayerNorm, the ops of switch 2 (`enable_fused_normalization`), one kernel each.
 
 RMSNorm (LLaMA; Zhang & Sennrich 2019) and LayerNorm (Ba et al. 2016) over the last
 dimension H::
@@ -7,48 +7,34 @@ dimension H::
     LayerNorm:  y = (x − μ) · r · w + b,  μ = mean(x),  r = (mean((x − μ)²) + eps)^(-1/2)
 
 **Why eager normalisation is memory-bound.** Per element these do a handful of FLOPs,
-while an H200 does ~200 bf16 FLOPs in the time it moves one byte. So the cost is
-the bytes moved, and eager PyTorch moves many: `rms_norm_ref` below is eight kernels
-(cast to fp32, square, mean, add, rsqrt, multiply, cast back, multiply by w), six of
-them full passes over memory, several over fp32 intermediates twice the bf16 input.
-Counted per element of a bf16 x (N elements; `benchmarks.fused_norm.traffic_bytes`
-counts them op by op)::
+while an H200 does ~200 bf16 FLOPs in the time it moves one byte, so the cost is the
+bytes moved. Eager `rms_norm_ref` is eight kernels, six of them full passes, several
+over fp32 intermediates. Bytes per element of a bf16 x (N elements;
+`benchmarks.fused_norm.traffic_bytes` counts them op by op)::
 
     version                          forward                  backward
     eager RMSNorm (rms_norm_ref)     36 N bytes, 8 kernels    92 N bytes, 16 kernels
     eager LayerNorm (layer_norm_ref) 52 N bytes, 11 kernels  122 N bytes, 21 kernels
     fused (one pass each way)         4 N bytes, 1 kernel      6 N bytes + dw partials
 
-"triton" (ours), "apex" and "liger" are fused by construction; "torch" (`F.rms_norm`)
-is one fused kernel in recent PyTorch on CUDA and a decomposition in older ones;
-"compile" fuses the forward but may read x and dy twice in the backward (once for dx,
-once for dw). `benchmarks.fused_norm` measures how close each gets to the fused count.
+The fused residual add (`add_rms_norm`, "triton") also folds the pre-norm block's
+`h = x + residual` into the same pass: 8 N bytes forward instead of 6 N + 4 N, and 8 N
+backward instead of 6 N + 6 N (the two gradients of h are summed in the kernel).
 
-A fused kernel reads x once and writes y once; its backward reads x and dy, writes dx
-and reduces dw from small per-program partial sums. The fused
-residual add (`add_rms_norm`, "triton") also folds the pre-norm block's
-`h = x + residual` into the same pass: 8 N bytes forward instead of 6 N (add) + 4 N,
-and 8 N backward instead of 6 N + 6 N (the gradient of h from the norm and from the
-next residual are summed in the kernel, not by autograd).
-
-The seed chapter claims 5–8 % of a LLaMA step for this switch: norms are a small share
-of the FLOPs but, eager, a large share of the memory traffic.
-
-Backends (`backend=` argument, or the `enable_fused_normalization` switch):
+Backends (`backend=`; `switches.norm` sets it on a model's norm modules):
 
 - False / "eager": the references below (what Hugging Face LLaMA runs).
-- "torch": `F.rms_norm` / `F.layer_norm` (fused kernels in recent PyTorch).
-- "compile": `torch.compile` of the reference, compiled once and cached.
+- "torch": `F.rms_norm` / `F.layer_norm` (fused kernels in recent PyTorch on CUDA).
+- "compile": `torch.compile` of the reference (its backward may read x and dy twice).
 - "triton": ours, `colossal_lab.kernels.rms_norm` / `layer_norm`.
-- "liger": Liger-Kernel's Triton kernels, when installed.
-- "apex": NVIDIA apex's CUDA kernels (what ColossalAI uses), when installed.
+- "liger": Liger-Kernel's Triton kernels; "apex": NVIDIA apex's (what ColossalAI uses).
 - True: "triton" on a CUDA device, "torch" on the CPU.
 
-A backend that is not installed (or needs a GPU) falls back to "torch" with one warning
-(an error under ``COLOSSAL_LAB_STRICT=1``: `switches.fallback`); ColossalAI instead
-crashes when apex is missing (hpcaitech/ColossalAI#6260). Every backend returns x's
-dtype, also when the weight is fp32 and x bf16 (autocast training): then the eager
-reference rounds to x's dtype where Hugging Face's would promote.
+A backend that is not installed (or needs a GPU) falls back to "torch" through
+`colossal_lab.fallback`; ColossalAI instead crashes when apex is missing
+(hpcaitech/ColossalAI#6260). Every backend returns x's dtype, also for an fp32 weight on a
+bf16 x (autocast): there the eager reference rounds to x's dtype where Hugging Face's
+would promote.
 """
 
 from __future__ import annotations
@@ -59,7 +45,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from colossal_lab import kernels
 from colossal_lab.fallback import fallback
+from colossal_lab.kernels.layer_norm import layer_norm_triton
+from colossal_lab.kernels.rms_norm import add_rms_norm_triton, rms_norm_triton
 
 BACKENDS = ("eager", "torch", "compile", "triton", "liger", "apex")
 FUSES_ADD = (True, "triton", "compile")
@@ -145,11 +134,9 @@ def _device_type(device) -> str:
 def available_backends(device=None) -> list[str]:
     """Backends that run on `device` (default: CUDA when present, else CPU) without
     falling back. "triton" on the CPU runs under Triton's interpreter (slow, exact)."""
-    from colossal_lab.kernels import runs_on
-
     on_gpu = _device_type(device) == "cuda"
     out = ["eager", "torch", "compile"]
-    if runs_on(_device_type(device)):  # CPU tensors: only under the interpreter
+    if kernels.runs_on(_device_type(device)):  # CPU tensors: only under the interpreter
         out.append("triton")
     if on_gpu and _liger("rms_norm") is not None:
         out.append("liger")
@@ -160,7 +147,7 @@ def available_backends(device=None) -> list[str]:
 
 def resolve_backend(backend, device=None) -> str:
     """Map the switch value (False / None / True / a name in `BACKENDS`) to a backend
-    that runs on `device`; one that cannot becomes "torch" through `switches.fallback`
+    that runs on `device`; one that cannot becomes "torch" through `colossal_lab.fallback`
     (one warning, or `BackendUnavailable` in strict mode)."""
     if backend is False or backend is None:
         return "eager"
@@ -172,9 +159,7 @@ def resolve_backend(backend, device=None) -> str:
     if backend in ("eager", "torch", "compile"):
         return backend
     if backend == "triton":  # every call asks: the one check, not the whole list
-        from colossal_lab.kernels import runs_on
-
-        if runs_on(_device_type(device)):
+        if kernels.runs_on(_device_type(device)):
             return backend
     if backend in available_backends(device):
         return backend
@@ -228,8 +213,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     if name == "eager":
         return rms_norm_ref(x, weight, eps)
     if name == "triton":
-        from colossal_lab.kernels.rms_norm import rms_norm_triton
-
         return rms_norm_triton(x, weight, eps)
     if name == "compile":
         return _run_compiled("rms_norm", _rms_torch, x, weight, eps)
@@ -268,8 +251,6 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if name == "eager":
         return layer_norm_ref(x, weight, bias, eps)
     if name == "triton":
-        from colossal_lab.kernels.layer_norm import layer_norm_triton
-
         return layer_norm_triton(x, weight, bias, eps)
     if name == "compile":
         return _run_compiled("layer_norm", _layer_torch, x, weight, bias, eps)
@@ -297,8 +278,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """
     name = resolve_backend(backend, x.device)
     if name == "triton" and residual.shape == x.shape:
-        from colossal_lab.kernels.rms_norm import add_rms_norm_triton
-
         return add_rms_norm_triton(x, residual, weight, eps)
     if name == "compile":
         return _run_compiled("add_rms_norm", _add_then_torch, x, residual, weight, eps)

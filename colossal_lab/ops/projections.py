@@ -1,5 +1,7 @@
-"""Fused projections: stack `nn.Linear` children into one and back, keeping Hugging Face's
-separate names in the state dict (hooks on the parent), so a checkpoint loads either way."""
+"""Fused projections: stack `nn.Linear` children into one and split them back.
+
+Hugging Face's separate names stay in the state dict (hooks on the parent), so a
+checkpoint loads either way; `switches.projections` applies this to a model."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """What a checkpointed layer hands from its forward to its recompute.
 
 `switches.checkpointing.checkpoint` opens a `Replay` around each checkpointed call;
-layers with state (fp8 delayed scaling, `switches.fp8`) ask `current_replay()`. A leaf
-module: the checkpointing and the fp8 switch both use it, neither imports the other.
+layers with state (fp8 delayed scaling, `ops.fp8`) ask `current_replay()`. A leaf
+module: the checkpointing and the fp8 op both use it, neither imports the other.
 """
 
 from __future__ import annotations

@@ -1,42 +1,23 @@
-"""The RoPE switch, `rope_backend`: rotary position embedding of q and k in one fused
-kernel instead of a chain of element-wise ones.
+"""Rotary position embedding of q and k (`enable_fused_rope`), fused into one kernel.
 
-**What it does.** Attention rotates every query and key head vector by its position
-(Su et al., RoFormer, 2021): with x = [x1 | x2] (the half-split layout LLaMA and
-Hugging Face use) and θ_j(s) = s · base^(−2j/D)::
+Attention rotates every query and key head vector by its position (Su et al., RoFormer,
+2021): with x = [x1 | x2] (LLaMA's half-split layout) and θ_j(s) = s · base^(−2j/D)::
 
     rope(x) = x · cos θ + rotate_half(x) · sin θ,    rotate_half([x1 | x2]) = [−x2 | x1]
 
-Eager PyTorch runs that as six element-wise kernels per tensor (mul, neg, cat, mul,
-add and the cast of the tables), each streaming the whole of q or k through memory:
-10·e bytes read or written per element of q (e bytes each), against 2·e for one
-kernel that reads q once and writes the result (the table in `kernels.rope`). The
-backward is the same rotation by −θ, again 10·e against 2·e.
+Eager PyTorch runs that as six element-wise kernels per tensor, 10·e bytes per element
+of q (e bytes each) against 2·e for one kernel; the backward, the rotation by −θ, the
+same (`kernels.rope` has the table; `results/h200/rope.json` the times).
 
-**Why.** On an H200, our bf16 LLaMA-7B-8L step (batch 4, sequence 4096) spends about
-40 ms per step in eager RoPE on [4, 32, 4096, 128] q/k: `mul` 14.9 ms over 64 calls,
-`cat` 11.7, `add` 8.3, `neg` 3.0, and a transposing copy 3.6 (the gradient of the
-transposed view reshaped back). Liger-Kernel's Triton RoPE does the same work in 2.1 ms.
-`colossal_lab.benchmarks.rope` measures each backend side by side.
+q (B, S, Hq, D) and k (B, S, Hkv, D) are taken *before* the transpose to (B, H, S, D):
+the Triton kernel reads any row strides (column slices of the fused qkv output) and
+writes contiguous (B, S, H, D), so the caller's transpose is a view and the gradient
+needs no transposing copy. cos/sin are (S', D) fp32 tables (S' ≥ S), or (S', D/2).
 
-**Layout.** Here q (B, S, Hq, D) and k (B, S, Hkv, D) are taken *before* the transpose
-to (B, H, S, D), the layout the projections produce: the Triton kernel reads them with
-any row strides (column slices of the fused qkv output, switch 3) and writes contiguous
-(B, S, H, D) results, so the caller's transpose for the attention is a view, and the
-gradient comes back to the projection without a transposing copy. cos/sin are the
-model's (S', D) fp32 tables (S' ≥ S), or their first halves (S', D/2).
-
-Switch values (an attribute `rope_backend` on the attention modules, set by `apply`):
-
-- False / None or "eager": `rotary_ref`, the element-wise chain (what the model ran).
-- "compile": `torch.compile` of `rotary_ref` (Inductor fuses the chain).
-- "triton": our kernel, `kernels.rope.rope_triton`; on CPU tensors it needs the
-  Triton interpreter, else it falls back to "eager" (`colossal_lab.fallback`).
-- True: "triton" on a CUDA device, "eager" on the CPU.
-
-References: J. Su et al., *RoFormer: Enhanced Transformer with Rotary Position
-Embedding*, arXiv:2104.09864 (2021); Hugging Face `apply_rotary_pos_emb` (LLaMA);
-Liger-Kernel's `LigerRopeFunction` (the comparison in the benchmark).
+Backends (the attention modules' `rope_backend`, which `switches.rope` sets): False /
+"eager" (`rotary_ref`), "compile" (`torch.compile` of it), "triton" (ours; on CPU tensors
+only under the interpreter, else "eager" through `colossal_lab.fallback`), True
+("triton" on a GPU, "eager" on the CPU).
 """
 
 from __future__ import annotations
@@ -46,6 +27,7 @@ import functools
 import torch
 
 from colossal_lab.fallback import fallback
+from colossal_lab.kernels.rope import rope_qkv_triton, rope_triton, split_heads
 from colossal_lab.ops import kernel_switch
 
 BACKENDS = ("eager", "compile", "triton")
@@ -131,8 +113,6 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     """
     name = resolve_backend(backend, q.device)
     if name == "triton":
-        from colossal_lab.kernels.rope import rope_triton
-
         return rope_triton(q, k, cos, sin)
     if name == "compile":
         try:
@@ -150,18 +130,9 @@ def split_rotary(qkv: torch.Tensor, n_q: int, n_kv: int, cos: torch.Tensor,
     (B, S, H, D), with RoPE on q and k (`rotary`). With "triton" the split and the
     rotation are one autograd node whose backward writes the qkv gradient in one piece
     (`kernels.rope.RotaryQKVFunction`): no concatenation of dq, dk and dv."""
-    from colossal_lab.kernels.rope import split_heads
-
     name = resolve_backend(backend, qkv.device)
     if name == "triton":
-        from colossal_lab.kernels.rope import rope_qkv_triton
-
         return rope_qkv_triton(qkv, n_q, n_kv, cos, sin)
     q, k, v = split_heads(qkv, n_q, n_kv)
     q, k = rotary(q, k, cos, sin, name)
     return q, k, v
-
-
-# ----------------------------------------------------------------------------- the switch
-
-

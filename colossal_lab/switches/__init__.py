@@ -1,6 +1,8 @@
-"""One module per throughput switch: reference, dispatch, autograd wiring, and the
-`apply(model, value)` that sets it on a model in place; `apply_switches`
-(`switches.apply`) applies them all in their fixed order.
+"""The layer that applies switches to a model: one module per switch, each with `apply`.
+
+Each module's `apply(model, value)` sets its switch on a model in place; `apply_switches`
+(`switches.apply`) applies them all in their fixed order. The ops themselves (reference,
+dispatch, autograd) are in `colossal_lab.ops`.
 
 A backend asked for by name that cannot run here goes through `fallback` (one warning,
 or `BackendUnavailable` under ``COLOSSAL_LAB_STRICT=1``; see `colossal_lab.fallback`,

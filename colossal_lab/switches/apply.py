@@ -14,34 +14,32 @@ order (the shape of torchtitan's `parallelize_llama`):
     6. activation checkpoints  switches.checkpointing.apply   (switch 4)
     7. precision and fp8       switches.precision.apply       (switch 6)
        then, on the mesh's "tp" dim when it is > 1: tensor parallelism, switch 5,
-       switches.tensor_parallel.apply (`enable_sequence_parallelism`,
+       parallel.tensor_parallel.apply (`enable_sequence_parallelism`,
        `sequence_parallelism_mode`; with pipeline stages too: each stage holds its
        tp rank's shards, the zero-bubble W runs their weight-gradient communication)
     8. torch.compile           switches.compile.apply         (`enable_compile`: each
                                                               layer, or the model)
        then, on the mesh's "pp" dim when it is > 1: pipeline stages, switch 7,
        switches.pipeline_parallel.apply (this rank's stages in a `PipelineModel`; not
-       yet together with `enable_compile`)
-    9. data parallelism        switches.data_parallel.apply   (switch 8), on the mesh's
+       with `enable_compile`)
+    9. data parallelism        parallel.data_parallel.apply   (switch 8), on the mesh's
                                                               "dp" dim, always last
 
 Why this order: the kernel switches (1, 2, 3, 5) and 6 only set attributes and
 commute. 4 restacks `nn.Linear` children, so it runs before 7, which swaps linears for
-fp8 ones (and fp8 linears left by an earlier application are turned back into plain
-ones first). 6 runs before 7 so that the checkpointed forward sees the fp8 linears it
-recomputes. Precision comes
-after the kernels because it changes what parameters are (dtype, fp8 wrappers), which
-is what tensor parallelism then shards and data parallelism reduces; those come after
-it, data parallelism last, as in torchtitan, because it hooks or wraps (DDP) or shards
-(FSDP2) whatever the others built. Compilation (8) traces the modules as every switch
-before it left them (torchtitan's order too: TP, checkpointing, compile, then FSDP),
-so it runs after them; earlier compilations are removed first, with the fp8 linears,
-and redone there.
+fp8 ones (fp8 linears left by an earlier application are turned back into plain ones
+first). 6 runs before 7 so that the checkpointed forward sees the fp8 linears it
+recomputes. Precision comes after the kernels because it changes what parameters are
+(dtype, fp8 wrappers), which tensor parallelism then shards and data parallelism
+reduces; data parallelism comes last, as in torchtitan, because it hooks or wraps (DDP)
+or shards (FSDP2) whatever the others built. Compilation (8) traces the modules as every
+switch before it left them (torchtitan's order too: TP, checkpointing, compile, then
+FSDP); earlier compilations are removed first, with the fp8 linears, and redone there.
 
 Applying again swaps switches on the same model with no rebuild: weights keep their
 values (fused projections are new Parameters: make the optimizer afterwards; fp8
 amax histories restart). `model.switches` records what was applied; the precision in
-it is what every step asks (`switches.precision.of`).
+it is what every step asks (`precision.of`).
 """
 
 from __future__ import annotations
@@ -50,9 +48,7 @@ import torch
 
 from colossal_lab import precision
 from colossal_lab.config import Switches
-from colossal_lab.ops import attention, embedding, fp8, norm, rope
-from colossal_lab.ops import cross_entropy as loss
-from colossal_lab.ops import swiglu as projections
+from colossal_lab.ops import attention, cross_entropy, embedding, fp8, norm, rope, swiglu
 from colossal_lab.parallel import data_parallel, tensor_parallel
 from colossal_lab.switches import attention as attention_switch
 from colossal_lab.switches import checkpointing, deferred_adamw, pipeline_parallel
@@ -90,14 +86,14 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
     if not isinstance(switches, Switches):
         raise TypeError(f"expected a Switches, not {type(switches).__name__}")
     checkpointing.resolve(switches.gradient_checkpoint_config)
-    projections.is_fused(switches.enable_fused_projections)
+    swiglu.is_fused(switches.enable_fused_projections)
     for value, names, field in ((switches.enable_flash_attention, attention.BACKENDS,
                                  "enable_flash_attention"),
                                 (switches.enable_fused_normalization, norm.BACKENDS,
                                  "enable_fused_normalization"),
                                 (switches.enable_fused_rope, rope.BACKENDS,
                                  "enable_fused_rope"),
-                                (switches.enable_fused_cross_entropy, loss.BACKENDS,
+                                (switches.enable_fused_cross_entropy, cross_entropy.BACKENDS,
                                  "enable_fused_cross_entropy"),
                                 (switches.enable_fused_embedding, embedding.BACKENDS,
                                  "enable_fused_embedding")):

@@ -1,4 +1,11 @@
-"""Switch 1, `enable_flash_attention`: pick the attention kernel of every attention module."""
+"""Switch 1, ColossalAI's `enable_flash_attention`: sets the attention kernel on a model.
+
+Values: False (naive attention, the (S, S) scores materialised), True (the best backend
+on the device: cuDNN attention where it runs, else PyTorch SDPA) or a name in
+`ops.attention.BACKENDS` ("sdpa", "cudnn", "triton" for ours, "flash_attn", ...). On the
+model it sets `attention_backend` of every attention module (`model.Attention`); the op
+itself, its reference and its fallback live in `ops.attention`.
+"""
 
 from __future__ import annotations
 

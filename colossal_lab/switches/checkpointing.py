@@ -1,14 +1,14 @@
-"""Switch 4, `gradient_checkpoint_config`: store less in the forward, recompute it in the
-backward.
+"""Switch 4, ColossalAI's `gradient_checkpoint_config`: keep less, recompute it in the backward.
 
-**The idea** (Chen et al. 2016, "Training deep nets with sublinear memory cost"). The
-backward of every op needs tensors from the forward (a linear needs its input for the
-weight gradient, SiLU its input, attention q, k, v, o and the log-sum-exp). Training keeps
-them all alive from the forward until the backward reaches them, so activation memory
-grows with layers × batch × sequence. A *checkpointed* layer keeps only its input; when
-the backward reaches it, it runs its forward again (under autograd) and then its backward.
-Memory per checkpointed layer drops to one (B, S, d) tensor; the price is one more forward
-of that layer: the step's matmul FLOPs go from 3 forwards' worth to 4 (+33 %).
+On the model, `apply` wraps the forward of the chosen decoder layers in a non-reentrant
+`torch.utils.checkpoint` (with a selective policy for the selective modes); the value is
+None (off) or a `GradientCheckpointConfig` (which layers, which `mode`).
+
+**The idea** (Chen et al. 2016). Training keeps every tensor the backward needs from
+the forward until the backward reaches it, so activation memory grows with layers ×
+batch × sequence. A *checkpointed* layer keeps only its input and runs its forward again
+when the backward reaches it: one (B, S, d) tensor per layer, for one more forward of it
+(the step's matmul FLOPs go from 3 forwards' worth to 4).
 
 **Memory model of one of our decoder layers** (tensors autograd keeps per token, in
 elements; h = d, q = Hq·D, kv = Hkv·D, i = intermediate size; flash attention, fused
@@ -24,38 +24,21 @@ per token in bf16, 0.62 GiB per layer per 4096-token sequence.
 
 **What can be recomputed** (`GradientCheckpointConfig.mode`):
 
-* ``"full"``: keep the layer input only (h per token, 95 % less for 7B); recompute the
-  layer: +1 forward of its GEMMs and of its attention core, except the last GEMM
-  (down_proj): the non-reentrant checkpoint stops recomputing as soon as the backward
-  has every tensor it saved, and down_proj's input is saved before down_proj runs.
-* ``"selective"``: keep the layer input and the GEMM outputs the recompute needs (q, k,
-  v, o_proj, gate, up: 5h + 2i for 7B, 47 % less) and recompute everything cheap in
-  between: the norms, RoPE, the attention core, SiLU·up, the layout copies.
-  This is Korthikanti et al. 2022's *selective activation recomputation* (they recompute
-  the attention core because it holds the S×S scores; with flash attention it holds
-  none, so here it is the element-wise tensors that are worth dropping). Extra FLOPs:
-  the attention core's forward only.
-* ``"elementwise"``: also keep the attention kernel's output and log-sum-exp (6h + 2i,
-  42 % less); recompute only element-wise ops. No extra matmul FLOPs at all, when the
-  attention kernel is one the dispatcher sees (SDPA, cuDNN, flash_attn; our Triton
-  kernel and naive attention are recomputed, as in "selective").
+* ``"full"``: keep the layer input only (95 % less for 7B); recompute the layer, but for
+  down_proj, whose input is saved before it runs (the non-reentrant checkpoint stops as
+  soon as the backward has every tensor it saved).
+* ``"selective"`` (Korthikanti et al. 2022): also keep the GEMM outputs (q, k, v,
+  o_proj, gate, up: 5h + 2i, 47 % less) and recompute what is cheap between them:
+  norms, RoPE, the attention core, SiLU·up. Extra FLOPs: the attention core's forward.
+* ``"elementwise"``: also keep the attention output and log-sum-exp (6h + 2i, 42 %
+  less): no extra matmul FLOPs where the dispatcher sees the attention kernel (SDPA,
+  cuDNN, flash_attn; ours and naive attention are recomputed as in "selective").
 
-Selective modes use PyTorch's selective activation checkpointing
-(`torch.utils.checkpoint.create_selective_checkpoint_contexts`): a policy decides per
-aten op whether its output is saved or recomputed. GEMMs are recognised by op:
-``aten.mm``, ``aten.addmm`` (every `nn.Linear`, fused or not, folds its (B, S) dimensions
-into one 2-D matmul) and ``aten._scaled_mm`` (fp8 linears). ``aten.bmm`` is *not* saved:
-in our model a batched matmul is naive attention's QKᵀ or PV, the core selective
-recomputation exists to drop. Attention kernels are recognised by op as well (SDPA's
-flash / efficient / cuDNN / CPU kernels, `flash_attn`'s custom ops). Our Triton kernels
-are `torch.autograd.Function`s whose launches are invisible to the dispatcher: they are
-always recomputed (their outputs are rebuilt from recomputed or saved inputs, which is
-correct, just not savable by the policy).
-
-We always use the **non-reentrant** `torch.utils.checkpoint` (``use_reentrant=False``):
-it works with inputs that do not require grad, with keyword arguments, with nested
-autograd Functions and with selective policies, and it stops recomputing as soon as the
-backward has what it needs. PyTorch recommends it; the reentrant variant is legacy.
+The selective modes are a policy per aten op
+(`torch.utils.checkpoint.create_selective_checkpoint_contexts`): GEMMs (``aten.mm``,
+``aten.addmm``, ``aten._scaled_mm``) and attention kernels are saved; ``aten.bmm``,
+naive attention's QKᵀ and PV, is not. Our Triton kernels are autograd Functions the
+dispatcher cannot see, so they are always recomputed (correct, just not savable).
 
 **Which layers: ColossalAI's semantics** (`colossalai/shardformer/shard/
 grad_ckpt_config.py` and the LLaMA policy's forward), matched here:
@@ -68,20 +51,12 @@ grad_ckpt_config.py` and the LLaMA policy's forward), matched here:
 * The checkpointed layers are the **first** ones of each stage (their activations would
   live longest under 1F1B; ColossalAI's `if idx - start_idx < num_ckpt_layers`).
 
-Where we differ, and why:
-
-* One config class does both (`PipelineGradientCheckpointConfig` is an alias) and it works
-  **without pipeline stages**: the model is then one stage. ColossalAI's forward reads
-  ``stage_manager.stage`` and raises `AttributeError` when there is no pipeline.
-* Errors are raised early and say what to change (ColossalAI uses bare `assert`s):
-  a ratio outside [0, 1], a per-stage list whose length is not the number of (virtual)
-  stages, a count larger than its stage, and **both** a ratio and a list (ColossalAI
-  silently lets the list win).
-* ``floor(r · n)`` is taken with a tolerance: ColossalAI's ``int(0.29 * 100)`` is 28
-  because 0.29 · 100 = 28.999999999999996 in floating point; ours is 29.
-* `GradientCheckpointConfig()` with neither field checkpoints every layer (ColossalAI's
-  plain config defaults to ratio 0.0, i.e. none; "checkpointing on, no config" is all).
-* ``mode`` (selective recomputation) has no ColossalAI counterpart.
+Where we differ: one config class does both (`PipelineGradientCheckpointConfig` is an
+alias) and works without pipeline stages (the model is one stage; ColossalAI's forward
+raises there); bad values raise early and say what to change (ColossalAI `assert`s, and
+lets a list silently win over a ratio); ``floor(r · n)`` is taken with a tolerance
+(ColossalAI's ``int(0.29 * 100)`` is 28); a config with neither field checkpoints every
+layer; ``mode`` has no ColossalAI counterpart.
 
 **Accounting.** Recomputed FLOPs are hardware work, not model work: MFU keeps 6N (or
 6N + attention) per token; HFU adds what `recompute_flops` counts. ColossalAI's example
@@ -103,6 +78,7 @@ from dataclasses import dataclass
 
 import torch
 
+from colossal_lab.measure import mfu
 from colossal_lab.model import layer_lists
 from colossal_lab.ops.replay import Replay, ReplayPhase, current_replay  # noqa: F401
 
@@ -415,8 +391,6 @@ def layer_forward_flops(cfg, tokens: int, seq_len: int, causal: bool = True) -> 
     seven linears, 2 per weight per token), "last_gemm" (down_proj, part of "gemm"), and
     "attention" (QKᵀ and PV, 4·d·S per token, halved when `causal`; `causal=False` is
     how `FlopCounterMode` counts naive attention, which multiplies the masked half too)."""
-    from colossal_lab.measure import mfu
-
     gemm = 2.0 * (mfu.layer_params(cfg) - 2 * cfg.hidden_size) * tokens
     last = 2.0 * cfg.intermediate_size * cfg.hidden_size * tokens
     attention = 4.0 * cfg.hidden_size * seq_len * (0.5 if causal else 1.0) * tokens
@@ -442,8 +416,6 @@ def colossalai_flops(cfg, tokens: int, checkpointing: bool) -> float:
     """What ColossalAI's example `PerformanceEvaluator` counts for a step:
     ``tokens · N · 2 · (3 + checkpointing)``: 8N per token whenever checkpointing is on,
     whatever the ratio, and with recompute counted as model work."""
-    from colossal_lab.measure import mfu
-
     return tokens * mfu.count_params(cfg) * 2.0 * (3 + int(bool(checkpointing)))
 
 

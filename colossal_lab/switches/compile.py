@@ -1,60 +1,39 @@
-"""`enable_compile`: `torch.compile` over the glue our kernels leave between them.
+"""`enable_compile` (no ColossalAI flag): `torch.compile` over the glue between our kernels.
 
-**What it does.** Every switch before this one replaces an op with a kernel; what is
-left between the kernels (residual adds, casts, reshapes, the SwiGLU when it is not
-ours, the loss's bookkeeping) still runs as one eager PyTorch op at a time, each a
-kernel launch and a round trip through memory. `torch.compile` traces the forward
-(Dynamo), derives the backward from it (AOTAutograd) and lets Inductor fuse those ops
-into a few generated Triton kernels. Two granularities:
+**What it does.** What the kernel switches leave between their kernels (residual adds,
+casts, reshapes, an eager SwiGLU, the loss's bookkeeping) runs one eager op at a time,
+each a launch and a round trip through memory. `torch.compile` traces the forward
+(Dynamo), derives the backward (AOTAutograd) and lets Inductor fuse those ops. Values:
 
-* ``"layers"`` (True): *regional compilation*, as torchtitan does it: each decoder
-  layer is compiled on its own. Dynamo inlines `nn.Module`s and passes their
-  parameters as graph inputs, so every layer of the same structure reuses the first
-  layer's graph: compile time is about that of one layer, whatever the depth. The
-  embedding, the final norm and the head + loss stay eager.
-* ``"model"``: the whole forward in one graph, embedding to loss: fusion across layer
-  boundaries too, and a compile time that grows with the depth.
-* ``"graph"``: no `torch.compile`: the whole training step (forward, backward, the
-  optimizer) recorded once as a CUDA graph and replayed every step
-  (`switches.step_graph`), so no kernel waits for the host that launches it.
+* False: eager.
+* ``"layers"`` (True): *regional compilation*, as torchtitan does it: each decoder layer
+  compiled on its own; layers of one structure reuse the first one's graph, so compile
+  time is one layer's whatever the depth. Embedding, final norm and head stay eager.
+* ``"model"``: the whole forward in one graph, fused across layers; compile time grows
+  with the depth.
+* ``"graph"``: no `torch.compile`; the whole training step replayed as a CUDA graph
+  (`switches.step_graph`).
 
-Both compile *in place* (`nn.Module.compile`): the module stays the same object, so
-its state-dict keys (no ``_orig_mod.`` prefix), its hooks, the optimizer's parameters
-and switch 4's per-layer `forward` (`switches.checkpointing.apply`) all stay; Dynamo
-traces `torch.utils.checkpoint` as a higher-order op. Applying the switches again
-first removes every earlier compilation (`revert`), then compiles what is asked: never
-a compiled module inside a compiled module.
+On the model, `apply` compiles *in place* (`nn.Module.compile`): modules, state-dict keys,
+hooks, optimizer parameters and switch 4's per-layer `forward` all stay; applying again
+first removes earlier compilations (`revert`). The first step pays the compilation (every
+benchmark row records `first_step_s`); a new input shape recompiles.
 
-**What it costs.** The compilation happens in the first call of each compiled module:
-the first training step takes seconds to minutes, which is why every benchmark row
-records `first_step_s` (`benchmarks.steps`) next to its steady-state step time. A new
-input shape (another sequence length or batch, a short last batch) recompiles: after
-the first recompile Dynamo makes that dimension dynamic (`automatic_dynamic_shapes`),
-and past `torch._dynamo.config.recompile_limit` recompiles it runs that module eagerly.
-Re-applying switches, or checkpointing other layers, changes what the guards check: the
-next step compiles again.
-
-**With our Triton kernels.** Each of our kernels is called from a
-`torch.autograd.Function` whose forward and backward launch `@triton.jit` kernels.
-Dynamo traces user-defined Triton kernels (as the `triton_kernel_wrapper_mutation`
-higher-order op) and traces autograd Functions' forward and backward into the graph,
-so Inductor keeps our kernel as one opaque call and fuses the eager ops around it.
-Host-side code in a launcher that Dynamo cannot trace would break the graph there
-(correct, just less fused). Under Triton's interpreter (no GPU, `TRITON_INTERPRET=1`)
-the kernels are Python that Dynamo cannot trace (it fails on the interpreter's own
-tensors): `check` refuses that combination, so on the CPU compile only the eager and
-torch backends (as the tests do). Inductor also needs a C++ compiler on the CPU;
-`Switches.extra["compile_backend"] = "aot_eager"` traces and splits forward and backward
-without generating code (what the tests use).
-
-`Switches.extra` knobs: "compile_backend" (default "inductor"; any `torch.compile`
-backend name) and "compile_mode" (Inductor's "default", "reduce-overhead" (CUDA
-graphs), "max-autotune", "max-autotune-no-cudagraphs"; None = torch's default).
+**With our Triton kernels.** Dynamo traces user-defined Triton kernels and autograd
+Functions, so Inductor keeps each kernel as one opaque call and fuses the ops around it.
+Under Triton's interpreter (no GPU) the kernels are Python Dynamo cannot trace: `check`
+refuses that combination. `Switches.extra` knobs: "compile_backend" (default
+"inductor"; "aot_eager" traces without generating code, what the CPU tests use) and
+"compile_mode" (Inductor's "default", "reduce-overhead", "max-autotune", ...).
 """
 
 from __future__ import annotations
 
 import torch
+
+from colossal_lab import kernels
+from colossal_lab.model import layer_lists
+from colossal_lab.switches import step_graph
 
 MODES = ("layers", "model", "graph")
 """`Switches.enable_compile` values besides True (= "layers") and False."""
@@ -111,18 +90,14 @@ def check(switches, device=None) -> None:
     """Refuse, before anything changes, what cannot compile: a bad `enable_compile`, a
     bad backend or mode in `extra`, and our Triton kernels under Triton's interpreter
     (`device` a CPU without a GPU), which Dynamo cannot trace."""
-    from colossal_lab.kernels import INTERPRET
-
     value = switches.enable_compile
     if resolve(value) is None:
         return
     if resolve(value) == "graph":
-        from colossal_lab.switches import step_graph
-
         step_graph.check(switches, device)
         return
     options(switches.extra)
-    if device is None or torch.device(device).type == "cuda" or not INTERPRET:
+    if device is None or torch.device(device).type == "cuda" or not kernels.INTERPRET:
         return
     if named := [f for f in KERNEL_FIELDS if getattr(switches, f) == "triton"]:
         raise ValueError(f"enable_compile={value!r} with our Triton kernels on the CPU "
@@ -137,8 +112,6 @@ def check_model(model: torch.nn.Module, value, pp: int = 1) -> None:
     composed yet: the zero-bubble schedules' `DeferredLinear`s file weight-gradient
     jobs into a Python store from inside the backward, which a compiled backward does
     not run; untested for the other schedules)."""
-    from colossal_lab.model import layer_lists
-
     mode = resolve(value)
     if mode is not None and pp > 1:
         raise NotImplementedError(f"enable_compile={value!r} with pipeline stages is not "
@@ -169,8 +142,6 @@ def apply(model: torch.nn.Module, value, extra: dict | None = None) -> int:
     with the backend and mode of `extra` (`options`). Any earlier compilation is
     removed first, so applying twice compiles once. Returns how many modules are
     compiled (0 when off, or when "layers" finds no `layers` list)."""
-    from colossal_lab.model import layer_lists
-
     mode = resolve(value)
     kwargs = options(extra) if mode is not None else {}  # checked before any change
     revert(model)

@@ -1,7 +1,10 @@
-"""`extra["adamw_defer"]`: our AdamW's update of step k run during step k+1's forward.
+"""`extra["adamw_defer"]` (no ColossalAI flag): step k's AdamW update runs in step k+1's forward.
 
-**Why.** The optimizer step is memory traffic (20 bytes a parameter with bf16 moments,
-about 10 ms a step on `llama-7b-8l`), and it runs alone between the backward and the
+Values: False (default) or True. On the model it registers a forward pre-hook on the
+decoder stack, each layer and the final norm (`DeferredUpdate`).
+
+**Why.** The optimizer step is memory traffic (20 bytes a parameter with bf16 moments),
+and it runs alone between the backward and the
 next forward, while the forward's GEMMs leave the memory system mostly idle. Nothing
 forces the order except that a layer's forward must see that layer's updated weights.
 
@@ -34,6 +37,8 @@ import contextlib
 
 import torch
 
+from colossal_lab.switches import compile as compile_switch  # not the builtin
+
 
 def requested(switches) -> bool:
     """`extra["adamw_defer"]` of `switches`, checked: True or False (default)."""
@@ -45,8 +50,6 @@ def requested(switches) -> bool:
 
 def check(switches, device=None) -> None:
     """Refuse what the deferred update does not compose with (module docstring)."""
-    from colossal_lab.switches import compile as compile_switch
-
     if not requested(switches):
         return
     refused = {

@@ -1,4 +1,9 @@
-"""`enable_fused_embedding`: pick the token embedding's backward kernel."""
+"""`enable_fused_embedding` (no ColossalAI flag): sets the token embedding's backward kernel.
+
+Values: False or "eager" (torch's backward), True ("triton" on a GPU, "eager" on the
+CPU) or "triton" (ours, `ops.embedding`). On the model it sets `embedding_backend` of
+the decoder stack; the forward gather is the same either way.
+"""
 
 from __future__ import annotations
 

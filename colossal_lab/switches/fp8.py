@@ -1,4 +1,10 @@
-"""fp8 training (part of switch 6): swap every eligible `nn.Linear` for `Fp8Linear`."""
+"""fp8 linears on a model (switch 6, `precision="fp8"`): swap each eligible `nn.Linear`.
+
+`convert_to_fp8` and `revert` swap, in place, between `nn.Linear` and `ops.fp8.Fp8Linear`
+sharing the same Parameters; the options come from `Switches.extra` ("fp8_scaling",
+"fp8_history", "fp8_skip", "fp8_backend", ...). ColossalAI asks for fp8 linears with a
+plugin flag of its own, `use_fp8`, beside `precision`.
+"""
 
 from __future__ import annotations
 

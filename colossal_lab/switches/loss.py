@@ -1,4 +1,10 @@
-"""`enable_fused_cross_entropy`: pick how the causal-LM head computes its loss."""
+"""`enable_fused_cross_entropy` (no ColossalAI flag): sets how the causal-LM head computes its loss.
+
+Values: False (full fp32 logits, then cross-entropy), True ("triton" on a GPU, "chunked"
+on the CPU) or a name in `ops.cross_entropy.BACKENDS` ("eager", "chunked", "triton").
+On the model it sets `loss_backend` of the causal-LM head; the op, chunked so that the
+(N, V) logits are never whole, is `ops.cross_entropy`.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""Switch 2, `enable_fused_normalization`: pick the kernel of every norm module."""
+"""Switch 2, ColossalAI's `enable_fused_normalization`: sets the kernel of every norm.
+
+ColossalAI swaps in apex's fused RMSNorm; here the values are False (eager PyTorch ops),
+True ("triton" on a GPU, "torch" on the CPU) or a name in `ops.norm.BACKENDS` ("torch",
+"compile", "triton", "liger", "apex"). On the model it sets `backend` of every `RMSNorm`
+and `LayerNorm`, and `defer_residual` of the decoder stack, so that a backend that fuses
+the residual add (`ops.norm.FUSES_ADD`) takes each layer's last add into the next norm.
+"""
 
 from __future__ import annotations
 

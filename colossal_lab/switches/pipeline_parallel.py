@@ -1,7 +1,9 @@
-"""Switch 7, pipeline parallelism (ColossalAI's ``pp_size`` with `pp_style`,
-`num_microbatches`, `num_model_chunks`, `overlap_p2p`): the layers are cut into stages
-on the ranks of the mesh's "pp" dim, and each step's batch flows through them as m
-micro-batches in the order a schedule gives.
+"""Switch 7, pipeline parallelism: cuts a model into this rank's stages and runs a schedule.
+
+ColossalAI's ``pp_size`` with `pp_style` ("1f1b", "interleaved", "zbv"; ours also "gpipe",
+"zb-h1"), `num_microbatches`, `num_model_chunks` and `overlap_p2p`: the layers are cut
+into stages on the ranks of the mesh's "pp" dim, and each step's batch flows through
+them as m micro-batches in the order a schedule gives.
 
 `apply(model, switches, mesh)` picks the schedule from the switches (`make_schedule`),
 cuts the model into this rank's stages (`pipeline.stages`) and returns a
@@ -22,7 +24,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from colossal_lab import precision
+from colossal_lab.parallel import data_parallel
 from colossal_lab.parallel.pipeline import schedules as sch
+from colossal_lab.parallel.pipeline.runtime import PipelineRuntime
+from colossal_lab.parallel.pipeline.simulate import simulate
+from colossal_lab.parallel.pipeline.stages import build_stages, check_tied, split_layers
 
 STYLES = ("1f1b", "interleaved", "zbv", "gpipe", "zb-h1")
 """`Switches.pp_style` values: ColossalAI's three, then ours."""
@@ -62,9 +69,6 @@ def check_mesh(switches, mesh, model: nn.Module | None = None) -> None:
     schedule that cannot be built, a model that does not cut into its stages, and
     what the runtime does not do (loss scaling; DDP's and FSDP2's wrappers around a
     model whose forward is the pipeline's)."""
-    from colossal_lab import precision
-    from colossal_lab.parallel.pipeline.stages import check_tied, split_layers
-
     p = pp_size(mesh)
     if p == 1:
         return
@@ -93,8 +97,6 @@ def make_schedule(switches, p: int) -> sch.Schedule:
                          f"step: {(p - 1) / (3 * p - 1):.0%} at m = 2p, "
                          f"{(p - 1) / (5 * p - 1):.0%} at m = 4p)")
     if style == "zbv" and m < p:
-        from colossal_lab.parallel.pipeline.simulate import simulate
-
         bubble = simulate(sch.zb_v(p, m)).bubble
         raise ValueError(f"pp_style='zbv' needs num_microbatches >= the pipeline size: "
                          f"m={m} < p={p} never fills the V (the simulated bubble is "
@@ -125,8 +127,6 @@ class PipelineModel(nn.Module):
         over micro-batches) returned on every rank of the pipeline. With data
         parallelism the gradients are not reduced yet: ``data_parallel.of(model).
         finish()`` does it."""
-        from colossal_lab.parallel import data_parallel
-
         with data_parallel.of(self).no_sync():  # one reduction after the whole step
             return self.runtime.step(input_ids, labels)
 
@@ -145,9 +145,6 @@ def apply(model: nn.Module, switches, mesh) -> nn.Module:
     (or there is no mesh), else a `PipelineModel` holding this rank's stages of it.
     Apply after the switches that change modules and dtypes (kernels, checkpointing,
     precision: the stages keep what they set), before data parallelism."""
-    from colossal_lab.parallel.pipeline.runtime import PipelineRuntime
-    from colossal_lab.parallel.pipeline.stages import build_stages
-
     p = pp_size(mesh)
     check(switches)
     if p == 1:

@@ -1,4 +1,11 @@
-"""Switch 6, `precision`: set a model's parameter dtype and fp8 linears in place."""
+"""Switch 6, ColossalAI's `precision`: sets a model's parameter dtype and its fp8 linears.
+
+Values: the names of `precision.POLICIES`: ColossalAI's "fp32", "bf16", "fp16", and
+"tf32", "bf16-pure", "fp8" (ColossalAI's separate `use_fp8`). On the model it casts the
+parameters to the policy's dtype and, for "fp8", swaps every eligible `nn.Linear` for an
+`ops.fp8.Fp8Linear` (`switches.fp8`). Autocast, TF32 and loss scaling are per step
+(`precision.step_context`), not on the model.
+"""
 
 from __future__ import annotations
 

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from colossal_lab import precision
+from colossal_lab.model import MLP, Attention, LlamaForCausalLM, LlamaModel
+from colossal_lab.ops import attention, cross_entropy, embedding, fp8, norm, rope, swiglu
+
 
 def backends_in_use(model: torch.nn.Module) -> dict:
     """The backend each switch of `model` resolves to on its device and compute dtype,
@@ -17,15 +21,9 @@ def backends_in_use(model: torch.nn.Module) -> dict:
     (`norm.BACKENDS`), "swiglu_backend" ("eager" also for unfused projections, which
     run silu(gate)·up eagerly), "fp8_backend" ("scaled_mm", "emulate", or None when no
     linear is fp8), "rope_backend" (`rope.BACKENDS`), "loss_backend"
-    (`loss.BACKENDS`), "embedding_backend" (`embedding.BACKENDS`). Read from the
+    (`cross_entropy.BACKENDS`), "embedding_backend" (`embedding.BACKENDS`). Read from the
     modules themselves, so a switch applied to just some of them is seen; layers
     that disagree are listed joined by "+"."""
-    from colossal_lab import precision
-    from colossal_lab.model import MLP, Attention, LlamaForCausalLM, LlamaModel
-    from colossal_lab.ops import attention, embedding, fp8, norm, rope
-    from colossal_lab.ops import cross_entropy as loss
-    from colossal_lab.ops import swiglu as projections
-
     param = next(model.parameters())
     device = param.device
     dtype = precision.policy(precision.of(model)).autocast_dtype or param.dtype  # q, k, v
@@ -45,14 +43,14 @@ def backends_in_use(model: torch.nn.Module) -> dict:
                 m.attention_backend, device, dtype=dtype, head_dim=head_dim))
             add("rope_backend", rope.resolve_backend(m.rope_backend, device))
         elif isinstance(m, LlamaForCausalLM):
-            add("loss_backend", loss.resolve_backend(m.loss_backend, device))
+            add("loss_backend", cross_entropy.resolve_backend(m.loss_backend, device))
         elif isinstance(m, LlamaModel):
             add("embedding_backend", embedding.resolve_backend(m.embedding_backend, device))
         elif isinstance(m, (norm.RMSNorm, norm.LayerNorm)):
             add("norm_backend", norm.resolve_backend(m.backend, device))
         elif isinstance(m, MLP):
-            fused = m.fused and projections.is_fused(m.activation)
-            add("swiglu_backend", projections.resolve_activation(m.activation, device)
+            fused = m.fused and swiglu.is_fused(m.activation)
+            add("swiglu_backend", swiglu.resolve_activation(m.activation, device)
                 if fused else "eager")
         elif isinstance(m, fp8.Fp8Linear):
             add("fp8_backend", fp8.resolve_backend(m.fp8_config.backend, device))

@@ -1,4 +1,9 @@
-"""`enable_fused_rope`: pick the rotary-embedding kernel of every attention module."""
+"""`enable_fused_rope` (no ColossalAI flag; a kernel of the finale): sets the RoPE kernel.
+
+Values: False (the element-wise chain), True ("triton" on a GPU, "eager" on the CPU) or
+a name in `ops.rope.BACKENDS` ("eager", "compile", "triton"). On the model it sets
+`rope_backend` of every attention module; the op is `ops.rope`.
+"""
 
 from __future__ import annotations
 

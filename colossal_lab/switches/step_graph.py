@@ -1,44 +1,29 @@
-"""`enable_compile="graph"`: the whole training step replayed as one CUDA graph.
+"""`enable_compile="graph"` (no ColossalAI flag): the whole training step replayed as a CUDA graph.
 
-**What it does.** With every kernel switch on, a step of `llama-7b-8l` is several
-hundred kernel launches (forward, backward, the norm of the gradients, one AdamW
-launch per parameter), and the host issues each one through Python. The GPU runs ahead
-of the host for most of the step, because the GEMMs are long; where short kernels
-follow each other (the step's first layer, the optimizer's small parameters) it waits,
-and the profile of chapter 09 counts that time as *idle*. A CUDA graph records the
-launches of one step once; replaying it issues the whole step with one call, so no
-kernel waits for the host and nothing is re-decided per step.
+**What it does.** A step of `llama-7b-8l` with every kernel switch on is several hundred
+launches, each issued by the host through Python. Where short kernels follow each other
+(the first layer, the optimizer's small parameters) the GPU waits for the host, time the
+profile of chapter 09 counts as *idle*. A CUDA graph records one step's launches once;
+replaying it issues the whole step with one call. The model is not changed: the step of
+`training.train.make_step` is wrapped in a `GraphedStep`, which
 
-**How.** `GraphedStep` wraps a step of `train.make_step`:
+1. runs the first step eagerly (Triton compiles, cuDNN plans, the optimizer creates its
+   state: none of that may sit inside a graph);
+2. then captures one step on static input buffers (`timing._capture`), without running it;
+3. later copies each batch into those buffers and replays.
 
-1. the first call runs the step eagerly: Triton compiles our kernels, cuDNN builds its
-   plans, and the optimizer creates its state (a graph must not contain any of that;
-   a state created inside the capture would be created again on every replay);
-2. the same call then captures one step (`timing._capture`: a memory pool and a stream
-   of its own) on static input buffers, without running it: capturing records the
-   kernels, it does not execute them;
-3. every later call copies its batch into the static buffers and replays the graph.
+Parameters, gradients, masters, moments and step counts are the same tensors eager and
+replayed, updated in place, so a checkpoint reads what the replays wrote. Another batch
+shape, or a changed lr, weight decay, betas or eps (baked into the launches), captures
+again. Load a checkpoint *before* the first step: loading replaces the optimizer's state
+tensors, which an earlier graph would no longer see. `check` refuses what a replay
+cannot reproduce: no GPU, fp8 delayed scaling (a host-side history position), fp16 and
+torch's AdamW (not capturable as built), gradient checkpointing, data, tensor and
+pipeline parallelism. The numerics are the eager step's.
 
-The parameters, gradients, masters, moments and step counts are the same tensors in
-the eager step and in the graph, updated in place, so a checkpoint reads what the
-replays wrote. A batch of another shape, or a changed learning rate, weight decay,
-betas or eps (baked into the launches as numbers), captures again. Load a checkpoint
-*before* the first step: loading replaces the optimizer's state tensors, which a graph
-captured earlier would no longer see.
-
-**What it refuses** (`check`, one line each, before anything is built): a device that
-is not a GPU; fp8 with delayed scaling (its amax history advances a host-side position
-every step, which a replay would not); fp16 and torch's AdamW (not capturable as
-built); gradient checkpointing (its recompute stashes RNG states, untested under
-capture); data, tensor and pipeline parallelism (collectives and schedules, not
-composed yet).
-The numerics are the eager step's: the same kernels in the same order.
-
-**Measured** (H200, `notes/probe_step_graph.py`, notes/probes/step_graph_71fb95e.json):
-the best bf16 step of `llama-7b-8l` takes 311.0 ms replayed against 311.9 ms eager,
-level within the p10-p90 spreads, for a 56 ms capture and the same peak memory. With
-GEMMs of milliseconds the host stays ahead of the GPU for nearly the whole step, so a
-graph has little to take there; it matters where the kernels are short.
+**What it buys.** Probed on an H200 at `llama-7b-8l`, bf16, the replayed step is level
+with the eager one within the p10-p90 spreads: with GEMMs of milliseconds the host
+stays ahead of the GPU nearly all the step. A graph matters where the kernels are short.
 """
 
 from __future__ import annotations
@@ -47,13 +32,12 @@ import time
 
 import torch
 
+from colossal_lab import precision
 from colossal_lab.measure import timing
 
 
 def check(switches, device=None) -> None:
     """Refuse what `enable_compile="graph"` cannot capture (see the module docstring)."""
-    from colossal_lab import precision
-
     value = switches.enable_compile
     if device is not None and torch.device(device).type != "cuda":
         raise ValueError(f"enable_compile={value!r} replays the training step as a CUDA "
