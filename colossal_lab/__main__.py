@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from colossal_lab import doctor, wheelhouse
+from colossal_lab import benchmarks, doctor, wheelhouse
 from colossal_lab.book import notebook
 from colossal_lab.measure import hardware
 from colossal_lab.measure.results import save_results
@@ -49,8 +49,6 @@ def cmd_env(a) -> None:
 
 
 def cmd_bench(a, rest) -> None:
-    from colossal_lab import benchmarks
-
     benchmarks.get(a.name).main(rest)
 
 

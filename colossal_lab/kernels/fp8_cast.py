@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from colossal_lab.fallback import fallback
 from colossal_lab.kernels import INTERPRET, runs_on
 
 EPS = 1e-12
@@ -180,8 +181,6 @@ def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
     if use_triton is None:
         return x.is_cuda
     if use_triton and not runs_on(x.device):
-        from colossal_lab.fallback import fallback  # lazy: only the no-GPU fallback path
-
         fallback("fp8 cast use_triton=True needs a CUDA device or TRITON_INTERPRET=1",
                  "torch ops")
         return False

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from colossal_lab.palette import GREY
 from colossal_lab.parallel.pipeline import schedules as sch
 from colossal_lab.parallel.pipeline.schedules import B, F, Schedule, ScheduleError, W
 from colossal_lab.parallel.pipeline.validate import check_dependencies, peak_activations
@@ -277,8 +278,6 @@ def plot_bubbles(p: int = 4, ms: Sequence[int] = range(4, 33), f: float = 1.0,
     with 1F1B's closed form (p − 1)/(m + p − 1) and the seed's (p − 1)/m dashed."""
     import matplotlib.pyplot as plt
     import matplotlib.ticker
-
-    from colossal_lab.palette import GREY
 
     rows = bubble_table(p, ms, f, b, w, comm)
     if ax is None:
