@@ -43,9 +43,7 @@ rows carry ``world`` and their bus factor, and go to ``results/<gpu>x4``).
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from collections.abc import Sequence
 
 import torch
@@ -53,6 +51,7 @@ import torch.distributed as dist
 
 from colossal_lab import distributed, results, timing
 from colossal_lab.benchmarks import two_gpu
+from colossal_lab.benchmarks.harness import Benchmark, Invocation, Option, flag, opt
 
 NAME = "collectives"
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -222,7 +221,7 @@ def plot_bandwidth(rows: Sequence[dict]):
     """Bus bandwidth against message size, one line per (op, link), the p10-p90 time
     spread shaded: where each link saturates, the ceiling the chapters hold the
     switches' communication against. Returns the figure."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: plotting only, optional for a run
 
     rows = [r for r in rows if r.get("kind") == "collective"]
     fig, ax = plt.subplots(figsize=(7.5, 4))
@@ -269,39 +268,53 @@ def config_of(link_env: dict, reps: int, sizes) -> dict:
             "merged_by": "link"}
 
 
-def main(argv=None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="bench collectives",
-                                description=__doc__.splitlines()[0])
-    p.add_argument("--link", choices=LINKS, default="nvlink",
-                   help="NCCL transport between the GPUs (default: nvlink)")
-    p.add_argument("--quick", action="store_true",
-                   help="gloo processes on this CPU (link 'loopback', --link ignored), "
-                   "tiny messages, not saved; a measured run takes torchrun's world (2 or "
-                   "more)")
-    two_gpu.add_world_arg(p)
-    p.add_argument("--reps", type=int, default=None, help=f"timed reps (default {REPS})")
-    a = p.parse_args(argv)
-    world = two_gpu.quick_world(p, a)
+def link_flag() -> Option:
+    """``--link``: the NCCL transport a measured run uses (`LINK_ENV`)."""
+    return opt("--link", choices=LINKS, default="nvlink",
+               help="NCCL transport between the GPUs (default: nvlink)")
+
+
+def on_link(call: Invocation, *, quick_rows, rank_rows, merged_by, config, report
+            ) -> None:
+    """The command line's flow of a benchmark per NCCL transport: `--quick`: print
+    `report(quick_rows(world))`; else at least two ranks on the `--link` transport
+    (`set_link`, before NCCL starts), `rank_rows()` on every rank, and on rank 0 the
+    rows merged into the saved ones (`results.merge_rows` by `merged_by`: each link's
+    run adds its rows) with `config(link_env)`."""
+    a, name = call.args, call.bench.name
     if a.quick:
-        rows = run(True, link=a.link, reps=a.reps, world=world)
-        print(summary(rows))
+        print(report(quick_rows(two_gpu.quick_world(call))))
         return
-    two_gpu.refuse(NAME, quick=False, at_least=True)
+    two_gpu.refuse(name, quick=False, at_least=True)
     link_env = set_link(a.link)  # before init: NCCL reads its environment once
-    with distributed.guard(f"bench {NAME}"):
+    with distributed.guard(f"bench {name}"):
         distributed.init()
-        rows = run(link=a.link, reps=a.reps)
+        rows = rank_rows()
         if distributed.is_main():
             slug = results.run_slug()
-            merged = results.merge_rows(NAME, rows, "link", gpu=slug)
-            path = results.save_results(NAME, merged, gpu=slug, config=config_of(
-                link_env, a.reps or REPS, SIZES))
-            print(summary(rows))
+            merged = results.merge_rows(name, rows, merged_by, gpu=slug)
+            path = results.save_results(name, merged, gpu=slug, config=config(link_env))
+            print(report(rows))
             print(f"saved {path} ({len(rows)} rows of link {a.link!r}, "
                   f"{len(merged)} in all)")
         distributed.barrier()
     distributed.destroy()
+
+
+BENCH = Benchmark(
+    NAME, __doc__, prog=f"bench {NAME}",
+    quick_help="gloo processes on this CPU (link 'loopback', --link ignored), tiny "
+    "messages, not saved; a measured run takes torchrun's world (2 or more)",
+    options=[link_flag(), two_gpu.world_flag(),
+             flag("reps", help=f"timed reps (default {REPS})")],
+    check=two_gpu.world_problem,
+    execute=lambda call: on_link(
+        call, merged_by="link", report=summary,
+        quick_rows=lambda world: run(True, link=call.args.link, reps=call.args.reps,
+                                     world=world),
+        rank_rows=lambda: run(link=call.args.link, reps=call.args.reps),
+        config=lambda env: config_of(env, call.args.reps or REPS, SIZES)))
+main = BENCH.main
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ setup in its own process, all in one run:
 
 from __future__ import annotations
 
-from colossal_lab.benchmarks.steps import Setup, main_for, run_chapter
+from colossal_lab.benchmarks.steps import Setup, chapter_bench, run_chapter
 from colossal_lab.config import SWITCH_SETS
 
 ALL_BF16 = SWITCH_SETS["best"].replace(precision="bf16", enable_fused_optimizer=False,
@@ -86,8 +86,8 @@ def run(quick: bool = False) -> list[dict]:
     return run_chapter("composed", SETUPS, quick)
 
 
-def main(argv=None) -> None:
-    main_for("composed", SETUPS, argv)
+main = chapter_bench("composed", SETUPS).main
+
 
 if __name__ == "__main__":
     main()

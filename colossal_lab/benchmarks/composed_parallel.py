@@ -52,23 +52,23 @@ row with its ``error``; the others still run.
 The quick run: the tiny model (4 layers for the pipeline), fp32, sequence 32, gloo, a
 few steps; prints, saves nothing.
 
-**No target.** Issue #20 asks for the comparison, not a number: `targets(rows)` reports
+**No target.** The layouts are compared, not held to a number: `targets(rows)` reports
 each layout's ratio in the shape of the other benchmarks' verdicts, with no verdict.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import sys
 from pathlib import Path
 
-from colossal_lab import distributed
+from colossal_lab import data, distributed, hardware, mfu, results
 from colossal_lab.benchmarks import grad_overlap_measured as gom
 from colossal_lab.benchmarks import pipeline_measured as pm
 from colossal_lab.benchmarks import sequence_parallel_step as sps
 from colossal_lab.benchmarks import two_gpu as two
+from colossal_lab.benchmarks.harness import Benchmark, at_least, flag, opt
+from colossal_lab.config import preset
 
 NAME = "composed_parallel"
 KIND = "composed_parallel"
@@ -92,7 +92,6 @@ QUICK = {"preset": "tiny", "seq_len": 32, "dp_batch": gom.QUICK["batches"][0],
 
 def single_gpu_path() -> Path:
     """``results/<this GPU's slug>/composed.json``: one GPU of the same kind."""
-    from colossal_lab import hardware, results
 
     return results.results_dir() / hardware.detect().slug / f"{SINGLE_GPU_NAME}.json"
 
@@ -162,7 +161,6 @@ def _tp(mode: str, ctx: dict) -> dict:
 
 def _pp(schedule: str, ctx: dict) -> dict:
     """A p = 2 pipeline under `schedule` with AdamW after each step: this rank's timing."""
-    from colossal_lab import data
 
     cfg, m = ctx["pp_cfg"], ctx["pp_m"]
     got = pm._build(schedule, cfg, ctx["sw"], ctx["pp_mesh"], m, ctx["device"])
@@ -208,7 +206,6 @@ MEASURE = {"dp2": _dp, "tp2": _tp, "pp2": _pp}
 def per_gpu(row: dict, cfg, world: int, peak: float, best: dict) -> dict:
     """The throughput fields of a timed row: the group's tokens/s, per GPU, MFU per GPU
     (6N and attention-aware, one GPU's peak) and the ratio to the single-GPU best."""
-    from colossal_lab import mfu
 
     st = mfu.step_stats(cfg, batch=row["batch"] / world, seq_len=row["seq_len"],
                         step_time_s=row["step_ms"] / 1e3, peak_tflops=peak)
@@ -224,8 +221,6 @@ def per_gpu(row: dict, cfg, world: int, peak: float, best: dict) -> dict:
 
 def _context(quick: bool, iters: int | None) -> dict:
     """Every setup's fixed inputs on this rank."""
-    from colossal_lab import hardware
-    from colossal_lab.config import preset
 
     q = QUICK if quick else {}
     name = q.get("preset", PRESET)
@@ -299,7 +294,7 @@ def run(quick: bool = False, setups=SETUPS, iters: int | None = None) -> list[di
 def targets(rows: list[dict], world: int | None = None) -> list[dict]:
     """One report per layout (dp2, tp2, pp2, in the rows' order), in the shape of the
     verdicts of `two_gpu.threshold` but with no target: ``target`` None and ``ok``
-    None, which `two_gpu.format_targets` prints as "reported". No issue holds these
+    None, which `two_gpu.format_targets` prints as "reported". Nothing holds these
     layouts to a number; a report is neither met nor missed, so ``ok`` is never True
     or False here, and ``why`` is set only when the layout has no figure.
 
@@ -359,26 +354,18 @@ def config_of(setups, iters: int) -> dict:
             "nccl_nvls_enable": "0"}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog=f"bench {NAME}", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model, 2 gloo processes on this CPU, not saved")
-    p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
-    p.add_argument("--iters", type=int, default=None, help=f"timed steps (default {ITERS})")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    a = p.parse_args(argv)
-    if not a.quick and a.iters is not None and a.iters < 20:
-        p.error(f"--iters {a.iters}: time at least 20 steps, or p10-p90 means nothing")
-    two.refuse_or_init(NAME, a.quick)
-    if a.quick:
-        two.print_table(run(True, a.setups, a.iters), COLUMNS)
-        return
-    with distributed.guard(NAME):
-        rows = run_ranks(False, setups=a.setups, iters=a.iters)
-    if distributed.is_main():
-        two.print_table(rows, COLUMNS)
-        two.save(NAME, rows, config_of(a.setups, a.iters or ITERS), argv)
-    distributed.destroy()
+BENCH = Benchmark(
+    NAME, __doc__, prog=f"bench {NAME}",
+    quick_help="tiny model, 2 gloo processes on this CPU, not saved",
+    options=[opt("--setups", nargs="+", choices=SETUPS, default=list(SETUPS)),
+             flag("iters", help=f"timed steps (default {ITERS})")],
+    check=at_least(20),
+    execute=lambda call: two.on_ranks(
+        call, show=lambda rows: two.print_table(rows, COLUMNS),
+        quick_rows=lambda: run(True, call.args.setups, call.args.iters),
+        rank_rows=lambda: run_ranks(False, setups=call.args.setups, iters=call.args.iters),
+        config=lambda: config_of(call.args.setups, call.args.iters or ITERS)))
+main = BENCH.main
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ LLaMA-7B-8L step: 4 × 4096), d = 4096, V = 32000 (LLaMA-2) and 128256 (LLaMA-3)
 Precision "bf16" is the step's: fp32 weight, bf16 hidden states, matmuls under bf16
 autocast; "bf16-pure" has a bf16 weight and no autocast. Providers side by side:
 
-- "eager": `cross_entropy_ref(hidden @ weightᵀ)`, the model today: (N, V) bf16
+- "eager": `cross_entropy_ref(hidden @ weightᵀ)`, the plain model: (N, V) bf16
   logits, fp32 F.cross_entropy.
 - "compile": `torch.compile` of the same function.
 - "triton": ours, `fused_linear_cross_entropy(..., backend="triton")`: chunks of
@@ -26,7 +26,6 @@ fp32 logits' size beside it for scale. FLOPs: 2·N·d·V forward (the lm_head GE
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import warnings
@@ -34,6 +33,8 @@ import warnings
 import torch
 
 from colossal_lab import timing
+from colossal_lab.benchmarks.harness import Benchmark, flag, opt
+from colossal_lab.kernels import runs_on
 from colossal_lab.switches import precision as P
 from colossal_lab.switches.loss import (
     cross_entropy_ref,
@@ -61,7 +62,7 @@ def _compiled():
 
 @functools.cache
 def _liger():
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # lazy: optional
 
     return LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
 
@@ -172,7 +173,6 @@ def run(quick: bool = False, *, providers=None, cases=None, precisions=None) -> 
 
     `quick`: one tiny case on the CPU in fp32, providers eager and triton (the kernel
     under the interpreter)."""
-    from colossal_lab.kernels import runs_on
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if quick:
@@ -231,25 +231,14 @@ def config_of() -> dict:
             "flops": "2·N·d·V forward, 3x forward+backward"}
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny case (CPU smoke test)")
-    p.add_argument("--providers", nargs="*", choices=PROVIDERS)
-    p.add_argument("--precisions", nargs="*", choices=PRECISIONS)
-    p.add_argument("--name", default=NAME, help="results file name (keep partial runs "
-                                                "apart)")
-    a = p.parse_args(argv)
-    rows = run(a.quick, providers=tuple(a.providers) if a.providers else None,
-               precisions=tuple(a.precisions) if a.precisions else None)
-    if not a.quick:
-        from colossal_lab.results import save_results
-
-        path = save_results(a.name, rows, config=config_of(),
-                            command=" ".join([f"python -m colossal_lab bench {NAME}", *argv]))
-        print(f"saved {path}")
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny case (CPU smoke test)",
+    options=[flag("providers", choices=PROVIDERS),
+             opt("--precisions", nargs="*", choices=PRECISIONS), flag("name")],
+    run=lambda a: run(a.quick, providers=tuple(a.providers) if a.providers else None,
+                      precisions=tuple(a.precisions) if a.precisions else None),
+    config=lambda a: config_of())
+main = BENCH.main
 
 
 if __name__ == "__main__":

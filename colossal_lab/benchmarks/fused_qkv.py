@@ -28,7 +28,6 @@ L2 flushed before each replay) and, in the `*_eager_ms` columns, eagerly with
 
 from __future__ import annotations
 
-import argparse
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -36,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from colossal_lab import timing
+from colossal_lab.benchmarks.fused_norm import _Traffic
+from colossal_lab.benchmarks.harness import Benchmark, flag, opt
 from colossal_lab.benchmarks.steps import Setup
 from colossal_lab.config import Switches, preset
 from colossal_lab.hardware import measure_copy_gbps, measure_matmul_tflops
@@ -179,7 +180,6 @@ def saved_bytes(fn, *inputs) -> int:
 def eager_traffic(tokens: int, inter: int, dtype=torch.bfloat16) -> dict:
     """Bytes and aten ops of the eager SwiGLU on views, forward and backward, counted
     op by op on meta tensors (`fused_norm._Traffic`: nothing is allocated)."""
-    from colossal_lab.benchmarks.fused_norm import _Traffic
 
     gu = torch.randn(tokens, 2 * inter, device="meta", dtype=dtype, requires_grad=True)
     with _Traffic() as fwd:
@@ -327,26 +327,16 @@ def config_of() -> dict:
             "swiglu_gbps": "bytes an ideal kernel moves / time; see swiglu_bytes()"}
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    p.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
-    p.add_argument("--models", nargs="*", choices=list(MODELS))
-    p.add_argument("--tokens", nargs="*", type=int, help=f"default {TOKENS}")
-    p.add_argument("--name", default=NAME, help="results file name (keep partial runs "
-                                                "apart)")
-    a = p.parse_args(argv)
-    rows = run(a.quick, parts=tuple(a.parts), models=a.models,
-               tokens=tuple(a.tokens) if a.tokens else None)
-    if not a.quick:
-        from colossal_lab.results import save_results
-
-        path = save_results(a.name, rows, config=config_of(),
-                            command=" ".join([f"python -m colossal_lab bench {NAME}", *argv]))
-        print(f"saved {path}")
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny shapes (CPU smoke test)",
+    options=[opt("--parts", nargs="*", choices=PARTS, default=list(PARTS)),
+             opt("--models", nargs="*", choices=list(MODELS)),
+             opt("--tokens", nargs="*", type=int, help=f"default {TOKENS}"),
+             flag("name")],
+    run=lambda a: run(a.quick, parts=tuple(a.parts), models=a.models,
+                      tokens=tuple(a.tokens) if a.tokens else None),
+    config=lambda a: config_of())
+main = BENCH.main
 
 
 if __name__ == "__main__":

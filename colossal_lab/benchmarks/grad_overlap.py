@@ -33,7 +33,6 @@ share of a data-parallel step spent waiting for the reduction).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 from collections.abc import Sequence
@@ -41,8 +40,14 @@ from dataclasses import dataclass
 
 import torch
 
+from colossal_lab import data, timing, train
 from colossal_lab import overlap_model as om
-from colossal_lab import timing
+from colossal_lab.benchmarks import steps
+from colossal_lab.benchmarks.harness import Benchmark, flag
+from colossal_lab.config import SWITCH_SETS, preset
+from colossal_lab.switches import precision
+from colossal_lab.switches.data_parallel import gradient_check, unwrap
+from colossal_lab.switches.resolved import backends_in_use
 
 NAME = "grad_overlap_model"
 PRESET, SEQ_LEN, BATCH = "llama-7b-8l", 4096, 4
@@ -56,7 +61,7 @@ ORDERS = ("ready", "registration")
 """Bucket orders: the measured ready order (the overlapped reducer's buckets after its
 first step) and reverse registration (before it)."""
 MEASURED = "grad_overlap_measured"
-"""The results file of the measured multi-GPU run (its own issue): chapter 08 shows
+"""The results file of the measured multi-GPU run (`grad_overlap_measured`): chapter 08 shows
 it when it exists."""
 M = 1024 * 1024
 
@@ -115,7 +120,6 @@ class TimelineRecorder:
     the hooks (the CPU runs the backward in the hooks' thread)."""
 
     def __init__(self, model: torch.nn.Module):
-        from colossal_lab.switches.data_parallel import unwrap
 
         inner = unwrap(model)
         named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
@@ -205,11 +209,6 @@ def measure_timeline(preset_name: str = PRESET, seq_len: int = SEQ_LEN,
     (default: `SWITCH_SETS["best"]`; on a CPU its "triton" norm becomes the CPU's best,
     as Triton would need the interpreter), recording the backward's timeline in each.
     Returns one "param" row per trainable parameter and one "backward" row."""
-    from colossal_lab import data, train
-    from colossal_lab.benchmarks import steps
-    from colossal_lab.config import SWITCH_SETS, preset
-    from colossal_lab.switches import precision
-    from colossal_lab.switches.resolved import backends_in_use
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if switches is None:
@@ -385,7 +384,6 @@ def gradient_checks(cases: dict) -> dict:
     """Run on every rank of a group (`distributed.spawn(gradient_checks, 2, cases)`):
     `data_parallel.gradient_check` for each case, ``{name: (backend, keywords)}``, in one
     group of processes (each costs a few seconds to start). Returns {name: verdict}."""
-    from colossal_lab.switches.data_parallel import gradient_check
 
     return {name: gradient_check(backend, **kw) for name, (backend, kw) in cases.items()}
 
@@ -408,24 +406,11 @@ def config_of(iters: int = ITERS) -> dict:
                          "contention with compute (colossal_lab.overlap_model)"}
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model on the CPU, not saved")
-    p.add_argument("--iters", type=int, default=None,
-                   help=f"timed steps (default {ITERS})")
-    a = p.parse_args(argv)
-    rows = run(a.quick, iters=a.iters)
-    if not a.quick:
-        from colossal_lab.results import save_results
-
-        command = " ".join(["python -m colossal_lab bench grad_overlap", *argv])
-        path = save_results(NAME, rows, config=config_of(a.iters or ITERS),
-                            command=command)
-        print(f"saved {path}")
+BENCH = Benchmark(
+    "grad_overlap", __doc__, quick_help="tiny model on the CPU, not saved",
+    file_name=lambda a: NAME, options=[flag("iters", help=f"timed steps (default {ITERS})")],
+    run=lambda a: run(a.quick, iters=a.iters), config=lambda a: config_of(a.iters or ITERS))
+main = BENCH.main
 
 
 if __name__ == "__main__":

@@ -62,22 +62,27 @@ nothing saved. N is whatever torchrun launched (2 or more): the per-rank batch s
 the global batch is N times it, and the model's all-reduce time uses N
 (``2(N−1)/N``, cancelled by the bus bandwidth measured at the same N).
 
-**Targets** (issues #20 and #21, at any N): `targets(rows)` reads them off the rows.
+**Targets** (at any N): `targets(rows)` reads them off the rows.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
-import sys
 from collections.abc import Sequence
 
 import torch
 
-from colossal_lab import distributed, results
+from colossal_lab import data, distributed, hardware, mfu, timing, train
+from colossal_lab import overlap_model as om
 from colossal_lab.benchmarks import collectives, two_gpu
 from colossal_lab.benchmarks import grad_overlap as go
+from colossal_lab.benchmarks.harness import Benchmark, flag, opt
+from colossal_lab.config import SWITCH_SETS, Switches, preset
+from colossal_lab.model import build_model
+from colossal_lab.switches import data_parallel
+from colossal_lab.switches import precision as precision_mod
+from colossal_lab.switches.apply import apply_switches
 
 NAME = go.MEASURED
 PRESETS = ("llama-7b-8l", "1b")
@@ -94,7 +99,7 @@ OVERLAPPED = ("overlap", "ddp", "fsdp2")
 PROBE_REPS = 10
 """Timed all-reduces per size of the link probe (the model's bandwidth)."""
 TARGET_E = 0.8
-"""Issues #20 and #21: our overlap's E at least this wherever the communication is at
+"""Target: our overlap's E at least this wherever the communication is at
 least `TARGET_COMM_SHARE` of the backward."""
 TARGET_COMM_SHARE = 0.2
 """The ``comm_share`` from which on `TARGET_E` holds."""
@@ -133,7 +138,6 @@ def comm_share(t_sync: float, t_nocomm: float, backward_ms: float) -> float | No
 
 
 def _switches(backend: str, quick: bool, bucket_elems: int):
-    from colossal_lab.config import SWITCH_SETS, Switches
 
     base = Switches() if quick else SWITCH_SETS["best"]  # fp32 on the CPU: fast, exact
     dp = "naive" if backend == "nocomm" else backend
@@ -144,11 +148,6 @@ def _switches(backend: str, quick: bool, bucket_elems: int):
 def build(preset_name: str, backend: str, *, quick: bool, bucket_elems: int, device):
     """A fresh model (seed 0) with the best switches and `backend`'s reduction applied
     by `apply_switches`, and its optimizer. "nocomm": naive's, reduction removed."""
-    from colossal_lab import train
-    from colossal_lab.config import preset
-    from colossal_lab.model import build_model
-    from colossal_lab.switches import data_parallel
-    from colossal_lab.switches.apply import apply_switches
 
     torch.manual_seed(0)
     model = apply_switches(build_model(preset(preset_name), device),
@@ -163,9 +162,6 @@ def build(preset_name: str, backend: str, *, quick: bool, bucket_elems: int, dev
 def reduced_grads(model, input_ids, labels) -> dict[str, torch.Tensor]:
     """Forward, backward and the backend's reduction (`finish`) on one batch, no
     optimizer step; the reduced gradients by name (fsdp2's shards gathered)."""
-    from colossal_lab import train
-    from colossal_lab.switches import data_parallel
-    from colossal_lab.switches import precision as precision_mod
 
     inner = data_parallel.unwrap(model)
     prec = precision_mod.of(inner)
@@ -201,7 +197,6 @@ def time_steps(model, opt, cfg, preset_name: str, batch: int, seq_len: int, *, w
     """`train.measure_step` of `make_step(model, opt)` on random tokens (this rank's
     own), then each step's time replaced by the slowest rank's: the row's step fields,
     tokens/s per GPU and MFU against one GPU's peak from those."""
-    from colossal_lab import data, mfu, timing, train
 
     device = next(model.parameters()).device
     step = train.make_step(model, opt)
@@ -224,7 +219,6 @@ def time_steps(model, opt, cfg, preset_name: str, batch: int, seq_len: int, *, w
 def backward_timeline(model, opt, cfg, batch: int, seq_len: int, steps: int, seed: int):
     """Gradient-ready times and backward ms (medians over `steps` recorded steps after
     one), as `bench grad_overlap` records them: the model's input."""
-    from colossal_lab import data, timing, train
 
     device = next(model.parameters()).device
     rec = go.TimelineRecorder(model)
@@ -262,7 +256,6 @@ def predicted_exposed(backend: str, grads, backward_ms: float, *, bucket_elems: 
     `Link` with the bus bandwidth measured here (`busbw`: bytes -> GB/s): the flat
     buffer's for naive, one bucket's for ours and DDP (ready order: both rebuild their
     buckets after the first step); None for fsdp2 and nocomm."""
-    from colossal_lab import overlap_model as om
 
     dtype = {2: "bf16", 4: "fp32"}[esize]
     flat = sum(g.numel for g in grads) * esize
@@ -295,8 +288,6 @@ def measure_config(preset_name: str, batch: int, link: str, *, seq_len: int, qui
                    bucket_elems: int, peak_tflops: float, progress: bool = True
                    ) -> list[dict]:
     """Every backend's row for one (preset, per-rank batch, link), on every rank."""
-    from colossal_lab import data
-    from colossal_lab.config import preset
 
     env = distributed.env()
     world, rank = env.world_size, env.rank
@@ -373,7 +364,6 @@ def measure(link: str, *, presets: Sequence[str] = PRESETS,
             probe_reps: int = PROBE_REPS, bucket_elems: int = BUCKET_ELEMS,
             progress: bool = True) -> list[dict]:
     """Every (preset, batch) for one link setting, on every rank of the group."""
-    from colossal_lab import hardware
 
     peak = hardware.detect().peak_tflops("bf16")
     if peak is None:  # the CPU: MFU against a number, never read (quick is not saved)
@@ -426,7 +416,7 @@ def _share(row: dict) -> float | None:
 
 
 def targets(rows: Sequence[dict], world: int | None = None) -> list[dict]:
-    """The issues' targets on these rows (one world, any N: `world` only names it; by
+    """The targets on these rows (one world, any N: `world` only names it; by
     default the rows' ``world``), each a `two_gpu.threshold` verdict on our backend,
     "overlap", over every (preset, per-rank batch, link) configuration in the rows:
 
@@ -523,41 +513,28 @@ def config_of(link_env: dict, presets, iters: int) -> dict:
                       "slowest rank's"}
 
 
-def main(argv=None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog=f"bench {NAME}", description=__doc__.splitlines()[0])
-    p.add_argument("--link", choices=collectives.LINKS, default="nvlink",
-                   help="NCCL transport between the GPUs (default: nvlink)")
-    p.add_argument("--presets", nargs="+", default=list(PRESETS),
-                   help=f"model presets (default: {' '.join(PRESETS)})")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model, gloo processes on this CPU (link 'loopback', --link "
-                   "ignored), not saved; a measured run takes torchrun's world (2 or more)")
-    two_gpu.add_world_arg(p)
-    p.add_argument("--iters", type=int, default=None, help=f"timed steps (default {ITERS})")
-    a = p.parse_args(argv)
-    world = two_gpu.quick_world(p, a)
-    from colossal_lab.config import preset
-
+def _known_presets(a) -> str | None:
     for name in a.presets:  # an unknown name fails here, not after minutes of setup
         preset(name)
-    if a.quick:
-        print(summary(run(True, link=a.link, world=world)))
-        return
-    two_gpu.refuse(NAME, quick=False, at_least=True)
-    link_env = collectives.set_link(a.link)  # before init: NCCL reads it once
-    with distributed.guard(f"bench {NAME}"):
-        distributed.init()
-        rows = run(link=a.link, presets=a.presets, iters=a.iters)
-        if distributed.is_main():
-            slug = results.run_slug()
-            merged = results.merge_rows(NAME, rows, ("link", "preset"), gpu=slug)
-            path = results.save_results(NAME, merged, gpu=slug, config=config_of(
-                link_env, a.presets, a.iters or ITERS))
-            print(summary(rows))
-            print(f"saved {path} ({len(rows)} rows, {len(merged)} in all)")
-        distributed.barrier()
-    distributed.destroy()
+    return two_gpu.world_problem(a)
+
+
+BENCH = Benchmark(
+    NAME, __doc__, prog=f"bench {NAME}",
+    quick_help="tiny model, gloo processes on this CPU (link 'loopback', --link "
+    "ignored), not saved; a measured run takes torchrun's world (2 or more)",
+    options=[collectives.link_flag(),
+             opt("--presets", nargs="+", default=list(PRESETS),
+                 help=f"model presets (default: {' '.join(PRESETS)})"),
+             two_gpu.world_flag(), flag("iters", help=f"timed steps (default {ITERS})")],
+    check=_known_presets,
+    execute=lambda call: collectives.on_link(
+        call, merged_by=("link", "preset"), report=summary,
+        quick_rows=lambda world: run(True, link=call.args.link, world=world),
+        rank_rows=lambda: run(link=call.args.link, presets=call.args.presets,
+                              iters=call.args.iters),
+        config=lambda env: config_of(env, call.args.presets, call.args.iters or ITERS)))
+main = BENCH.main
 
 
 if __name__ == "__main__":

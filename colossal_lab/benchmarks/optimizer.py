@@ -22,13 +22,14 @@ ceiling is the device's measured copy bandwidth.
 
 from __future__ import annotations
 
-import argparse
 import gc
 
 import torch
 
 from colossal_lab import timing
+from colossal_lab.benchmarks.harness import Benchmark, flag
 from colossal_lab.config import SWITCH_SETS, preset
+from colossal_lab.hardware import measure_copy_gbps
 from colossal_lab.kernels.adamw import FusedAdamW
 from colossal_lab.model import build_model
 from colossal_lab.switches import precision
@@ -83,7 +84,6 @@ def run(quick: bool = False, providers=PROVIDERS, progress: bool = True) -> list
     n = sum(s.numel() for s in shapes)
     copy_gbps = None
     if device.type == "cuda":
-        from colossal_lab.hardware import measure_copy_gbps
 
         copy_gbps = measure_copy_gbps(device=device)
     rows = []
@@ -121,25 +121,18 @@ def config_of() -> dict:
             "ceiling": "hardware.measure_copy_gbps (read + write bytes)"}
 
 
-def main(argv=None) -> None:
-    import sys
+def report(rows: list[dict]) -> str:
+    return "\n".join(f"{r['provider']:12s} {r['ms']:7.2f} ms  {r['gbps']:6.0f} GB/s "
+                     f"({r['of_copy_ceiling']:.0%} of copy)  x{r['speedup_vs_unfused']:.2f}"
+                     for r in rows)
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny model on the CPU, not saved")
-    p.add_argument("--providers", nargs="*", choices=PROVIDERS)
-    a = p.parse_args(argv)
-    rows = run(a.quick, providers=tuple(a.providers) if a.providers else PROVIDERS)
-    if a.quick:
-        return
-    from colossal_lab.results import save_results
 
-    path = save_results(NAME, rows, config=config_of(),
-                        command=" ".join([f"python -m colossal_lab bench {NAME}", *argv]))
-    print(f"saved {path}")
-    for r in rows:
-        print(f"{r['provider']:12s} {r['ms']:7.2f} ms  {r['gbps']:6.0f} GB/s "
-              f"({r['of_copy_ceiling']:.0%} of copy)  x{r['speedup_vs_unfused']:.2f}")
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny model on the CPU, not saved",
+    options=[flag("providers", choices=PROVIDERS)],
+    run=lambda a: run(a.quick, providers=tuple(a.providers) if a.providers else PROVIDERS),
+    config=lambda a: config_of(), report=report)
+main = BENCH.main
 
 
 if __name__ == "__main__":

@@ -49,21 +49,30 @@ bubble / bubble_sim``. ``speedup_vs_1f1b = step_ms_1f1b / step_ms`` at the same 
 The quick run: the tiny model with 2p layers (ZB-V needs a layer per virtual stage),
 fp32, gloo, m = 2p, a few steps (`quick_sizes`); checks and prints, saves nothing.
 
-**Targets** (issue #20 at p = 2, #21 at p = 4, both at m = 8): `targets(rows)` reads
+**Targets** (at p = 2 and at p = 4, both at m = 8): `targets(rows)` reads
 them off the rows.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 
 import torch
+from torch.distributed import pipelining
 
-from colossal_lab import distributed
+from colossal_lab import data, distributed
 from colossal_lab.benchmarks import pipeline_sim
 from colossal_lab.benchmarks import two_gpu as two
+from colossal_lab.benchmarks.harness import Benchmark, opt
+from colossal_lab.config import preset
+from colossal_lab.correctness import max_abs_err
+from colossal_lab.model import build_model
+from colossal_lab.pipeline import check
+from colossal_lab.pipeline import schedules as sch
+from colossal_lab.pipeline.stages import build_stages
+from colossal_lab.switches import precision
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.switches.precision import make_optimizer
 
 NAME = pipeline_sim.MEASURED
 PRESET, SEQ_LEN, MICRO_BATCH = "llama-7b-8l", 4096, 1
@@ -82,14 +91,14 @@ SIM_LINK = "NVLink 4"
 GRAD_RTOL = {"bf16-pure": 2e-2, "bf16": 2e-2, "fp32": 1e-5}
 """Largest gradient difference against 1F1B, over the largest 1F1B gradient."""
 TARGET_M = 8
-"""The m of the issues' targets: 8 micro-batches per step (4p at p = 2, 2p at p = 4)."""
+"""The m of the targets: 8 micro-batches per step (4p at p = 2, 2p at p = 4)."""
 ZBV_VS_1F1B = {2: 1.1}
-"""Issue #20 (p = 2): ZB-V's ``speedup_vs_1f1b`` at m = `TARGET_M` at least this."""
+"""Target at p = 2: ZB-V's ``speedup_vs_1f1b`` at m = `TARGET_M` at least this."""
 BUBBLE_VS_SIM = {2: 0.2}
-"""Issue #20 (p = 2): ZB-V's measured bubble within this share of the simulator's at m =
+"""Target at p = 2: ZB-V's measured bubble within this share of the simulator's at m =
 `TARGET_M`: ``|bubble − bubble_sim| <= 0.2 · bubble_sim``."""
 ZBV_BUBBLE_VS_1F1B = {4: 1 / 3}
-"""Issue #21 (p = 4): ZB-V's measured bubble at most this share of 1F1B's at m =
+"""Target at p = 4: ZB-V's measured bubble at most this share of 1F1B's at m =
 `TARGET_M`."""
 QUICK = {"preset": "tiny", "layers": 4, "seq_len": 32, "ms": (4,), "warmup": 1,
          "iters": 3, "fbw_warmup": 1, "fbw_reps": 3}
@@ -112,7 +121,6 @@ def useful_per_rank(fbw: list[dict], schedule: str, m: int, num_layers: int,
                     p: int = P) -> list[float]:
     """m · Σ (F + B + W) of the stages each of the `p` ranks holds, ms, from the
     measured per-layer costs (`pipeline_sim.measure` rows)."""
-    from colossal_lab.pipeline import schedules as sch
 
     layer = next(r for r in fbw if r.get("kind") == "measure" and r["part"] == "layer")
     head = next(r for r in fbw if r.get("kind") == "measure" and r["part"] == "head")
@@ -145,8 +153,6 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor:
 
 def _ours(schedule: str, model, sw, mesh, m: int):
     """(step, named grads, holder, optimizer) of our runtime on `schedule`."""
-    from colossal_lab.switches.apply import apply_switches
-    from colossal_lab.switches.precision import make_optimizer
 
     piped = apply_switches(model, sw.replace(pp_style=schedule, num_microbatches=m), mesh)
     names = piped.model_names()
@@ -161,14 +167,7 @@ def _ours(schedule: str, model, sw, mesh, m: int):
 def _torch_zbv(model, sw, m: int, device, p: int = P):
     """(step, named grads, holder, optimizer) of torch's ZB-V on our V-placed stages of
     a p-rank pipeline (the whole world), or why it cannot run here."""
-    from torch.distributed import pipelining
 
-    from colossal_lab.pipeline import check
-    from colossal_lab.pipeline import schedules as sch
-    from colossal_lab.pipeline.stages import build_stages
-    from colossal_lab.switches import precision
-    from colossal_lab.switches.apply import apply_switches
-    from colossal_lab.switches.precision import make_optimizer
 
     cls = getattr(pipelining, check.TORCH_PEERS["zbv"], None)
     if cls is None:
@@ -213,7 +212,6 @@ def _torch_zbv(model, sw, m: int, device, p: int = P):
 
 def _build(schedule: str, cfg, sw, mesh, m: int, device):
     """A fresh model (seed 0) under `schedule`: `_ours` or `_torch_zbv`'s answer."""
-    from colossal_lab.model import build_model
 
     torch.manual_seed(0)
     model = build_model(cfg, device)
@@ -230,7 +228,6 @@ def compare_grads(mine: dict, ref: dict, device) -> tuple[float, float]:
     """(max |g − g_ref| over every parameter, max |g_ref|) where `mine` and `ref` are
     this rank's named gradients under two placements: each parameter's owner under
     `mine` broadcasts it to the world, its owner under `ref` compares."""
-    from colossal_lab.correctness import max_abs_err
 
     meta = {n: (tuple(g.shape), str(g.dtype).split(".")[-1]) for n, g in mine.items()}
     owners: dict = {}
@@ -257,8 +254,6 @@ def compare_grads(mine: dict, ref: dict, device) -> tuple[float, float]:
 def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
     """The benchmark on every rank of a group (already initialised) that is one
     pipeline of p = its world size; returns the rows (the same on every rank)."""
-    from colossal_lab import data
-    from colossal_lab.config import preset
 
     e = distributed.env()
     p = e.world_size
@@ -405,13 +400,13 @@ def _bubble_vs_1f1b(zbv: dict, base: dict) -> tuple[float | None, str | None]:
 
 
 def targets(rows: list[dict], world: int | None = None) -> list[dict]:
-    """The issues' targets on these rows at p = `world` (default: the rows' ``world``),
+    """The targets on these rows at p = `world` (default: the rows' ``world``),
     each a `two_gpu.threshold` verdict; "ZB-V" is ours (``zbv``), torch's is a peer:
 
     1. (p = 2) ZB-V >= `ZBV_VS_1F1B` [p] x 1F1B at m = `TARGET_M`: ``speedup_vs_1f1b
        = step_ms_1f1b / step_ms``;
     2. (p = 2) ZB-V's measured bubble within 20% of the simulator's at m = `TARGET_M`
-       (the issue's m): ``|bubble − bubble_sim| / bubble_sim <= 0.2``, i.e. the
+       (the targets' m): ``|bubble − bubble_sim| / bubble_sim <= 0.2``, i.e. the
        relative error of the prediction for the same schedule, p, m and costs, at that
        one m; the other m are in the table, not in the check;
     3. (p = 4) ZB-V's measured bubble <= 1/3 of 1F1B's at m = `TARGET_M`: ``bubble_zbv
@@ -515,32 +510,32 @@ def config_of(p: int = P) -> dict:
             "nccl_nvls_enable": "0"}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        prog=f"bench {NAME}", description="switch 7 measured: schedules at p = the world "
-        f"size ({two._either(two.WORLDS)}: torchrun's --nproc-per-node, or --world with "
-        "--quick)")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model (2p layers), fp32, gloo processes here, not saved")
-    two.add_world_arg(p)
-    p.add_argument("--ms", type=int, nargs="*",
-                   help="micro-batches per step (default at p = 2: "
-                   f"{' '.join(map(str, MS[2]))}; at p = 4: {' '.join(map(str, MS[4]))})")
-    p.add_argument("--schedules", nargs="*", choices=SCHEDULES)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    a = p.parse_args(argv)
-    world = two.quick_world(p, a)
-    two.refuse_or_init(NAME, a.quick, two.WORLDS)
-    if a.quick:
-        rows = run(True, world)
-        two.print_table([r for r in rows if "schedule" in r], COLUMNS)
-        return
+def _schedules(a) -> list[str]:
+    """The chosen schedules, 1F1B always among them: the gradients' and speed-ups'
+    reference."""
     schedules = a.schedules or SCHEDULES
-    if "1f1b" not in schedules:
-        schedules = ["1f1b", *schedules]  # the gradients' and speed-ups' reference
-    with distributed.guard(NAME):
-        rows = run_ranks(False, ms=a.ms, schedules=schedules)
-    if distributed.is_main():
-        two.print_table([r for r in rows if "schedule" in r], COLUMNS)
-        two.save(NAME, rows, config_of(distributed.world_size()), argv)
-    distributed.destroy()
+    return schedules if "1f1b" in schedules else ["1f1b", *schedules]
+
+
+def _show(rows: list[dict]) -> None:
+    two.print_table([r for r in rows if "schedule" in r], COLUMNS)
+
+
+BENCH = Benchmark(
+    NAME, __doc__, prog=f"bench {NAME}",
+    description="switch 7 measured: schedules at p = the world size "
+    f"({two._either(two.WORLDS)}: torchrun's --nproc-per-node, or --world with --quick)",
+    quick_help="tiny model (2p layers), fp32, gloo processes here, not saved",
+    options=[two.world_flag(),
+             opt("--ms", type=int, nargs="*",
+                 help="micro-batches per step (default at p = 2: "
+                 f"{' '.join(map(str, MS[2]))}; at p = 4: {' '.join(map(str, MS[4]))})"),
+             opt("--schedules", nargs="*", choices=SCHEDULES)],
+    check=two.world_problem,
+    execute=lambda call: two.on_ranks(
+        call, worlds=two.WORLDS, show=_show,
+        quick_rows=lambda: run(True, two.quick_world(call)),
+        rank_rows=lambda: run_ranks(False, ms=call.args.ms,
+                                    schedules=_schedules(call.args)),
+        config=lambda: config_of(distributed.world_size())))
+main = BENCH.main

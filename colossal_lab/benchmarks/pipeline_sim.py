@@ -38,13 +38,27 @@ act_mib, an upper bound for the zero-bubble schedules whose W keeps part of it).
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Sequence
 
 import torch
 
+from colossal_lab import overlap_model as om
 from colossal_lab import timing
+from colossal_lab.benchmarks.harness import Benchmark, flag
+from colossal_lab.config import SWITCH_SETS, preset
+from colossal_lab.model import build_model
+from colossal_lab.pipeline import schedules as sch
+from colossal_lab.pipeline.runtime import (
+    WeightGradStore,
+    defer_weight_grads,
+    restore_weight_grads,
+)
+from colossal_lab.pipeline.simulate import simulate
+from colossal_lab.pipeline.stages import Stage
+from colossal_lab.switches import precision
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.switches.resolved import backends_in_use
 
 NAME = "pipeline_sim"
 PRESET, SEQ_LEN, MICRO_BATCH = "llama-7b", 4096, 1
@@ -55,7 +69,7 @@ CHUNKS = 2
 """Model chunks per rank of the interleaved schedule (ZB-V always has 2)."""
 SIM_LINKS = ("NVLink 4", "400 Gb/s network")
 MEASURED = "pipeline_measured"
-"""The results file of a measured multi-GPU pipeline run (its own issue): chapter 07
+"""The results file of a measured multi-GPU pipeline run (`pipeline_measured`): chapter 07
 shows it when it exists."""
 QUICK = {"preset": "tiny", "seq_len": 64, "micro_batch": 1, "warmup": 2, "reps": 10,
          "ps": (2, 4), "ms": (4, 8)}
@@ -69,10 +83,6 @@ smaller grid, LLaMA-7B's 32 layers all the same."""
 def _parts(preset_name: str, switches, device):
     """One decoder layer and the last stage's head, from a one-layer model of the
     preset with `switches` applied, plus the layer count of the full preset."""
-    from colossal_lab.config import preset
-    from colossal_lab.model import build_model
-    from colossal_lab.pipeline.stages import Stage
-    from colossal_lab.switches.apply import apply_switches
 
     cfg = preset(preset_name)
     one = apply_switches(build_model(cfg.replace(num_hidden_layers=1), device), switches)
@@ -84,11 +94,6 @@ def _parts(preset_name: str, switches, device):
 def _time_part(stage, x_shape, dtype, labels, *, warmup: int, reps: int, device) -> dict:
     """F, B and W (weight gradients deferred), and F and the full backward (not), of
     `stage`, in ms, each repetition running both; and its activation memory."""
-    from colossal_lab.pipeline.runtime import (
-        WeightGradStore,
-        defer_weight_grads,
-        restore_weight_grads,
-    )
 
     cuda = device.type == "cuda"
     x = torch.randn(x_shape, dtype=dtype, device=device)
@@ -160,10 +165,6 @@ def measure(preset_name: str = PRESET, seq_len: int = SEQ_LEN,
             micro_batch: int = MICRO_BATCH, *, switches=None, warmup: int = WARMUP,
             reps: int = REPS, device=None) -> list[dict]:
     """The "measure" rows (layer, head) and the "p2p" row for `preset_name`."""
-    from colossal_lab import overlap_model as om
-    from colossal_lab.config import SWITCH_SETS
-    from colossal_lab.switches import precision
-    from colossal_lab.switches.resolved import backends_in_use
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if switches is None:
@@ -242,9 +243,6 @@ def simulate_rows(measured: Sequence[dict], *, ps: Sequence[int] = PS,
                   ) -> list[dict]:
     """One "sim" row per (schedule, p, m, link) that exists (interleaved needs
     m % p == 0, ZB-V m >= p)."""
-    from colossal_lab import overlap_model as om
-    from colossal_lab.pipeline import schedules as sch
-    from colossal_lab.pipeline.simulate import simulate
 
     layer = next(r for r in measured if r.get("kind") == "measure" and r["part"] == "layer")
     head = next(r for r in measured if r.get("kind") == "measure" and r["part"] == "head")
@@ -296,7 +294,6 @@ def run(quick: bool = False, *, reps: int | None = None, progress: bool = True
         ) -> list[dict]:
     """The measurement and the simulation. `quick`: the tiny model on this machine's
     CPU and a smaller grid; not a measurement of any GPU."""
-    from colossal_lab.config import preset
 
     if quick:
         q = QUICK
@@ -341,7 +338,6 @@ def summary(rows: Sequence[dict]) -> str:
 
 
 def config_of(reps: int = REPS) -> dict:
-    from colossal_lab import overlap_model as om
 
     return {"preset": PRESET, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH,
             "switches": 'config.SWITCH_SETS["best"]', "warmup": WARMUP, "reps": reps,
@@ -357,22 +353,11 @@ def config_of(reps: int = REPS) -> dict:
                           "costs"}
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny model on the CPU, not saved")
-    p.add_argument("--reps", type=int, default=None,
-                   help=f"timed repetitions (default {REPS})")
-    a = p.parse_args(argv)
-    rows = run(a.quick, reps=a.reps)
-    if not a.quick:
-        from colossal_lab.results import save_results
-
-        command = " ".join(["python -m colossal_lab bench pipeline_sim", *argv])
-        path = save_results(NAME, rows, config=config_of(a.reps or REPS), command=command)
-        print(f"saved {path}")
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny model on the CPU, not saved",
+    options=[flag("reps", help=f"timed repetitions (default {REPS})")],
+    run=lambda a: run(a.quick, reps=a.reps), config=lambda a: config_of(a.reps or REPS))
+main = BENCH.main
 
 
 if __name__ == "__main__":

@@ -26,15 +26,17 @@ Three parts, each saved to its own file with its own provenance,
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import torch
 import torch.nn.functional as F
 
-from colossal_lab.benchmarks.curves import FINAL_WINDOW
+from colossal_lab.benchmarks.curves import FINAL_WINDOW, Curve
+from colossal_lab.benchmarks.curves import run_curves as train_curves
+from colossal_lab.benchmarks.harness import Benchmark, Invocation, flag, opt
 from colossal_lab.benchmarks.steps import Setup, run_setups, step_config
 from colossal_lab.config import ModelConfig, Switches, tiny
+from colossal_lab.results import load_results
 from colossal_lab.switches import fp8
 from colossal_lab.switches import precision as P
 from colossal_lab.timing import tflops, time_kernels
@@ -199,8 +201,6 @@ def _quick(s: Setup) -> Setup:
 
 
 def run_curves(quick: bool = False) -> list[dict]:
-    from colossal_lab.benchmarks.curves import Curve
-    from colossal_lab.benchmarks.curves import run_curves as train_curves
 
     if quick:
         cfg = tiny().replace(intermediate_size=176)  # every width a multiple of 16
@@ -277,31 +277,27 @@ def file_name(part: str, base: str = "precision") -> str:
 
 def load(gpu: str | None = None) -> list[dict]:
     """The rows of every recorded part (each file's rows keep their `kind`)."""
-    from colossal_lab.results import load_results
 
     return [r for part in PARTS for r in load_results(file_name(part), gpu).rows]
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    p.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
-    p.add_argument("--name", default="precision", help="file names: NAME_<part>.json")
-    a = p.parse_args(argv)
-    if a.quick:
-        run(a.quick, tuple(a.parts))
+def _save_parts(call: Invocation) -> None:
+    """Each part measured and saved in turn: a crash loses one part."""
+    if call.args.quick:
+        run(True, tuple(call.args.parts))
         return
-    from colossal_lab.results import save_results
+    for part in call.args.parts:
+        call.save(run(False, (part,)), name=file_name(part, call.args.name),
+                  config=config_of(),
+                  command=f"python -m colossal_lab bench precision --parts {part}")
 
-    for part in a.parts:  # saved after each part: a crash loses one part
-        rows = run(False, (part,))
-        command = f"python -m colossal_lab bench precision --parts {part}"
-        path = save_results(file_name(part, a.name), rows, config=config_of(),
-                            command=command)
-        print(f"saved {path}")
+
+BENCH = Benchmark(
+    "precision", __doc__, quick_help="tiny shapes (CPU smoke test)",
+    options=[opt("--parts", nargs="*", choices=PARTS, default=list(PARTS)),
+             flag("name", default="precision", help="file names: NAME_<part>.json")],
+    execute=_save_parts)
+main = BENCH.main
 
 
 if __name__ == "__main__":

@@ -25,14 +25,17 @@ chapters' step benchmarks give the MFU.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
+from colossal_lab import data, profile, timing, train
+from colossal_lab.benchmarks.baseline import STEP_FLAGS
+from colossal_lab.benchmarks.harness import SUPPRESS, Benchmark, Invocation, opt
 from colossal_lab.benchmarks.steps import Setup, in_child, prepare, ran_backends
 from colossal_lab.config import SWITCH_SETS
 from colossal_lab.profile import step_ms_of
+from colossal_lab.switches import precision
 
 NAME = "profile_breakdown"
 SETUPS = (
@@ -52,8 +55,6 @@ def profile_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
                 trace_dir: str | Path) -> list[dict]:
     """Build `setup` (`steps.build`), profile its training step in this process and
     return its rows; the trace is written to `trace_dir/<setup>.json`."""
-    from colossal_lab import data, profile, timing, train
-    from colossal_lab.switches import precision
 
     device, cfg, model, loss_fn, micro, opt = prepare(setup, preset_name, batch)
     step = train.make_step(model, opt, loss_fn, micro_batches=batch // micro)
@@ -119,7 +120,6 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def config_of(preset_name: str = "llama-7b-8l", seq_len: int = 4096, batch: int = 4) -> dict:
-    from colossal_lab import profile
 
     return {"preset": preset_name, "seq_len": seq_len, "batch": batch,
             "optimizer": "AdamW", "data": "random tokens",
@@ -131,17 +131,10 @@ def config_of(preset_name: str = "llama-7b-8l", seq_len: int = 4096, batch: int 
             "setups": {s.name: s.label for s in SETUPS}}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--preset", default="llama-7b-8l")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--setups", nargs="*", choices=SETUP_NAMES)
-    p.add_argument("--trace-dir", help="keep the traces here (default: thrown away)")
-    p.add_argument("--child", help=argparse.SUPPRESS)  # a Setup's JSON: profile_isolated
-    p.add_argument("--json-out", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+def _profile(call: Invocation) -> None:
+    """The breakdown of the chosen setups, saved; or, as a child (`--child`), one
+    setup's rows written to `--json-out`."""
+    a = call.args
     if a.child:
         rows = profile_one(Setup.from_json(a.child), a.preset, a.seq_len, a.batch,
                            a.trace_dir)
@@ -151,11 +144,17 @@ def main(argv=None) -> None:
     rows = run(a.quick, preset_name=a.preset, seq_len=a.seq_len, batch=a.batch,
                setups=a.setups, trace_dir=a.trace_dir)
     if not a.quick:
-        from colossal_lab.results import save_results
+        call.save(rows)
 
-        path = save_results(NAME, rows, config=config_of(a.preset, a.seq_len, a.batch),
-                            command=f"python -m colossal_lab bench {NAME}")
-        print(f"saved {path}")
+
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny model, in this process, not saved",
+    options=[*STEP_FLAGS, opt("--setups", nargs="*", choices=SETUP_NAMES),
+             opt("--trace-dir", help="keep the traces here (default: thrown away)"),
+             opt("--child", help=SUPPRESS),  # a Setup's JSON: profile_isolated
+             opt("--json-out", help=SUPPRESS)],
+    config=lambda a: config_of(a.preset, a.seq_len, a.batch), execute=_profile)
+main = BENCH.main
 
 
 if __name__ == "__main__":

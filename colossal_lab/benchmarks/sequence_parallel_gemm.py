@@ -37,13 +37,16 @@ Then, computed from those rows (no second measurement):
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
 
 from colossal_lab import overlap_model as om
 from colossal_lab import timing
+from colossal_lab.benchmarks.harness import Benchmark, flag
+from colossal_lab.config import Switches, preset
+from colossal_lab.model import build_model
+from colossal_lab.switches.apply import apply_switches
 
 NAME = "sequence_parallel_gemm"
 PRESET, SEQ_LEN, BATCH = "llama-7b", 4096, 1
@@ -171,8 +174,6 @@ def saved_bytes_per_layer(cfg, seq_len: int, batch: int, switches, device,
     """Bytes of the distinct tensors (storages) one decoder layer's forward keeps for
     the backward, parameters excluded: what a layer really holds, measured with
     `torch.autograd.graph.saved_tensors_hooks` (one layer of `cfg` with `switches`)."""
-    from colossal_lab.model import build_model
-    from colossal_lab.switches.apply import apply_switches
 
     model = apply_switches(build_model(cfg.replace(num_hidden_layers=1), device), switches)
     if switches.precision != "bf16-pure":
@@ -308,7 +309,6 @@ def comm_rows(gemm: list[dict], cfg, tokens: int, tps, link: om.Link,
 def run(quick: bool = False, *, progress: bool = True, reps: int | None = None) -> list[dict]:
     """GEMM rows (measured), memory rows (formula + the t = 1 check), comm rows (model).
     `quick`: the tiny model on this machine's CPU in fp32, not a measurement of any GPU."""
-    from colossal_lab.config import Switches, preset
 
     device = torch.device("cuda" if torch.cuda.is_available() and not quick else "cpu")
     if quick:
@@ -365,22 +365,11 @@ def config_of(reps: int = REPS) -> dict:
                           "gemm.comm_rows)"}
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU, not saved")
-    p.add_argument("--reps", type=int, default=None, help=f"replays per case (default "
-                                                          f"{REPS})")
-    a = p.parse_args(argv)
-    rows = run(a.quick, reps=a.reps)
-    if not a.quick:
-        from colossal_lab.results import save_results
-
-        command = " ".join([f"python -m colossal_lab bench {NAME}", *argv])
-        path = save_results(NAME, rows, config=config_of(a.reps or REPS), command=command)
-        print(f"saved {path}")
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny shapes on the CPU, not saved",
+    options=[flag("reps", help=f"replays per case (default {REPS})")],
+    run=lambda a: run(a.quick, reps=a.reps), config=lambda a: config_of(a.reps or REPS))
+main = BENCH.main
 
 
 if __name__ == "__main__":
