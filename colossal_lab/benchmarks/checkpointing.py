@@ -1,23 +1,4 @@
-"""Chapter 04: what gradient checkpointing costs in speed and buys in memory.
-
-Two groups of training steps, each setup in its own process (`benchmarks.steps`):
-
-1. `llama-7b-8l`, seq 4096, batch 4, bf16 autocast, switches 1-2 on: no checkpointing,
-   ratios 0.25 / 0.5 / 0.75 / 1 (full recomputation) and the two selective modes. Each
-   row carries tokens/s, MFU (6N), MFU (+attention), HFU (+ the recomputed FLOPs), what
-   ColossalAI's evaluator would report (8N per token with checkpointing on), peak and
-   activation memory, what one layer keeps, and the largest batch: predicted from two
-   memory probes and verified by running it.
-2. Full LLaMA-7B (32 layers, 6.74B) on one GPU, bf16 parameters with fp32 master weights
-   and optimizer states in the optimizer ("bf16-pure": ~100 GiB before any activation),
-   switches 1-3 on: no checkpointing at batch 1 and 2, selective and full
-   recomputation at batch 2, and at batch 3 the fewest checkpointed layers that fit
-   (chosen from memory probes).
-
-    python -m colossal_lab bench checkpointing --group sweep   # ~5 min on one H200
-    python -m colossal_lab bench checkpointing --group 7b      # ~4 min
-    python -m colossal_lab bench checkpointing --quick         # tiny model, CPU, seconds
-"""
+"""Chapter 04: what gradient checkpointing costs in speed and buys in memory."""
 
 from __future__ import annotations
 
@@ -104,7 +85,26 @@ def load(gpu: str | None = None) -> list[dict]:
 
 def run(quick: bool = False, *, setups=None, seq_len: int = 4096, batch: int = 4
         ) -> list[dict]:
-    """Every setup side by side (`quick`: the tiny model on the CPU, in this process)."""
+    """Every setup side by side (`quick`: the tiny model on the CPU, in this process).
+
+    Two groups of training steps, each setup in its own process (`benchmarks.steps`):
+
+    1. `llama-7b-8l`, seq 4096, batch 4, bf16 autocast, switches 1-2 on: no checkpointing,
+       ratios 0.25 / 0.5 / 0.75 / 1 (full recomputation) and the two selective modes. Each
+       row carries tokens/s, MFU (6N), MFU (+attention), HFU (+ the recomputed FLOPs), what
+       ColossalAI's evaluator would report (8N per token with checkpointing on), peak and
+       activation memory, what one layer keeps, and the largest batch: predicted from two
+       memory probes and verified by running it.
+    2. Full LLaMA-7B (32 layers, 6.74B) on one GPU, bf16 parameters with fp32 master weights
+       and optimizer states in the optimizer ("bf16-pure": ~100 GiB before any activation),
+       switches 1-3 on: no checkpointing at batch 1 and 2, selective and full
+       recomputation at batch 2, and at batch 3 the fewest checkpointed layers that fit
+       (chosen from memory probes).
+
+        python -m colossal_lab bench checkpointing --group sweep   # ~5 min on one H200
+        python -m colossal_lab bench checkpointing --group 7b      # ~4 min
+        python -m colossal_lab bench checkpointing --quick         # tiny model, CPU, seconds
+    """
     chosen = [s for s in SETUPS if s.name in (setups or (QUICK if quick else SETUP_NAMES))]
     if not quick:  # the largest batch should be bounded by memory, not by fragmentation
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

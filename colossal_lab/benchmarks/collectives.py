@@ -1,44 +1,5 @@
 """NCCL's collectives on the GPUs of one node: all-reduce, all-gather and reduce-scatter
 bus bandwidth against message size, over each link NCCL may take between them.
-
-**What is measured.** Each op on bf16 messages of `SIZES` bytes (1 MiB to 1 GiB, powers
-of 4), `WARMUP` untimed calls then `REPS` timed ones, each bracketed by CUDA events on
-the current stream (`timing.time_iterations`) after a barrier that lines the ranks up,
-so a rep times the collective, not one rank waiting for the other to arrive. A rep's
-time is the slowest rank's (a collective is done when it is done everywhere); the row
-holds the median, p10 and p90 of those, and every rep in `ms_all`.
-
-**Sizes and bus bandwidth,** as nccl-tests define them (NVIDIA nccl-tests,
-doc/PERFORMANCE.md). The size S of a row is the whole message: the all-reduced buffer,
-the all-gather's output (each rank gives S/n), the reduce-scatter's input (each rank
-keeps S/n). Algorithm bandwidth is algbw = S / t. Bus bandwidth rescales it to the
-bytes every link carries in the bandwidth-optimal ring, so that it is comparable
-across ops and rank counts, and with the link's peak:
-
-    all-reduce:                  busbw = algbw · 2(n−1)/n
-    all-gather, reduce-scatter:  busbw = algbw · (n−1)/n
-
-(`BUS_FACTOR`). On 2 ranks an all-reduce's busbw is its algbw; an all-gather's is half.
-
-**The links** (`--link`, `LINK_ENV`), set in NCCL's environment before the process
-group starts: "nvlink" (NCCL's choice: peer-to-peer over NVLink), "host"
-(``NCCL_P2P_DISABLE=1``: through shared host memory over PCIe), "sockets"
-(``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``: through the network stack, as between
-nodes without InfiniBand). ``NCCL_NVLS_ENABLE=0`` always: NVLink SHARP (multicast) must
-stay off on the machines this book is measured on. One invocation measures one link
-setting (NCCL reads its environment once); its rows carry ``link`` and replace that
-link's rows in ``results/<gpu>x<n>/collectives.json`` (`results.merge_rows`), so three
-invocations build one file::
-
-    torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link nvlink
-    torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link host
-    torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link sockets
-    python -m colossal_lab bench collectives --quick   # 2 gloo processes on this CPU
-
-The world n is whatever torchrun launched (``--nproc-per-node 4`` on four GPUs: the
-rows carry ``world`` and their bus factor, and go to ``results/<gpu>x4``).
-`--quick` is a smoke test: 2 CPU processes (or ``--world 4``) on gloo over loopback,
-`QUICK_SIZES`, a few reps, nothing saved: it exercises the code, it measures no GPU.
 """
 
 from __future__ import annotations
@@ -189,7 +150,47 @@ def run(quick: bool = False, *, link: str = "nvlink", reps: int | None = None,
         world: int = two_gpu.WORLD) -> list[dict]:
     """The rows of one link setting. `quick`: `world` gloo processes on this CPU
     (`spawn`), `QUICK_SIZES`, a few reps; rank 0's rows. Otherwise call it on every rank
-    of a torchrun job (`main` does): NCCL on the GPUs, every rank returns the rows."""
+    of a torchrun job (`main` does): NCCL on the GPUs, every rank returns the rows.
+
+    **What is measured.** Each op on bf16 messages of `SIZES` bytes (1 MiB to 1 GiB, powers
+    of 4), `WARMUP` untimed calls then `REPS` timed ones, each bracketed by CUDA events on
+    the current stream (`timing.time_iterations`) after a barrier that lines the ranks up,
+    so a rep times the collective, not one rank waiting for the other to arrive. A rep's
+    time is the slowest rank's (a collective is done when it is done everywhere); the row
+    holds the median, p10 and p90 of those, and every rep in `ms_all`.
+
+    **Sizes and bus bandwidth,** as nccl-tests define them (NVIDIA nccl-tests,
+    doc/PERFORMANCE.md). The size S of a row is the whole message: the all-reduced buffer,
+    the all-gather's output (each rank gives S/n), the reduce-scatter's input (each rank
+    keeps S/n). Algorithm bandwidth is algbw = S / t. Bus bandwidth rescales it to the
+    bytes every link carries in the bandwidth-optimal ring, so that it is comparable
+    across ops and rank counts, and with the link's peak:
+
+        all-reduce:                  busbw = algbw · 2(n−1)/n
+        all-gather, reduce-scatter:  busbw = algbw · (n−1)/n
+
+    (`BUS_FACTOR`). On 2 ranks an all-reduce's busbw is its algbw; an all-gather's is half.
+
+    **The links** (`--link`, `LINK_ENV`), set in NCCL's environment before the process
+    group starts: "nvlink" (NCCL's choice: peer-to-peer over NVLink), "host"
+    (``NCCL_P2P_DISABLE=1``: through shared host memory over PCIe), "sockets"
+    (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``: through the network stack, as between
+    nodes without InfiniBand). ``NCCL_NVLS_ENABLE=0`` always: NVLink SHARP (multicast) must
+    stay off on the machines this book is measured on. One invocation measures one link
+    setting (NCCL reads its environment once); its rows carry ``link`` and replace that
+    link's rows in ``results/<gpu>x<n>/collectives.json`` (`results.merge_rows`), so three
+    invocations build one file::
+
+        torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link nvlink
+        torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link host
+        torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link sockets
+        python -m colossal_lab bench collectives --quick   # 2 gloo processes on this CPU
+
+    The world n is whatever torchrun launched (``--nproc-per-node 4`` on four GPUs: the
+    rows carry ``world`` and their bus factor, and go to ``results/<gpu>x4``).
+    `--quick` is a smoke test: 2 CPU processes (or ``--world 4``) on gloo over loopback,
+    `QUICK_SIZES`, a few reps, nothing saved: it exercises the code, it measures no GPU.
+    """
     if quick:  # NCCL's link settings mean nothing to gloo: say where it ran
         return distributed.spawn(_quick_worker, world, QUICK_LINK,
                                  tuple(sizes or QUICK_SIZES), QUICK_WARMUP,

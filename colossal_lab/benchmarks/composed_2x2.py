@@ -1,61 +1,6 @@
 """The book's final configuration on four GPUs: full LLaMA-7B with every switch,
 composed as 2 × 2 (DP 2 × TP 2, or TP 2 × PP 2), both measured in one torchrun group,
 as MFU per GPU against the single-GPU 7B run and the target `TARGET_MFU`.
-
-On four ranks (``torchrun --nproc-per-node 4``, NCCL, NVLink multicast off),
-`llama-7b` (32 layers) at sequence 4096, the base switches `two_gpu.switches_for`
-(the best bf16 set without the fused cross-entropy and embedding, which TP's
-vocabulary-parallel loss and its row-sharded embedding replace), each setup of
-`SETUPS` built fresh from seed 0 by `apply_switches` on a `distributed.make_mesh`:
-
-* ``dp2tp2-ring``, ``dp2tp2-split_gather``: mesh dp = 2 × tp = 2; each tp pair holds
-  half of every weight with sequence parallelism in that mode (collectives cut into
-  ring steps under the GEMMs, or ColossalAI's all-gather / reduce-scatter), and the
-  two pairs reduce their gradients with our overlapped bucketed all-reduce
-  (``overlap_communication=True``, `grad_overlap_measured.BUCKET_ELEMS` buckets);
-  `DP_BATCH` sequences per dp rank (``--dp-batch``), `train.make_step` (the DP
-  reduction, clipping by the whole model's norm, AdamW);
-* ``tp2pp2-zbv``, ``tp2pp2-1f1b``: mesh pp = 2 × tp = 2, a pipeline of two stages
-  (ZB-V: two chunks per rank in a V, whose W steps run the TP linears' deferred
-  weight-gradient halves; or 1F1B), each stage TP-sharded with ring sequence
-  parallelism, m = `PP_M` micro-batches of one sequence (``--pp-m``), built by
-  `pipeline_measured._build`; after each ``model.step`` the gradients are clipped by
-  the whole split model's norm (`grad_norm.clip_`), then AdamW.
-
-Which is faster is not obvious: DP × TP all-reduces a 7B/2 gradient each step
-(overlapped with the backward) and runs every layer on every pair; TP × PP sends only
-activations between the stages but pays the pipeline's bubble (ZB-V fills most of it).
-``--ckpt-ratio R`` recomputes ``floor(R · n)`` layers of each stage
-(`GradientCheckpointConfig`) in every setup, should the activations not fit.
-
-**Correctness first.** Each setup's first two steps are its check (as
-`sequence_parallel_step`'s): the group's loss of step 1 (the initial weights) and of
-step 2 (after one optimizer step), recorded as ``loss_step1`` / ``loss_step2``. The
-data are seed 0's random tokens, the whole group's batch drawn alike on every rank; a
-dp rank trains on its slice of it, the pipeline on all of it. When the two layouts'
-batches are the same size (``--dp-batch`` · 2 = ``--pp-m``, as in the quick run) they
-train on the same tokens from the same weights, so their losses agree to rounding.
-
-**Timing and per GPU** as `composed_parallel`'s: `WARMUP` untimed steps, then
-`ITERS` (>= 20) timed with CUDA events, a step's time the slower rank's, ``step_ms``
-the median with p10 and p90 (`two_gpu.timed_steps`). ``batch`` counts the sequences
-one step of the group trains on, each once: dp2tp2 ``dp_batch`` · 2 (each tp pair its
-own, both ranks of a pair the same), tp2pp2 m · 1. `composed_parallel.per_gpu` turns
-it into tokens/s, per GPU, ``mfu_per_gpu`` (6N, one GPU's dense bf16 peak) and
-``vs_single_gpu_best`` against `SINGLE_GPU_SETUP` of ``results/<gpu>/composed.json``
-(`llama-7b` at 4096 on one GPU); ``meets_target`` is ``mfu_per_gpu >= TARGET_MFU``.
-A setup that fails (out of memory) becomes a row with its ``error``; the others still
-run. After them one row of ``kind: "choice"`` names the faster setup by MFU per GPU
-among those that ran, and its layout: whichever is faster.
-
-    torchrun --nproc-per-node 4 -m colossal_lab bench composed_2x2
-    torchrun --nproc-per-node 4 -m colossal_lab bench composed_2x2 --ckpt-ratio 0.25
-    python -m colossal_lab bench composed_2x2 --quick   # 4 gloo CPU processes
-
-Measured rows go to ``results/<gpu>x4/composed_2x2.json`` (`results.run_slug`). The
-quick run: the tiny model with 4 layers (ZB-V's 2p = 4 stages), fp32, sequence 32,
-gloo, a few steps; prints, saves nothing. `targets(rows)` reads the target off
-the rows.
 """
 
 from __future__ import annotations
@@ -315,7 +260,63 @@ def run_ranks(quick: bool = False, setups=SETUPS, iters: int | None = None,
 
 def run(quick: bool = False, setups=SETUPS, iters: int | None = None, **sizes) -> list:
     """Rank 0's rows (`two_gpu.run`): four gloo CPU processes with `quick`. `sizes`:
-    `run_ranks`'s ``dp_batch``, ``pp_m``, ``ckpt_ratio``."""
+    `run_ranks`'s ``dp_batch``, ``pp_m``, ``ckpt_ratio``.
+
+    On four ranks (``torchrun --nproc-per-node 4``, NCCL, NVLink multicast off),
+    `llama-7b` (32 layers) at sequence 4096, the base switches `two_gpu.switches_for`
+    (the best bf16 set without the fused cross-entropy and embedding, which TP's
+    vocabulary-parallel loss and its row-sharded embedding replace), each setup of
+    `SETUPS` built fresh from seed 0 by `apply_switches` on a `distributed.make_mesh`:
+
+    * ``dp2tp2-ring``, ``dp2tp2-split_gather``: mesh dp = 2 × tp = 2; each tp pair holds
+      half of every weight with sequence parallelism in that mode (collectives cut into
+      ring steps under the GEMMs, or ColossalAI's all-gather / reduce-scatter), and the
+      two pairs reduce their gradients with our overlapped bucketed all-reduce
+      (``overlap_communication=True``, `grad_overlap_measured.BUCKET_ELEMS` buckets);
+      `DP_BATCH` sequences per dp rank (``--dp-batch``), `train.make_step` (the DP
+      reduction, clipping by the whole model's norm, AdamW);
+    * ``tp2pp2-zbv``, ``tp2pp2-1f1b``: mesh pp = 2 × tp = 2, a pipeline of two stages
+      (ZB-V: two chunks per rank in a V, whose W steps run the TP linears' deferred
+      weight-gradient halves; or 1F1B), each stage TP-sharded with ring sequence
+      parallelism, m = `PP_M` micro-batches of one sequence (``--pp-m``), built by
+      `pipeline_measured._build`; after each ``model.step`` the gradients are clipped by
+      the whole split model's norm (`grad_norm.clip_`), then AdamW.
+
+    Which is faster is not obvious: DP × TP all-reduces a 7B/2 gradient each step
+    (overlapped with the backward) and runs every layer on every pair; TP × PP sends only
+    activations between the stages but pays the pipeline's bubble (ZB-V fills most of it).
+    ``--ckpt-ratio R`` recomputes ``floor(R · n)`` layers of each stage
+    (`GradientCheckpointConfig`) in every setup, should the activations not fit.
+
+    **Correctness first.** Each setup's first two steps are its check (as
+    `sequence_parallel_step`'s): the group's loss of step 1 (the initial weights) and of
+    step 2 (after one optimizer step), recorded as ``loss_step1`` / ``loss_step2``. The
+    data are seed 0's random tokens, the whole group's batch drawn alike on every rank; a
+    dp rank trains on its slice of it, the pipeline on all of it. When the two layouts'
+    batches are the same size (``--dp-batch`` · 2 = ``--pp-m``, as in the quick run) they
+    train on the same tokens from the same weights, so their losses agree to rounding.
+
+    **Timing and per GPU** as `composed_parallel`'s: `WARMUP` untimed steps, then
+    `ITERS` (>= 20) timed with CUDA events, a step's time the slower rank's, ``step_ms``
+    the median with p10 and p90 (`two_gpu.timed_steps`). ``batch`` counts the sequences
+    one step of the group trains on, each once: dp2tp2 ``dp_batch`` · 2 (each tp pair its
+    own, both ranks of a pair the same), tp2pp2 m · 1. `composed_parallel.per_gpu` turns
+    it into tokens/s, per GPU, ``mfu_per_gpu`` (6N, one GPU's dense bf16 peak) and
+    ``vs_single_gpu_best`` against `SINGLE_GPU_SETUP` of ``results/<gpu>/composed.json``
+    (`llama-7b` at 4096 on one GPU); ``meets_target`` is ``mfu_per_gpu >= TARGET_MFU``.
+    A setup that fails (out of memory) becomes a row with its ``error``; the others still
+    run. After them one row of ``kind: "choice"`` names the faster setup by MFU per GPU
+    among those that ran, and its layout: whichever is faster.
+
+        torchrun --nproc-per-node 4 -m colossal_lab bench composed_2x2
+        torchrun --nproc-per-node 4 -m colossal_lab bench composed_2x2 --ckpt-ratio 0.25
+        python -m colossal_lab bench composed_2x2 --quick   # 4 gloo CPU processes
+
+    Measured rows go to ``results/<gpu>x4/composed_2x2.json`` (`results.run_slug`). The
+    quick run: the tiny model with 4 layers (ZB-V's 2p = 4 stages), fp32, sequence 32,
+    gloo, a few steps; prints, saves nothing. `targets(rows)` reads the target off
+    the rows.
+    """
     return two.run(functools.partial(run_ranks, setups=tuple(setups), iters=iters,
                                      **sizes), quick, WORLD)
 

@@ -1,59 +1,5 @@
 """The finale on two GPUs: the best single-GPU switches composed with each parallel
 layout, side by side in one torchrun group, as MFU per GPU against the single-GPU best.
-
-On two ranks (``torchrun --nproc-per-node 2``, NCCL, NVLink multicast off), `llama-7b-8l`
-at sequence 4096, bf16, every setup of `SETUPS` built fresh from seed 0 by the sibling
-benchmark that measures its switch alone (nothing is re-implemented here):
-
-* ``dp2-overlap``: data parallel, our overlapped bucketed all-reduce
-  (`grad_overlap_measured.build`, backend "overlap", 12M-element buckets), per-rank batch
-  `DP_BATCH` = 4: each GPU does the single-GPU ``composed`` run's whole step, plus the
-  gradient all-reduce; the switches are ``SWITCH_SETS["best"]`` exactly as the
-  single-GPU ``ours-bf16`` row's;
-* ``dp2-ddp``: the same with torch ``DistributedDataParallel`` on the same bucket bytes,
-  the reference next to it;
-* ``tp2-ring``, ``tp2-split_gather``: TP = 2 with sequence parallelism, its collectives
-  cut into ring steps under the GEMMs, or ColossalAI's plain all-gather/reduce-scatter
-  (`sequence_parallel_step.measure_mode`: two checking steps, then the timed ones),
-  batch `sequence_parallel_step.BATCH[4096]`;
-* ``pp2-zbv``, ``pp2-1f1b``: a pipeline of p = 2 at m = `PP_M` micro-batches of one
-  sequence, our ZB-V (two chunks per rank in a V) or 1F1B, built by
-  `pipeline_measured._build` (the smallest piece of that benchmark that yields one
-  schedule's step: its `run_ranks` also measures per-layer costs and checks gradients
-  against 1F1B, which this comparison does not need), AdamW after every step.
-
-TP and PP run `two_gpu.switches_for`: "best" without the fused cross-entropy and
-embedding, which TP's vocabulary-parallel loss and the pipeline's stage heads replace.
-
-**Timing.** `WARMUP` untimed steps, then `ITERS` (>= 20) timed with CUDA events; a
-step's time is the slower rank's (the per-step MAX over the ranks), so ``step_ms`` is the
-median of those, with p10 and p90 (DP through `train.measure_step`, TP and PP through
-`two_gpu.timed_steps`; the same events, the same reduction).
-
-**Per GPU.** ``batch`` counts the sequences one step of the whole group trains on, each
-once: DP 2 · 4 (every rank its own), TP 2 (both ranks work on the same tokens, each
-holding half of every weight), PP m · 1 (each micro-batch passes both stages). Then
-``tokens_per_s = batch · seq / step``, ``tokens_per_s_per_gpu`` half of it, and
-``mfu_per_gpu = 6 · N · tokens_per_s_per_gpu / peak``: the seed formula (`mfu.step_stats`)
-with the whole model's N and one GPU's dense bf16 peak; with ``mfu_attn_per_gpu`` its
-attention-aware sibling. A layout's communication, its duplicated work (none here) and
-its bubbles all show up as lost MFU per GPU. ``vs_single_gpu_best = mfu_per_gpu /
-mfu(ours-bf16)``, the best bf16 row of ``results/<gpu>/composed.json`` (its file and
-commit in the config, ``single_gpu_best``; None with the reason when that file, or a
-row of the same preset and sequence, is absent). ``peak_mem_gib`` is the larger rank's
-`torch.cuda.max_memory_allocated` over the timed steps, each rank's in
-``peak_mem_gib_per_rank``. A setup that fails (out of memory, a missing op) becomes a
-row with its ``error``; the others still run.
-
-    torchrun --nproc-per-node 2 -m colossal_lab bench composed_parallel
-    torchrun --nproc-per-node 2 -m colossal_lab bench composed_parallel --setups dp2-overlap
-    python -m colossal_lab bench composed_parallel --quick   # 2 gloo CPU processes
-
-The quick run: the tiny model (4 layers for the pipeline), fp32, sequence 32, gloo, a
-few steps; prints, saves nothing.
-
-**No target.** The layouts are compared, not held to a number: `targets(rows)` reports
-each layout's ratio in the shape of the other benchmarks' verdicts, with no verdict.
 """
 
 from __future__ import annotations
@@ -284,7 +230,62 @@ def measure_row(name: str, row: dict, measure, variant: str, ctx: dict, cfg,
 
 
 def run(quick: bool = False, setups=SETUPS, iters: int | None = None) -> list[dict]:
-    """Rank 0's rows (`two_gpu.run`): two gloo CPU processes with `quick`."""
+    """Rank 0's rows (`two_gpu.run`): two gloo CPU processes with `quick`.
+
+    On two ranks (``torchrun --nproc-per-node 2``, NCCL, NVLink multicast off), `llama-7b-8l`
+    at sequence 4096, bf16, every setup of `SETUPS` built fresh from seed 0 by the sibling
+    benchmark that measures its switch alone (nothing is re-implemented here):
+
+    * ``dp2-overlap``: data parallel, our overlapped bucketed all-reduce
+      (`grad_overlap_measured.build`, backend "overlap", 12M-element buckets), per-rank batch
+      `DP_BATCH` = 4: each GPU does the single-GPU ``composed`` run's whole step, plus the
+      gradient all-reduce; the switches are ``SWITCH_SETS["best"]`` exactly as the
+      single-GPU ``ours-bf16`` row's;
+    * ``dp2-ddp``: the same with torch ``DistributedDataParallel`` on the same bucket bytes,
+      the reference next to it;
+    * ``tp2-ring``, ``tp2-split_gather``: TP = 2 with sequence parallelism, its collectives
+      cut into ring steps under the GEMMs, or ColossalAI's plain all-gather/reduce-scatter
+      (`sequence_parallel_step.measure_mode`: two checking steps, then the timed ones),
+      batch `sequence_parallel_step.BATCH[4096]`;
+    * ``pp2-zbv``, ``pp2-1f1b``: a pipeline of p = 2 at m = `PP_M` micro-batches of one
+      sequence, our ZB-V (two chunks per rank in a V) or 1F1B, built by
+      `pipeline_measured._build` (the smallest piece of that benchmark that yields one
+      schedule's step: its `run_ranks` also measures per-layer costs and checks gradients
+      against 1F1B, which this comparison does not need), AdamW after every step.
+
+    TP and PP run `two_gpu.switches_for`: "best" without the fused cross-entropy and
+    embedding, which TP's vocabulary-parallel loss and the pipeline's stage heads replace.
+
+    **Timing.** `WARMUP` untimed steps, then `ITERS` (>= 20) timed with CUDA events; a
+    step's time is the slower rank's (the per-step MAX over the ranks), so ``step_ms`` is the
+    median of those, with p10 and p90 (DP through `train.measure_step`, TP and PP through
+    `two_gpu.timed_steps`; the same events, the same reduction).
+
+    **Per GPU.** ``batch`` counts the sequences one step of the whole group trains on, each
+    once: DP 2 · 4 (every rank its own), TP 2 (both ranks work on the same tokens, each
+    holding half of every weight), PP m · 1 (each micro-batch passes both stages). Then
+    ``tokens_per_s = batch · seq / step``, ``tokens_per_s_per_gpu`` half of it, and
+    ``mfu_per_gpu = 6 · N · tokens_per_s_per_gpu / peak``: the seed formula (`mfu.step_stats`)
+    with the whole model's N and one GPU's dense bf16 peak; with ``mfu_attn_per_gpu`` its
+    attention-aware sibling. A layout's communication, its duplicated work (none here) and
+    its bubbles all show up as lost MFU per GPU. ``vs_single_gpu_best = mfu_per_gpu /
+    mfu(ours-bf16)``, the best bf16 row of ``results/<gpu>/composed.json`` (its file and
+    commit in the config, ``single_gpu_best``; None with the reason when that file, or a
+    row of the same preset and sequence, is absent). ``peak_mem_gib`` is the larger rank's
+    `torch.cuda.max_memory_allocated` over the timed steps, each rank's in
+    ``peak_mem_gib_per_rank``. A setup that fails (out of memory, a missing op) becomes a
+    row with its ``error``; the others still run.
+
+        torchrun --nproc-per-node 2 -m colossal_lab bench composed_parallel
+        torchrun --nproc-per-node 2 -m colossal_lab bench composed_parallel --setups dp2-overlap
+        python -m colossal_lab bench composed_parallel --quick   # 2 gloo CPU processes
+
+    The quick run: the tiny model (4 layers for the pipeline), fp32, sequence 32, gloo, a
+    few steps; prints, saves nothing.
+
+    **No target.** The layouts are compared, not held to a number: `targets(rows)` reports
+    each layout's ratio in the shape of the other benchmarks' verdicts, with no verdict.
+    """
     return two.run(functools.partial(run_ranks, setups=tuple(setups), iters=iters), quick)
 
 

@@ -1,43 +1,4 @@
-"""Switch 1's micro-benchmark: every attention backend side by side, in one process.
-
-Providers: naive (materialised scores), PyTorch SDPA forced to its flash, memory-efficient
-and cuDNN kernels, ours (`colossal_lab.kernels.flash_attention`: "triton" as it ships,
-which on Hopper picks the Gluon kernels per pass where they are faster, and its variants
-`OUR_VARIANTS`: the portable FlashAttention-2 alone, with FA2's atomic dQ, and the Hopper
-kernels everywhere in each forward schedule), FlexAttention under `torch.compile`, and
-`flash_attn` when it is installed. Each case
-(batch, heads, kv heads, seq_len, head_dim, causal) is set up once and every provider
-runs on the same tensors, so the ratios are what to read; absolute numbers drift between
-machines.
-
-The sweep keeps the work per query token fixed: B·S = 16384 tokens and
-H·D = 4096 (H = 32, 64, 16 at D = 128, 64, 256), S from 512 to 16384, causal and full,
-bf16, in three head layouts: MHA, GQA-4 (Hkv = H/4) and GQA-8 (Hkv = H/8). At every
-point: ours ("triton"), cuDNN, SDPA-flash and FlexAttention (`SWEEP_PROVIDERS`); at the
-canonical point B=4, H=32, S=4096, D=128, causal (BASELINES.md's) also naive,
-SDPA-efficient, our variants and flash_attn (`CANONICAL_EXTRAS`): the steps from the
-portable kernel to the one that ships, side by side. A provider that cannot
-run a point leaves a row that says why (`skipped` or `error`), never another backend's
-time. Memory rows: peak memory of one fwd+bwd at B=1, H=32, D=128. `targets` reads the
-targets off the rows.
-
-The whole sweep takes longer than one GPU command may run: split it with the filters
-(`--seq-lens`, `--head-dims`, `--layouts`, `--causal`) and continue a file with
-`--resume`; `--dry-run --chunk-s 500` prints the cases, an estimate of their time
-(`estimate_s`, a cost model, not a measurement) and command lines that fit; with
-`--resume --gpu h200` it plans what the recorded file still lacks, the estimate corrected
-by the time its rows took (`calibration`). A provider whose backward cannot run at a
-point keeps its forward figure and says why in `fwd_bwd_error`.
-
-    python -m colossal_lab bench flash_attention --dry-run --chunk-s 500   # the plan
-    python -m colossal_lab bench flash_attention --head-dims 128 --causal causal
-    python -m colossal_lab bench flash_attention --head-dims 64 --resume   # and so on
-    python -m colossal_lab bench flash_attention --quick    # CPU smoke test, tiny shapes
-
-Results: `results/<gpu>/flash_attention.json` (rewritten after every case, so a run that
-is cut short keeps what it measured; `--resume` keeps the file's rows and measures only
-what it lacks, the contributing invocations listed in `config["resumed_from"]`).
-"""
+"""Switch 1's micro-benchmark: every attention backend side by side, in one process."""
 
 from __future__ import annotations
 
@@ -462,7 +423,46 @@ def run(quick: bool = False, *, head_dims=None, seq_lens=None, providers=None,
     after every case (for saving).
 
     `quick`: tiny fp32 shapes on whatever device there is, providers naive, sdpa and
-    triton only, no memory rows (a CPU smoke test; its numbers mean nothing)."""
+    triton only, no memory rows (a CPU smoke test; its numbers mean nothing).
+
+    Providers: naive (materialised scores), PyTorch SDPA forced to its flash, memory-efficient
+    and cuDNN kernels, ours (`colossal_lab.kernels.flash_attention`: "triton" as it ships,
+    which on Hopper picks the Gluon kernels per pass where they are faster, and its variants
+    `OUR_VARIANTS`: the portable FlashAttention-2 alone, with FA2's atomic dQ, and the Hopper
+    kernels everywhere in each forward schedule), FlexAttention under `torch.compile`, and
+    `flash_attn` when it is installed. Each case
+    (batch, heads, kv heads, seq_len, head_dim, causal) is set up once and every provider
+    runs on the same tensors, so the ratios are what to read; absolute numbers drift between
+    machines.
+
+    The sweep keeps the work per query token fixed: B·S = 16384 tokens and
+    H·D = 4096 (H = 32, 64, 16 at D = 128, 64, 256), S from 512 to 16384, causal and full,
+    bf16, in three head layouts: MHA, GQA-4 (Hkv = H/4) and GQA-8 (Hkv = H/8). At every
+    point: ours ("triton"), cuDNN, SDPA-flash and FlexAttention (`SWEEP_PROVIDERS`); at the
+    canonical point B=4, H=32, S=4096, D=128, causal (BASELINES.md's) also naive,
+    SDPA-efficient, our variants and flash_attn (`CANONICAL_EXTRAS`): the steps from the
+    portable kernel to the one that ships, side by side. A provider that cannot
+    run a point leaves a row that says why (`skipped` or `error`), never another backend's
+    time. Memory rows: peak memory of one fwd+bwd at B=1, H=32, D=128. `targets` reads the
+    targets off the rows.
+
+    The whole sweep takes longer than one GPU command may run: split it with the filters
+    (`--seq-lens`, `--head-dims`, `--layouts`, `--causal`) and continue a file with
+    `--resume`; `--dry-run --chunk-s 500` prints the cases, an estimate of their time
+    (`estimate_s`, a cost model, not a measurement) and command lines that fit; with
+    `--resume --gpu h200` it plans what the recorded file still lacks, the estimate corrected
+    by the time its rows took (`calibration`). A provider whose backward cannot run at a
+    point keeps its forward figure and says why in `fwd_bwd_error`.
+
+        python -m colossal_lab bench flash_attention --dry-run --chunk-s 500   # the plan
+        python -m colossal_lab bench flash_attention --head-dims 128 --causal causal
+        python -m colossal_lab bench flash_attention --head-dims 64 --resume   # and so on
+        python -m colossal_lab bench flash_attention --quick    # CPU smoke test, tiny shapes
+
+    Results: `results/<gpu>/flash_attention.json` (rewritten after every case, so a run that
+    is cut short keeps what it measured; `--resume` keeps the file's rows and measures only
+    what it lacks, the contributing invocations listed in `config["resumed_from"]`).
+    """
     cases = sweep_cases(quick, seq_lens=seq_lens, head_dims=head_dims, layouts=layouts,
                         causal=causal, providers=providers, memory=memory)
     if memory and not quick and not torch.cuda.is_available():

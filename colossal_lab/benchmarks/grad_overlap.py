@@ -1,34 +1,5 @@
 """Switch 8 on one GPU: when does each gradient become ready in the backward, and how
 much all-reduce would a data-parallel step leave exposed?
-
-One GPU cannot measure data parallelism, but it can measure what overlap works with:
-the backward's timeline. For a training step of `llama-7b-8l` (sequence 4096, batch 4,
-the best bf16 switches, `config.SWITCH_SETS["best"]`), a post-accumulate-grad hook on
-every parameter records a CUDA event on the current stream when the parameter's
-gradient is final, and a hook on the loss records one when the backward starts (and
-queues one for its end, `queue_callback`, as DDP does); nothing synchronises inside the
-backward: the elapsed times are read after the step. Over 30 steps (after 3 warm-up
-steps) each parameter's ready time is the median, with p10 and p90, and so is the
-backward's total time. On a CPU (`quick`): the tiny model, 5 steps after 1, with
-`time.perf_counter` in the hooks, the best switches a CPU runs, and the bucket sizes of
-`QUICK_BUCKETS` (divided by 1024): a smoke test and an illustration, not a measurement.
-
-`colossal_lab.overlap_model` then turns the timeline into predicted exposed
-communication for every bucket size of `BUCKETS` (1M, 4M, 12M = ColossalAI's, 25 MB =
-DDP's with its 1 MiB first bucket, 64M elements, and one flat bucket after the
-backward = naive), every link of `overlap_model.LINKS` (NVLink 4, PCIe 5 x16, 400 and
-100 Gb/s networks), 2 and 8 ranks, and bf16 and fp32 gradients; buckets assigned in the
-measured ready order (what the overlapped reducer uses from its second step) and in
-reverse registration order (its first step).
-
-Rows: ``kind="param"`` (one per trainable parameter: name, numel, ready_ms median /
-p10 / p90, its place in the order the hooks fired), ``kind="backward"`` (the backward
-and whole-step times), ``kind="model"`` (one per configuration: buckets, comm_ms,
-exposed_ms, backward_ms, exposed_share = exposed / (one GPU's step + exposed), the
-share of a data-parallel step spent waiting for the reduction).
-
-    python -m colossal_lab bench grad_overlap   # results/<gpu>/grad_overlap_model.json
-    python -m colossal_lab bench grad_overlap --quick   # tiny, this CPU, not saved
 """
 
 from __future__ import annotations
@@ -341,7 +312,37 @@ def run(quick: bool = False, *, iters: int | None = None, progress: bool = True
         ) -> list[dict]:
     """The timeline (param and backward rows) and the model over every configuration.
     `quick`: the tiny model on this machine's CPU, `QUICK_BUCKETS`; not a measurement
-    of any GPU."""
+    of any GPU.
+
+    One GPU cannot measure data parallelism, but it can measure what overlap works with:
+    the backward's timeline. For a training step of `llama-7b-8l` (sequence 4096, batch 4,
+    the best bf16 switches, `config.SWITCH_SETS["best"]`), a post-accumulate-grad hook on
+    every parameter records a CUDA event on the current stream when the parameter's
+    gradient is final, and a hook on the loss records one when the backward starts (and
+    queues one for its end, `queue_callback`, as DDP does); nothing synchronises inside the
+    backward: the elapsed times are read after the step. Over 30 steps (after 3 warm-up
+    steps) each parameter's ready time is the median, with p10 and p90, and so is the
+    backward's total time. On a CPU (`quick`): the tiny model, 5 steps after 1, with
+    `time.perf_counter` in the hooks, the best switches a CPU runs, and the bucket sizes of
+    `QUICK_BUCKETS` (divided by 1024): a smoke test and an illustration, not a measurement.
+
+    `colossal_lab.overlap_model` then turns the timeline into predicted exposed
+    communication for every bucket size of `BUCKETS` (1M, 4M, 12M = ColossalAI's, 25 MB =
+    DDP's with its 1 MiB first bucket, 64M elements, and one flat bucket after the
+    backward = naive), every link of `overlap_model.LINKS` (NVLink 4, PCIe 5 x16, 400 and
+    100 Gb/s networks), 2 and 8 ranks, and bf16 and fp32 gradients; buckets assigned in the
+    measured ready order (what the overlapped reducer uses from its second step) and in
+    reverse registration order (its first step).
+
+    Rows: ``kind="param"`` (one per trainable parameter: name, numel, ready_ms median /
+    p10 / p90, its place in the order the hooks fired), ``kind="backward"`` (the backward
+    and whole-step times), ``kind="model"`` (one per configuration: buckets, comm_ms,
+    exposed_ms, backward_ms, exposed_share = exposed / (one GPU's step + exposed), the
+    share of a data-parallel step spent waiting for the reduction).
+
+        python -m colossal_lab bench grad_overlap   # results/<gpu>/grad_overlap_model.json
+        python -m colossal_lab bench grad_overlap --quick   # tiny, this CPU, not saved
+    """
     if quick:
         q = QUICK
         rows = measure_timeline(q["preset"], q["seq_len"], q["batch"], warmup=q["warmup"],

@@ -1,68 +1,5 @@
 """Switch 8 measured on N GPUs: how much of the gradient all-reduce does each
 data-parallel backend hide behind the backward?
-
-For each preset of `--presets` (default `PRESETS`: llama-7b-8l, and "1b", TinyLlama-1.1B's
-shape), each per-rank batch of `BATCHES` (sequence 4096, the best bf16 switches,
-`config.SWITCH_SETS["best"]`) and the link setting of `--link`
-(`collectives.LINK_ENV`: nvlink, host, sockets), the training step is timed
-(`train.measure_step`: `WARMUP` then `ITERS` steps, CUDA events; a step's time is the
-slowest rank's) for
-
-* ``nocomm``: the naive model with its reduction taken out (``grad_sync`` set to
-  `data_parallel.NO_SYNC`), run on every rank at once at the same per-rank batch:
-  T_nocomm, one GPU's step under the same conditions as the others (every GPU busy,
-  same clocks, same memory). We do not take "naive minus its all-reduce": that would
-  assume the flatten and copy-back cost nothing and that the all-reduce costs on the
-  step's stream what it costs alone; the all-reduce alone is recorded
-  (`allreduce_flat_ms`) as a cross-check of T_sync − T_nocomm.
-* ``naive``: one flat all-reduce after the backward (`NaiveAllReduce`): T_sync.
-* ``overlap``: ours, `OverlappedAllReduce` (``overlap_communication=True``), buckets of
-  `BUCKET_ELEMS` (ColossalAI's 12M elements) launched as they fill.
-* ``ddp``: torch `DistributedDataParallel`, buckets of the same bytes
-  (`bucket_cap_mb` = 12M elements of the gradient dtype; its first bucket 1 MiB).
-* ``fsdp2``: `fully_shard` per decoder layer (ZeRO-3: reduce-scatter of the
-  gradients, all-gather of the parameters; not a replicated peer: it also moves the
-  parameters, and its optimizer updates 1/N of them).
-
-All four are built by `apply_switches(model, switches, mesh)` on a fresh model (seed 0).
-
-**Per row** (`kind="dp_step"`, one per preset, batch, link and backend):
-``tokens_per_s`` per GPU (per-rank batch · sequence / step), ``step_ms`` with p10 and p90
-and every step (``step_ms_all``), MFU against one GPU's peak, and
-
-* overlap efficiency E = (T_sync − T_overlap) / (T_sync − T_nocomm)
-  (`overlap_efficiency`): 1 = every millisecond of the naive step's communication
-  hidden, 0 = none, < 0 = slower than naive; for overlap, ddp and fsdp2 (None when
-  T_sync − T_nocomm ≤ 0: no communication to hide, E means nothing);
-* ``measured_exposed_ms`` = T − T_nocomm, and next to it ``predicted_exposed_ms``: what
-  the single-GPU model of `overlap_model` (the one chapter 08 draws from
-  `bench grad_overlap`) predicts for the same buckets, from this run's own backward
-  timeline (the nocomm model's gradient-ready times, `grad_overlap.TimelineRecorder`)
-  and this link's all-reduce measured here (a `Link` whose bandwidth is the bus
-  bandwidth of an all-reduce of one bucket, or of the flat buffer for naive, latency
-  folded in: `link_busbw_gbps`); None for fsdp2, which the model does not describe;
-* ``comm_share`` = (T_sync − T_nocomm) / T_backward: the naive step's communication
-  against the backward it could hide under (> 1: no bucket size can hide it all);
-* ``grad_max_abs_diff_vs_naive``: after one forward and backward on the same batch
-  (rank-dependent, the same for every backend), the largest difference between this
-  backend's reduced gradients and naive's (fsdp2: its shards gathered), with
-  ``grad_max_abs`` for scale; this is also each backend's first step (ours and DDP
-  rebuild their buckets in it).
-
-Run once per link; each invocation replaces its link's and presets' rows in
-``results/<gpu>x<n>/grad_overlap_measured.json`` (`results.merge_rows`)::
-
-    torchrun --nproc-per-node 2 -m colossal_lab bench grad_overlap_measured --link nvlink
-    torchrun --nproc-per-node 4 -m colossal_lab bench grad_overlap_measured --link nvlink
-    python -m colossal_lab bench grad_overlap_measured --quick   # 2 gloo CPU processes
-
-`--quick`: the tiny model in fp32, sequence 32, 2 gloo processes on this CPU (or
-``--world 4``; `distributed.spawn`), buckets of `QUICK_BUCKET_ELEMS`, a few steps,
-nothing saved. N is whatever torchrun launched (2 or more): the per-rank batch stays,
-the global batch is N times it, and the model's all-reduce time uses N
-(``2(N−1)/N``, cancelled by the bus bandwidth measured at the same N).
-
-**Targets** (at any N): `targets(rows)` reads them off the rows.
 """
 
 from __future__ import annotations
@@ -391,7 +328,71 @@ def run(quick: bool = False, *, link: str = "nvlink", presets: Sequence[str] = P
         iters: int | None = None, progress: bool = True,
         world: int = two_gpu.WORLD) -> list[dict]:
     """One link setting's rows. `quick`: `world` gloo processes on this CPU (`spawn`),
-    rank 0's rows. Otherwise on every rank of a torchrun job (`main`)."""
+    rank 0's rows. Otherwise on every rank of a torchrun job (`main`).
+
+    For each preset of `--presets` (default `PRESETS`: llama-7b-8l, and "1b", TinyLlama-1.1B's
+    shape), each per-rank batch of `BATCHES` (sequence 4096, the best bf16 switches,
+    `config.SWITCH_SETS["best"]`) and the link setting of `--link`
+    (`collectives.LINK_ENV`: nvlink, host, sockets), the training step is timed
+    (`train.measure_step`: `WARMUP` then `ITERS` steps, CUDA events; a step's time is the
+    slowest rank's) for
+
+    * ``nocomm``: the naive model with its reduction taken out (``grad_sync`` set to
+      `data_parallel.NO_SYNC`), run on every rank at once at the same per-rank batch:
+      T_nocomm, one GPU's step under the same conditions as the others (every GPU busy,
+      same clocks, same memory). We do not take "naive minus its all-reduce": that would
+      assume the flatten and copy-back cost nothing and that the all-reduce costs on the
+      step's stream what it costs alone; the all-reduce alone is recorded
+      (`allreduce_flat_ms`) as a cross-check of T_sync − T_nocomm.
+    * ``naive``: one flat all-reduce after the backward (`NaiveAllReduce`): T_sync.
+    * ``overlap``: ours, `OverlappedAllReduce` (``overlap_communication=True``), buckets of
+      `BUCKET_ELEMS` (ColossalAI's 12M elements) launched as they fill.
+    * ``ddp``: torch `DistributedDataParallel`, buckets of the same bytes
+      (`bucket_cap_mb` = 12M elements of the gradient dtype; its first bucket 1 MiB).
+    * ``fsdp2``: `fully_shard` per decoder layer (ZeRO-3: reduce-scatter of the
+      gradients, all-gather of the parameters; not a replicated peer: it also moves the
+      parameters, and its optimizer updates 1/N of them).
+
+    All four are built by `apply_switches(model, switches, mesh)` on a fresh model (seed 0).
+
+    **Per row** (`kind="dp_step"`, one per preset, batch, link and backend):
+    ``tokens_per_s`` per GPU (per-rank batch · sequence / step), ``step_ms`` with p10 and p90
+    and every step (``step_ms_all``), MFU against one GPU's peak, and
+
+    * overlap efficiency E = (T_sync − T_overlap) / (T_sync − T_nocomm)
+      (`overlap_efficiency`): 1 = every millisecond of the naive step's communication
+      hidden, 0 = none, < 0 = slower than naive; for overlap, ddp and fsdp2 (None when
+      T_sync − T_nocomm ≤ 0: no communication to hide, E means nothing);
+    * ``measured_exposed_ms`` = T − T_nocomm, and next to it ``predicted_exposed_ms``: what
+      the single-GPU model of `overlap_model` (the one chapter 08 draws from
+      `bench grad_overlap`) predicts for the same buckets, from this run's own backward
+      timeline (the nocomm model's gradient-ready times, `grad_overlap.TimelineRecorder`)
+      and this link's all-reduce measured here (a `Link` whose bandwidth is the bus
+      bandwidth of an all-reduce of one bucket, or of the flat buffer for naive, latency
+      folded in: `link_busbw_gbps`); None for fsdp2, which the model does not describe;
+    * ``comm_share`` = (T_sync − T_nocomm) / T_backward: the naive step's communication
+      against the backward it could hide under (> 1: no bucket size can hide it all);
+    * ``grad_max_abs_diff_vs_naive``: after one forward and backward on the same batch
+      (rank-dependent, the same for every backend), the largest difference between this
+      backend's reduced gradients and naive's (fsdp2: its shards gathered), with
+      ``grad_max_abs`` for scale; this is also each backend's first step (ours and DDP
+      rebuild their buckets in it).
+
+    Run once per link; each invocation replaces its link's and presets' rows in
+    ``results/<gpu>x<n>/grad_overlap_measured.json`` (`results.merge_rows`)::
+
+        torchrun --nproc-per-node 2 -m colossal_lab bench grad_overlap_measured --link nvlink
+        torchrun --nproc-per-node 4 -m colossal_lab bench grad_overlap_measured --link nvlink
+        python -m colossal_lab bench grad_overlap_measured --quick   # 2 gloo CPU processes
+
+    `--quick`: the tiny model in fp32, sequence 32, 2 gloo processes on this CPU (or
+    ``--world 4``; `distributed.spawn`), buckets of `QUICK_BUCKET_ELEMS`, a few steps,
+    nothing saved. N is whatever torchrun launched (2 or more): the per-rank batch stays,
+    the global batch is N times it, and the model's all-reduce time uses N
+    (``2(N−1)/N``, cancelled by the bus bandwidth measured at the same N).
+
+    **Targets** (at any N): `targets(rows)` reads them off the rows.
+    """
     if quick:
         return distributed.spawn(_quick_worker, world, collectives.QUICK_LINK,
                                  timeout_s=240, collective_timeout_s=60)[0]

@@ -225,6 +225,22 @@ def share(text: str) -> float:
     return value
 
 
+# ---------------------------------------------------------------------- progress lines
+
+
+def row_line(head: str, row: dict, figure: Callable[[dict], str], width: int = 90) -> str:
+    """`head` and the row's `figure`, or that it failed and why (`width` characters)."""
+    if "error" in row:
+        return f"{head} failed: {row['error'][:width]}"
+    return head + figure(row)
+
+
+def case_line(head: str, case: list[dict], cell: Callable[[dict], str]) -> str:
+    """`head`, then each provider's `cell` of one case, or that it failed."""
+    return head + ", ".join(f"{r['provider']} failed: {r['error'][:60]}" if "error" in r
+                            else cell(r) for r in case)
+
+
 # ------------------------------------------------------------------------- planning
 
 

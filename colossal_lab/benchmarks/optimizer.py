@@ -1,23 +1,5 @@
 """The optimizer step alone: gradient clipping + AdamW over the parameters of
 `llama-7b-8l` (every switch on: fused projections), four ways, side by side in one run.
-
-    provider      parameters  optimizer                                       bytes/param
-    torch-fp32    fp32        clip_grad_norm_, torch AdamW(fused=True)        4+8 + 28 = 40
-    ours-fp32     fp32        FusedAdamW (clipping folded in)                 4 + 28   = 32
-    master        bf16        clip_grad_norm_, MasterAdamW (fp32 masters)     2+4 + 40 = 46
-    ours-master   bf16        FusedAdamW, fp32 masters split (bf16 + int16)   2 + 26   = 28
-    ours-master-m16 bf16      the same with bf16 moments (stochastic rounding) 2 + 18  = 20
-
-fp32 parameters are what bf16 autocast and fp8 train (switch 6), bf16 ones with fp32
-masters what "bf16-pure" trains (chapter 10's ours-bf16). The byte counts are the
-ideal traffic of each (the table in `kernels.adamw`); the time is one whole step
-(norm, clipping and update, Python launches included), timed as a training step is
-(`timing.time_iterations`, CUDA events, 20 steps after 3 warm-ups), each provider on
-fresh random gradients of the same shapes, one at a time (each needs ~30 GB). The
-ceiling is the device's measured copy bandwidth.
-
-    python -m colossal_lab bench optimizer            # -> results/<gpu>/optimizer.json
-    python -m colossal_lab bench optimizer --quick    # the tiny model (CPU: interpreter)
 """
 
 from __future__ import annotations
@@ -78,6 +60,26 @@ def _make(provider: str, shapes, device):
 
 
 def run(quick: bool = False, providers=PROVIDERS, progress: bool = True) -> list[dict]:
+    """Every provider's optimizer step on the model's parameter shapes, side by side.
+
+        provider      parameters  optimizer                                       bytes/param
+        torch-fp32    fp32        clip_grad_norm_, torch AdamW(fused=True)        4+8 + 28 = 40
+        ours-fp32     fp32        FusedAdamW (clipping folded in)                 4 + 28   = 32
+        master        bf16        clip_grad_norm_, MasterAdamW (fp32 masters)     2+4 + 40 = 46
+        ours-master   bf16        FusedAdamW, fp32 masters split (bf16 + int16)   2 + 26   = 28
+        ours-master-m16 bf16      the same with bf16 moments (stochastic rounding) 2 + 18  = 20
+
+    fp32 parameters are what bf16 autocast and fp8 train (switch 6), bf16 ones with fp32
+    masters what "bf16-pure" trains (chapter 10's ours-bf16). The byte counts are the
+    ideal traffic of each (the table in `kernels.adamw`); the time is one whole step
+    (norm, clipping and update, Python launches included), timed as a training step is
+    (`timing.time_iterations`, CUDA events, 20 steps after 3 warm-ups), each provider on
+    fresh random gradients of the same shapes, one at a time (each needs ~30 GB). The
+    ceiling is the device's measured copy bandwidth.
+
+        python -m colossal_lab bench optimizer            # -> results/<gpu>/optimizer.json
+        python -m colossal_lab bench optimizer --quick    # the tiny model (CPU: interpreter)
+    """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = "tiny" if quick else "llama-7b-8l"
     shapes = param_shapes(name)

@@ -1,56 +1,6 @@
 """Switch 7 measured: pipeline schedules on p GPUs (p = the world size, 2 or 4), side
 by side in one run, against what `pipeline_sim`'s simulator predicts for the same p, m
 and costs.
-
-On p ranks (``torchrun --nproc-per-node p``, NCCL, NVLink multicast off), `llama-7b-8l`
-at sequence 4096, micro-batch 1, the best bf16 switches but the fused cross-entropy
-(``config.SWITCH_SETS["best"]``; torch's schedules compute the loss from the logits,
-and every schedule gets the same head), for m in `MS` micro-batches (4, 8, 16 at p = 2;
-8, 16, 32 at p = 4) and each of `SCHEDULES`:
-
-* "1f1b": ours (`pipeline.runtime`), p stages of 8/p layers;
-* "zb-h1": ours, the backward split into B and W, W filling the bubbles;
-* "zbv": ours, two chunks per rank in a V (rank 0 holds stages 0 and 2p − 1);
-* "torch-zbv": ``torch.distributed.pipelining.ScheduleZBVZeroBubble`` on the same
-  stages (`stages.Stage`), the V placement and the same loss, or a row saying why not
-  (a torch without the class).
-
-The optimizer runs after each pipelined step (AdamW of `precision.make_optimizer`), no
-gradient clipping (it needs a norm across the stages, the same for every schedule).
-
-**Correctness first.** Every schedule's first step starts from the same weights (seed
-0) on the same batch as 1F1B's; its gradients are compared with 1F1B's, parameter by
-parameter across the ranks (a parameter may live on another rank under the V
-placement: its owner broadcasts it): ``grad_max_abs_diff`` (the largest
-``max|g − g_1f1b|``), ``grad_rel_diff`` (over the largest ``|g_1f1b|``) and
-``grad_ok`` (``grad_rel_diff <= GRAD_RTOL[precision]``); the loss likewise
-(``loss_diff``).
-
-**Timing.** `WARMUP` untimed steps, then `ITERS` timed with CUDA events; a step's time
-is the slower rank's. ``tokens_per_s = m · micro_batch · seq / step``.
-
-**The bubble.** ``bubble = 1 − Σ_r useful_r / (p · step_ms)``, the simulator's
-definition (idle over total time, `simulate.Timeline.bubble`), with ``useful_r = m ·
-Σ_{stages s on rank r} (F_s + B_s + W_s)``: the per-stage costs
-(`pipeline_sim.stage_costs`) from `pipeline_sim.measure`'s per-layer F, B, W (and the
-undivided F and full backward for 1F1B) of one decoder layer and of the head, timed
-in isolation on rank 0's GPU in this run (``costs_from="pipeline_sim.measure"``); the
-embedding is left out, as in the simulator. Not from the ranks' own traces: the
-runtime's trace is host time and the kernels run asynchronously. ``bubble_sim`` is the
-simulator's bubble for the same schedule, p, m and costs on NVLink 4 (`SIM_LINK`;
-torch's ZB-V against our ZB-V's order), ``sim_step_ms`` its step, ``bubble_vs_sim =
-bubble / bubble_sim``. ``speedup_vs_1f1b = step_ms_1f1b / step_ms`` at the same m.
-
-    torchrun --nproc-per-node 2 -m colossal_lab bench pipeline_measured   # p = 2
-    torchrun --nproc-per-node 4 -m colossal_lab bench pipeline_measured   # p = 4
-    python -m colossal_lab bench pipeline_measured --quick   # 2 gloo CPU processes
-    python -m colossal_lab bench pipeline_measured --quick --world 4   # p = 4 on gloo
-
-The quick run: the tiny model with 2p layers (ZB-V needs a layer per virtual stage),
-fp32, gloo, m = 2p, a few steps (`quick_sizes`); checks and prints, saves nothing.
-
-**Targets** (at p = 2 and at p = 4, both at m = 8): `targets(rows)` reads
-them off the rows.
 """
 
 from __future__ import annotations
@@ -365,7 +315,58 @@ def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
 
 
 def run(quick: bool = False, world: int = two.WORLD) -> list[dict]:
-    """Rank 0's rows (`two_gpu.run`): with `quick`, `world` gloo CPU processes (p)."""
+    """Rank 0's rows (`two_gpu.run`): with `quick`, `world` gloo CPU processes (p).
+
+    On p ranks (``torchrun --nproc-per-node p``, NCCL, NVLink multicast off), `llama-7b-8l`
+    at sequence 4096, micro-batch 1, the best bf16 switches but the fused cross-entropy
+    (``config.SWITCH_SETS["best"]``; torch's schedules compute the loss from the logits,
+    and every schedule gets the same head), for m in `MS` micro-batches (4, 8, 16 at p = 2;
+    8, 16, 32 at p = 4) and each of `SCHEDULES`:
+
+    * "1f1b": ours (`pipeline.runtime`), p stages of 8/p layers;
+    * "zb-h1": ours, the backward split into B and W, W filling the bubbles;
+    * "zbv": ours, two chunks per rank in a V (rank 0 holds stages 0 and 2p − 1);
+    * "torch-zbv": ``torch.distributed.pipelining.ScheduleZBVZeroBubble`` on the same
+      stages (`stages.Stage`), the V placement and the same loss, or a row saying why not
+      (a torch without the class).
+
+    The optimizer runs after each pipelined step (AdamW of `precision.make_optimizer`), no
+    gradient clipping (it needs a norm across the stages, the same for every schedule).
+
+    **Correctness first.** Every schedule's first step starts from the same weights (seed
+    0) on the same batch as 1F1B's; its gradients are compared with 1F1B's, parameter by
+    parameter across the ranks (a parameter may live on another rank under the V
+    placement: its owner broadcasts it): ``grad_max_abs_diff`` (the largest
+    ``max|g − g_1f1b|``), ``grad_rel_diff`` (over the largest ``|g_1f1b|``) and
+    ``grad_ok`` (``grad_rel_diff <= GRAD_RTOL[precision]``); the loss likewise
+    (``loss_diff``).
+
+    **Timing.** `WARMUP` untimed steps, then `ITERS` timed with CUDA events; a step's time
+    is the slower rank's. ``tokens_per_s = m · micro_batch · seq / step``.
+
+    **The bubble.** ``bubble = 1 − Σ_r useful_r / (p · step_ms)``, the simulator's
+    definition (idle over total time, `simulate.Timeline.bubble`), with ``useful_r = m ·
+    Σ_{stages s on rank r} (F_s + B_s + W_s)``: the per-stage costs
+    (`pipeline_sim.stage_costs`) from `pipeline_sim.measure`'s per-layer F, B, W (and the
+    undivided F and full backward for 1F1B) of one decoder layer and of the head, timed
+    in isolation on rank 0's GPU in this run (``costs_from="pipeline_sim.measure"``); the
+    embedding is left out, as in the simulator. Not from the ranks' own traces: the
+    runtime's trace is host time and the kernels run asynchronously. ``bubble_sim`` is the
+    simulator's bubble for the same schedule, p, m and costs on NVLink 4 (`SIM_LINK`;
+    torch's ZB-V against our ZB-V's order), ``sim_step_ms`` its step, ``bubble_vs_sim =
+    bubble / bubble_sim``. ``speedup_vs_1f1b = step_ms_1f1b / step_ms`` at the same m.
+
+        torchrun --nproc-per-node 2 -m colossal_lab bench pipeline_measured   # p = 2
+        torchrun --nproc-per-node 4 -m colossal_lab bench pipeline_measured   # p = 4
+        python -m colossal_lab bench pipeline_measured --quick   # 2 gloo CPU processes
+        python -m colossal_lab bench pipeline_measured --quick --world 4   # p = 4 on gloo
+
+    The quick run: the tiny model with 2p layers (ZB-V needs a layer per virtual stage),
+    fp32, gloo, m = 2p, a few steps (`quick_sizes`); checks and prints, saves nothing.
+
+    **Targets** (at p = 2 and at p = 4, both at m = 8): `targets(rows)` reads
+    them off the rows.
+    """
     return two.run(run_ranks, quick, world)
 
 

@@ -1,43 +1,10 @@
 """Switch 7 on one GPU: what F, B and W cost for a LLaMA-7B layer, and what each
 pipeline schedule would make of those costs on p GPUs.
-
-One GPU cannot run a pipeline, but it can measure what a schedule is built from. For
-one decoder layer of `llama-7b` (sequence 4096, micro-batch 1, the best bf16 switches,
-`config.SWITCH_SETS["best"]`) and for the last stage's extra work (final norm, output
-head and loss, `stages.Stage` with no layers), CUDA events time, over `REPS` repetitions
-after `WARMUP`:
-
-* F: the forward, building the autograd graph, as a pipeline stage runs it;
-* B: the backward to the input with the weight gradients deferred (the runtime's
-  `DeferredLinear` filing dW = dyᵀx with a `WeightGradStore`);
-* W: the deferred weight gradients (`WeightGradStore.flush`);
-* the forward and the full backward with plain linears (no deferral): what GPipe,
-  1F1B and interleaved run; each repetition times both variants, so drift hits both,
-
-each as median, p10 and p90, plus the activation memory one micro-batch leaves between
-F and B, and the size of what a stage sends its neighbour: one (1, 4096, 4096) bf16
-hidden state, 32 MiB, whose transfer time comes from the link table of
-`overlap_model.LINKS` (latency + bytes / bandwidth: a model, not a measurement).
-
-`pipeline.simulate` then times every schedule for p ∈ {2, 4, 8} and m ∈ {4, 8, 16,
-32} on LLaMA-7B's 32 layers: virtual stage s holds 32/S layers, the last one also the
-head (per-stage costs), the embedding is left out (a lookup), transfers run beside the
-compute (``overlap_p2p``) and cost their transfer time on NVLink 4 (a pipeline in one
-node) and on a 400 Gb/s network (one stage per node). ZB-H1's and ZB-V's orders are
-built from the measured costs, as ColossalAI builds its ZB-V order.
-
-Rows: ``kind="measure"`` (part "layer" or "head": f/b/w/f_undivided/full_bwd ms with
-p10 and p90, act_mib, backends), ``kind="p2p"`` (act_bytes, comm_ms per link) and ``kind="sim"``
-(schedule, p, m, chunks, link: step_ms, bubble, tokens_per_s, speedup_vs_1f1b,
-peak_activations in micro-batches of a rank's layers, peak_act_gib from the measured
-act_mib, an upper bound for the zero-bubble schedules whose W keeps part of it).
-
-    python -m colossal_lab bench pipeline_sim           # results/<gpu>/pipeline_sim.json
-    python -m colossal_lab bench pipeline_sim --quick   # tiny model on this CPU, not saved
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -117,47 +84,47 @@ def _time_part(stage, x_shape, dtype, labels, *, warmup: int, reps: int, device)
     times: dict[str, list[float]] = {"f": [], "b": [], "w": [], "f_undivided": [],
                                      "full_bwd": []}
     store = WeightGradStore("bench")
-    act = None
-    for i in range(warmup + reps):  # the two variants alternate: drift hits both
-        timed = i >= warmup
-        defer_weight_grads(stage, store)  # split: F, B (dW deferred), W
-        stage.zero_grad(set_to_none=True)
+    act, before = None, 0
+
+    def sync():
         if cuda:
             torch.cuda.synchronize()
+
+    def clocked(names, context=None, after_forward=None, then=None):
+        """Clocks around a forward (inside `context`), its backward and `then`; each
+        interval's ms into `times[name]` when `names` is given (a timed repetition)."""
+        nonlocal before
+        stage.zero_grad(set_to_none=True)
+        sync()
         before = torch.cuda.memory_allocated() if cuda else 0
-        t0 = clock()
-        with store.micro_batch(0):
+        marks = [clock()]
+        with context or contextlib.nullcontext():
             inp, out = forward()
-        t1 = clock()
+        marks.append(clock())
+        if after_forward is not None:
+            after_forward()
+        torch.autograd.backward(out, dy)
+        marks.append(clock())
+        if then is not None:
+            then()
+            marks.append(clock())
+        sync()
+        for name, t0, t1 in zip(names or (), marks, marks[1:]):
+            times[name].append(ms(t0, t1))
+
+    def activation_memory():
+        nonlocal act
         if cuda and act is None:
             torch.cuda.synchronize()
             act = (torch.cuda.memory_allocated() - before) / 2**20
-        torch.autograd.backward(out, dy)
-        t2 = clock()
-        store.flush(0)
-        t3 = clock()
-        if cuda:
-            torch.cuda.synchronize()
-        if timed:
-            times["f"].append(ms(t0, t1))
-            times["b"].append(ms(t1, t2))
-            times["w"].append(ms(t2, t3))
-        del inp, out
+
+    for i in range(warmup + reps):  # the two variants alternate: drift hits both
+        timed = i >= warmup
+        defer_weight_grads(stage, store)  # split: F, B (dW deferred), W
+        clocked(("f", "b", "w") if timed else None, store.micro_batch(0),
+                activation_memory, lambda: store.flush(0))
         restore_weight_grads(stage)  # undivided: F, the whole backward
-        stage.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = clock()
-        inp, out = forward()
-        t1 = clock()
-        torch.autograd.backward(out, dy)
-        t2 = clock()
-        if cuda:
-            torch.cuda.synchronize()
-        if timed:
-            times["f_undivided"].append(ms(t0, t1))
-            times["full_bwd"].append(ms(t1, t2))
-        del inp, out
+        clocked(("f_undivided", "full_bwd") if timed else None)
     return {"times": times, "act_mib": act}
 
 
@@ -293,7 +260,42 @@ def simulate_rows(measured: Sequence[dict], *, ps: Sequence[int] = PS,
 def run(quick: bool = False, *, reps: int | None = None, progress: bool = True
         ) -> list[dict]:
     """The measurement and the simulation. `quick`: the tiny model on this machine's
-    CPU and a smaller grid; not a measurement of any GPU."""
+    CPU and a smaller grid; not a measurement of any GPU.
+
+    One GPU cannot run a pipeline, but it can measure what a schedule is built from. For
+    one decoder layer of `llama-7b` (sequence 4096, micro-batch 1, the best bf16 switches,
+    `config.SWITCH_SETS["best"]`) and for the last stage's extra work (final norm, output
+    head and loss, `stages.Stage` with no layers), CUDA events time, over `REPS` repetitions
+    after `WARMUP`:
+
+    * F: the forward, building the autograd graph, as a pipeline stage runs it;
+    * B: the backward to the input with the weight gradients deferred (the runtime's
+      `DeferredLinear` filing dW = dyᵀx with a `WeightGradStore`);
+    * W: the deferred weight gradients (`WeightGradStore.flush`);
+    * the forward and the full backward with plain linears (no deferral): what GPipe,
+      1F1B and interleaved run; each repetition times both variants, so drift hits both,
+
+    each as median, p10 and p90, plus the activation memory one micro-batch leaves between
+    F and B, and the size of what a stage sends its neighbour: one (1, 4096, 4096) bf16
+    hidden state, 32 MiB, whose transfer time comes from the link table of
+    `overlap_model.LINKS` (latency + bytes / bandwidth: a model, not a measurement).
+
+    `pipeline.simulate` then times every schedule for p ∈ {2, 4, 8} and m ∈ {4, 8, 16,
+    32} on LLaMA-7B's 32 layers: virtual stage s holds 32/S layers, the last one also the
+    head (per-stage costs), the embedding is left out (a lookup), transfers run beside the
+    compute (``overlap_p2p``) and cost their transfer time on NVLink 4 (a pipeline in one
+    node) and on a 400 Gb/s network (one stage per node). ZB-H1's and ZB-V's orders are
+    built from the measured costs, as ColossalAI builds its ZB-V order.
+
+    Rows: ``kind="measure"`` (part "layer" or "head": f/b/w/f_undivided/full_bwd ms with
+    p10 and p90, act_mib, backends), ``kind="p2p"`` (act_bytes, comm_ms per link) and ``kind="sim"``
+    (schedule, p, m, chunks, link: step_ms, bubble, tokens_per_s, speedup_vs_1f1b,
+    peak_activations in micro-batches of a rank's layers, peak_act_gib from the measured
+    act_mib, an upper bound for the zero-bubble schedules whose W keeps part of it).
+
+        python -m colossal_lab bench pipeline_sim           # results/<gpu>/pipeline_sim.json
+        python -m colossal_lab bench pipeline_sim --quick   # tiny model on this CPU, not saved
+    """
 
     if quick:
         q = QUICK

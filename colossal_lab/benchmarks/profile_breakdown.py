@@ -1,27 +1,4 @@
-"""Chapter 09's breakdown: where a training step's GPU time goes, naive against best.
-
-One training step of `llama-7b-8l` (seq 4096, batch 4, random tokens, AdamW) profiled
-with `colossal_lab.profile` (wait 1, warm-up 2, active 3 steps), each setup in its own
-process (as `steps.run_setups` times them), then summarized: GPU time by kernel class,
-the top kernels, idle time (HolisticTraceAnalysis's host-wait / kernel-wait split), and
-the operators placed on the roofline.
-
-    naive-fp32   ours, every switch off, fp32 (the seed's starting point; micro-batch 1,
-                 as chapter 00 times it, since naive attention at 4 does not fit)
-    naive-bf16   ours, every switch off, bf16 autocast (SWITCH_SETS["bf16"]; micro 1)
-    best         ours, SWITCH_SETS["best"] (chapter 10's ours-bf16)
-    hf-liger     Hugging Face LlamaForCausalLM, SDPA, Liger's kernels, bf16 autocast
-
-Rows (`profile.breakdown_rows`): ``kind="step"`` (profiled step, busy, idle, data,
-communication, HTA's numbers), ``kind="class"`` (ms per step by kernel class),
-``kind="kernel"`` (the top kernels) and ``kind="op"`` (roofline points: FLOPs, bytes,
-time). Times are under the profiler, a little slower than chapter 10's timed steps; the
-chapters' step benchmarks give the MFU.
-
-    python -m colossal_lab bench profile_breakdown            # results/<gpu>/profile_breakdown.json
-    python -m colossal_lab bench profile_breakdown --quick    # tiny model on this CPU
-    python -m colossal_lab bench profile_breakdown --trace-dir traces   # keep the traces
-"""
+"""Chapter 09's breakdown: where a training step's GPU time goes, naive against best."""
 
 from __future__ import annotations
 
@@ -92,7 +69,30 @@ def profile_isolated(setup: Setup, preset_name: str, seq_len: int, batch: int,
 def run(quick: bool = False, *, preset_name: str = "llama-7b-8l", seq_len: int = 4096,
         batch: int = 4, setups=None, trace_dir: str | Path | None = None) -> list[dict]:
     """Every setup's rows. `quick`: the tiny model at seq 64, batch 2, in this process,
-    without Liger (its kernels need a GPU)."""
+    without Liger (its kernels need a GPU).
+
+    One training step of `llama-7b-8l` (seq 4096, batch 4, random tokens, AdamW) profiled
+    with `colossal_lab.profile` (wait 1, warm-up 2, active 3 steps), each setup in its own
+    process (as `steps.run_setups` times them), then summarized: GPU time by kernel class,
+    the top kernels, idle time (HolisticTraceAnalysis's host-wait / kernel-wait split), and
+    the operators placed on the roofline.
+
+        naive-fp32   ours, every switch off, fp32 (the seed's starting point; micro-batch 1,
+                     as chapter 00 times it, since naive attention at 4 does not fit)
+        naive-bf16   ours, every switch off, bf16 autocast (SWITCH_SETS["bf16"]; micro 1)
+        best         ours, SWITCH_SETS["best"] (chapter 10's ours-bf16)
+        hf-liger     Hugging Face LlamaForCausalLM, SDPA, Liger's kernels, bf16 autocast
+
+    Rows (`profile.breakdown_rows`): ``kind="step"`` (profiled step, busy, idle, data,
+    communication, HTA's numbers), ``kind="class"`` (ms per step by kernel class),
+    ``kind="kernel"`` (the top kernels) and ``kind="op"`` (roofline points: FLOPs, bytes,
+    time). Times are under the profiler, a little slower than chapter 10's timed steps; the
+    chapters' step benchmarks give the MFU.
+
+        python -m colossal_lab bench profile_breakdown   # results/<gpu>/profile_breakdown.json
+        python -m colossal_lab bench profile_breakdown --quick    # tiny model on this CPU
+        python -m colossal_lab bench profile_breakdown --trace-dir traces   # keep the traces
+    """
     chosen = [s for s in SETUPS if s.name in (setups or SETUP_NAMES)]
     if quick:
         preset_name, seq_len, batch = "tiny", 64, 2

@@ -1,36 +1,5 @@
 """RoPE benchmark: eager, torch.compile, our Triton kernel and Liger-Kernel's, side by
 side in one process.
-
-Each case rotates q (B, S, Hq, D) and k (B, S, Hkv, D) with the model's fp32 (S, D)
-tables, in bf16, and hands the attention (B, H, S, D) tensors, as the model does:
-
-- "eager": `model.apply_rotary` on the transposed views (the plain model's path);
-- "compile": `torch.compile` of that same function;
-- "triton": ours, `kernels.rope.rope_triton` on the (B, S, H, D) layout, then a view
-  transpose;
-- "liger": Liger-Kernel's `LigerRopeFunction` on the transposed views with (1, S, D)
-  tables, when `liger_kernel` is installed. (It makes (B, S, H, D) copies of strided
-  inputs and rotates contiguous ones in place, allocating nothing: in the "separate"
-  layout it rotates the benchmark's inputs again at each call, harmless to the timing
-  since a rotation keeps their norms.)
-
-Two input layouts: "separate" (q and k are their own contiguous tensors: separate
-projections) and "fused" (column slices of one (B, S, (Hq + 2·Hkv)·D) qkv output:
-switch 3; strided rows, and the gradient flows back into the one qkv gradient). The
-upstream gradients have the layout of each provider's outputs (`randn_like`), as an
-attention backward returns them.
-
-Shapes: LLaMA-7B (32 heads, D 128), TinyLlama (GQA 32:4, D 64) and LLaMA-3-8B (GQA
-32:8, D 128), batch 4, S 2048 / 4096 / 8192. Forward, and forward + backward (with
-`torch.autograd.grad`: no .grad accumulation), timed as CUDA-graph replays
-(`timing.time_kernels`: the kernels alone, L2 flushed before each) and eagerly
-(`timing.time_fn`, `*_eager_ms`: Python launches included). The unit is effective
-bandwidth, the bytes an ideal kernel moves (`moved_bytes`) over the time, the same for
-every provider, next to the device's copy ceiling; ratios are against "eager" in the
-same run. The eager chain's real traffic, counted op by op, is in the "traffic" rows.
-
-    python -m colossal_lab.benchmarks.rope           # -> results/<gpu>/rope.json
-    python -m colossal_lab.benchmarks.rope --quick   # tiny shapes on the CPU, not saved
 """
 
 from __future__ import annotations
@@ -41,7 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from colossal_lab import timing
-from colossal_lab.benchmarks.harness import Benchmark, flag, opt
+from colossal_lab.benchmarks.harness import Benchmark, case_line, flag, opt
 from colossal_lab.benchmarks.norm_measure import _Traffic
 from colossal_lab.hardware import measure_copy_gbps
 from colossal_lab.kernels import runs_on
@@ -263,7 +232,39 @@ def run(quick: bool = False, *, models=None, seqs=None, layouts=LAYOUTS,
     the eager chain's counted traffic and the copy ceiling.
 
     `quick`: a tiny GQA shape on the CPU in fp32, providers eager and triton (the
-    interpreter): a smoke test, not a measurement."""
+    interpreter): a smoke test, not a measurement.
+
+    Each case rotates q (B, S, Hq, D) and k (B, S, Hkv, D) with the model's fp32 (S, D)
+    tables, in bf16, and hands the attention (B, H, S, D) tensors, as the model does:
+
+    - "eager": `model.apply_rotary` on the transposed views (the plain model's path);
+    - "compile": `torch.compile` of that same function;
+    - "triton": ours, `kernels.rope.rope_triton` on the (B, S, H, D) layout, then a view
+      transpose;
+    - "liger": Liger-Kernel's `LigerRopeFunction` on the transposed views with (1, S, D)
+      tables, when `liger_kernel` is installed. (It makes (B, S, H, D) copies of strided
+      inputs and rotates contiguous ones in place, allocating nothing: in the "separate"
+      layout it rotates the benchmark's inputs again at each call, harmless to the timing
+      since a rotation keeps their norms.)
+
+    Two input layouts: "separate" (q and k are their own contiguous tensors: separate
+    projections) and "fused" (column slices of one (B, S, (Hq + 2·Hkv)·D) qkv output:
+    switch 3; strided rows, and the gradient flows back into the one qkv gradient). The
+    upstream gradients have the layout of each provider's outputs (`randn_like`), as an
+    attention backward returns them.
+
+    Shapes: LLaMA-7B (32 heads, D 128), TinyLlama (GQA 32:4, D 64) and LLaMA-3-8B (GQA
+    32:8, D 128), batch 4, S 2048 / 4096 / 8192. Forward, and forward + backward (with
+    `torch.autograd.grad`: no .grad accumulation), timed as CUDA-graph replays
+    (`timing.time_kernels`: the kernels alone, L2 flushed before each) and eagerly
+    (`timing.time_fn`, `*_eager_ms`: Python launches included). The unit is effective
+    bandwidth, the bytes an ideal kernel moves (`moved_bytes`) over the time, the same for
+    every provider, next to the device's copy ceiling; ratios are against "eager" in the
+    same run. The eager chain's real traffic, counted op by op, is in the "traffic" rows.
+
+        python -m colossal_lab.benchmarks.rope           # -> results/<gpu>/rope.json
+        python -m colossal_lab.benchmarks.rope --quick   # tiny shapes on the CPU, not saved
+    """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if quick:
@@ -306,14 +307,8 @@ def run(quick: bool = False, *, models=None, seqs=None, layouts=LAYOUTS,
 def format_case(case: list[dict]) -> str:
     r0 = case[0]
     head = (f"  {r0['model']:<10}S {r0['seq']:<5} {r0['layout']:<9}")
-    cells = []
-    for r in case:
-        if "error" in r:
-            cells.append(f"{r['provider']} failed: {r['error'][:60]}")
-        else:
-            cells.append(f"{r['provider']} {r['fwd_bwd_ms']:.3g} ms "
-                         f"x{r.get('fwd_bwd_speedup', 1):.2f}")
-    return head + " f+b: " + ", ".join(cells)
+    return case_line(head + " f+b: ", case, lambda r: f"{r['provider']} "
+                     f"{r['fwd_bwd_ms']:.3g} ms x{r.get('fwd_bwd_speedup', 1):.2f}")
 
 
 def summary(rows: list[dict]) -> str:

@@ -1,38 +1,5 @@
 """Switch 5 on one GPU: what chunking costs the GEMMs, what sequence parallelism saves in
 activation memory, and how much communication each scheme leaves exposed on NVLink.
-
-One GPU cannot run tensor parallelism, but it can run every GEMM a TP rank runs, whole
-and cut into the chunks a ring would cut it into. For LLaMA-7B (d 4096, 32 heads, i
-11008), sequence 4096, batch 1, bf16, and each TP size t of `TPS`, the four
-projections as one rank holds them: "qkv" (column-parallel, 3d/t outputs), "o" (row,
-d/t inputs), "gate_up" (column, 2i/t) and "down" (row, i/t). Each in three passes:
-"fwd" Y = X Wᵀ and "dgrad" dX = dY·W, both split along the tokens into k chunks, and
-"wgrad" dW = dYᵀX split along the tokens, its reduction dimension: k GEMMs accumulating
-into one output (``addmm_``). k = 1 (unsplit), 2, 4, 8. Timed as CUDA-graph replays
-(`timing.time_kernels`: CUDA events around each replay, L2 flushed, `REPS` replays;
-median, p10, p90), the k-chunk time divided by the unsplit one measured in the same
-process ("ratio").
-
-Then, computed from those rows (no second measurement):
-
-- ``kind="memory"``: activation memory per layer and rank, Korthikanti et al. 2022's
-  formulas (GPT layer, 16-bit activations, dropout masks; with and without the 5as²b/t
-  attention-score term, which flash attention removes) for plain TP
-  (sbh·(10 + 24/t)) and sequence parallelism (sbh·34/t), the same per 32-layer model in
-  GiB, and ColossalAI's "split_gather" as its LLaMA policy builds it (each of q, k, v,
-  gate and up gathers its input and keeps the gathered copy: ``ctx.gathered_input``);
-  plus, for t = 1, what our decoder layer *measurably* keeps for the backward (bytes
-  of the distinct tensors autograd saves, `saved_bytes_per_layer`), as a check of the
-  formula's scale.
-- ``kind="comm"``: a model of the communication each scheme leaves exposed per layer
-  (forward + backward) on NVLink 4 (`overlap_model.link`), fed with the measured GEMM
-  times: plain TP (4 all-reduces; the backward two overlapped with the dW GEMMs),
-  split_gather (8 all-gathers/reduce-scatters; the column linears' backward re-gather
-  hidden behind dX and the reduce-scatter behind dW, Megatron's overlaps), and the ring
-  (each collective in t steps, step time max(GEMM chunk, transfer of one shard)).
-
-    python -m colossal_lab bench sequence_parallel_gemm          # -> results/<gpu>/...
-    python -m colossal_lab bench sequence_parallel_gemm --quick  # CPU smoke, not saved
 """
 
 from __future__ import annotations
@@ -308,7 +275,41 @@ def comm_rows(gemm: list[dict], cfg, tokens: int, tps, link: om.Link,
 
 def run(quick: bool = False, *, progress: bool = True, reps: int | None = None) -> list[dict]:
     """GEMM rows (measured), memory rows (formula + the t = 1 check), comm rows (model).
-    `quick`: the tiny model on this machine's CPU in fp32, not a measurement of any GPU."""
+    `quick`: the tiny model on this machine's CPU in fp32, not a measurement of any GPU.
+
+    One GPU cannot run tensor parallelism, but it can run every GEMM a TP rank runs, whole
+    and cut into the chunks a ring would cut it into. For LLaMA-7B (d 4096, 32 heads, i
+    11008), sequence 4096, batch 1, bf16, and each TP size t of `TPS`, the four
+    projections as one rank holds them: "qkv" (column-parallel, 3d/t outputs), "o" (row,
+    d/t inputs), "gate_up" (column, 2i/t) and "down" (row, i/t). Each in three passes:
+    "fwd" Y = X Wᵀ and "dgrad" dX = dY·W, both split along the tokens into k chunks, and
+    "wgrad" dW = dYᵀX split along the tokens, its reduction dimension: k GEMMs accumulating
+    into one output (``addmm_``). k = 1 (unsplit), 2, 4, 8. Timed as CUDA-graph replays
+    (`timing.time_kernels`: CUDA events around each replay, L2 flushed, `REPS` replays;
+    median, p10, p90), the k-chunk time divided by the unsplit one measured in the same
+    process ("ratio").
+
+    Then, computed from those rows (no second measurement):
+
+    - ``kind="memory"``: activation memory per layer and rank, Korthikanti et al. 2022's
+      formulas (GPT layer, 16-bit activations, dropout masks; with and without the 5as²b/t
+      attention-score term, which flash attention removes) for plain TP
+      (sbh·(10 + 24/t)) and sequence parallelism (sbh·34/t), the same per 32-layer model in
+      GiB, and ColossalAI's "split_gather" as its LLaMA policy builds it (each of q, k, v,
+      gate and up gathers its input and keeps the gathered copy: ``ctx.gathered_input``);
+      plus, for t = 1, what our decoder layer *measurably* keeps for the backward (bytes
+      of the distinct tensors autograd saves, `saved_bytes_per_layer`), as a check of the
+      formula's scale.
+    - ``kind="comm"``: a model of the communication each scheme leaves exposed per layer
+      (forward + backward) on NVLink 4 (`overlap_model.link`), fed with the measured GEMM
+      times: plain TP (4 all-reduces; the backward two overlapped with the dW GEMMs),
+      split_gather (8 all-gathers/reduce-scatters; the column linears' backward re-gather
+      hidden behind dX and the reduce-scatter behind dW, Megatron's overlaps), and the ring
+      (each collective in t steps, step time max(GEMM chunk, transfer of one shard)).
+
+        python -m colossal_lab bench sequence_parallel_gemm          # -> results/<gpu>/...
+        python -m colossal_lab bench sequence_parallel_gemm --quick  # CPU smoke, not saved
+    """
 
     device = torch.device("cuda" if torch.cuda.is_available() and not quick else "cpu")
     if quick:

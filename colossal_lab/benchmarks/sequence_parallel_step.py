@@ -1,59 +1,6 @@
 """Switch 5 measured: a training step of `llama-7b-8l` on t GPUs, tensor parallel
 (TP = t, the world size: 2 or 4), in each of its communication modes, side by side in
 one run.
-
-`sequence_parallel_gemm` predicts from one GPU what each scheme leaves exposed; this
-benchmark runs them. On t ranks (``torchrun --nproc-per-node t``, NCCL, NVLink
-multicast off: ``NCCL_NVLS_ENABLE=0``), for sequence lengths `SEQ_LENS` (batch
-`BATCH[seq]`: 8192 tokens a step either way) and each mode of `MODES`:
-
-* "all_reduce": plain TP, an all-reduce after every attention and MLP block;
-* "split_gather": sequence parallelism, ColossalAI's default (all-gather before a
-  column-parallel linear, reduce-scatter after a row-parallel one);
-* "ring": the same collectives cut into t point-to-point steps under the GEMMs;
-* "symm_mem": torch's async TP (fused all-gather-matmul on symmetric memory), or a row
-  that says why it cannot run here (no CUDA/NCCL, a torch without the ops): never
-  another mode in its place (`tensor_parallel.apply` would fall back to "ring").
-
-The model carries the best single-GPU switches in bf16 (`config.SWITCH_SETS["best"]`)
-but the fused cross-entropy, which TP replaces by its vocabulary-parallel loss. Every
-mode starts from the same weights (seed 0, rank 0's broadcast) and the same batches.
-
-**Correctness first.** The first two steps of each mode are its check: the loss of step
-1 (the initial weights) and of step 2 (after one optimizer step) against plain TP's,
-``|loss − loss_tp| <= LOSS_RTOL[precision] · |loss_tp|`` (bf16 reduces in another order
-in each mode; fp32 on the CPU agrees to rounding). The difference is recorded
-(``loss_diff``, the larger of the two) with ``loss_ok``.
-
-**Timing.** `WARMUP` more steps, then `ITERS` timed with CUDA events
-(`timing.time_iterations`); a step's time is the slowest rank's (an all-reduce of MAX
-over the ranks' times of that step), so ``step_ms`` is the median of those, with
-p10 and p90. tokens/s counts the batch once (every rank works on the same tokens):
-``tokens_per_s = batch · seq / step``, ``tokens_per_s_per_gpu`` 1/t of it.
-
-**Memory**, per rank: ``peak_mem_gib`` (`torch.cuda.max_memory_allocated` over the
-timed steps, optimizer step included) and the probes of `memory.memory_probe` on one
-extra forward + backward: ``activation_gib`` its "saved" (what the forward keeps for
-the backward: the quantity sequence parallelism divides by t) and ``act_peak_gib`` its
-"activation" (peak minus what was allocated before the forward: saved activations,
-the backward's transients and the gradients). Both per rank as lists and their max.
-
-**Ratios** against plain TP at the same sequence length, from the same run:
-``vs_tp = step_ms_tp / step_ms`` (> 1: faster than plain TP) and ``act_vs_tp =
-activation_gib / activation_gib_tp``; the plain-TP figures are in the row
-(``step_ms_tp``, ``activation_gib_tp``), so `integrity` recomputes both.
-
-    torchrun --nproc-per-node 2 -m colossal_lab bench sequence_parallel_step   # TP 2
-    torchrun --nproc-per-node 4 -m colossal_lab bench sequence_parallel_step   # TP 4
-    python -m colossal_lab bench sequence_parallel_step --quick   # 2 gloo CPU processes
-    python -m colossal_lab bench sequence_parallel_step --quick --world 4   # TP 4, gloo
-
-**Targets** (at TP 2 and TP 4): `targets(rows)` reads them off the rows.
-
-The quick run: the tiny model, fp32, gloo, two (or ``--world``) processes of
-`distributed.spawn`, a few steps; checks and prints, saves nothing. At TP 4 the tiny
-model's two key/value heads are each replicated on two ranks; `llama-7b-8l`'s 32 are
-sharded at either t.
 """
 
 from __future__ import annotations
@@ -213,7 +160,61 @@ def run_ranks(quick: bool = False, seq_lens=None, modes=MODES) -> list[dict]:
 
 
 def run(quick: bool = False, world: int = two_gpu.WORLD) -> list[dict]:
-    """Rank 0's rows (`two_gpu.run`): with `quick`, `world` gloo CPU processes (t)."""
+    """Rank 0's rows (`two_gpu.run`): with `quick`, `world` gloo CPU processes (t).
+
+    `sequence_parallel_gemm` predicts from one GPU what each scheme leaves exposed; this
+    benchmark runs them. On t ranks (``torchrun --nproc-per-node t``, NCCL, NVLink
+    multicast off: ``NCCL_NVLS_ENABLE=0``), for sequence lengths `SEQ_LENS` (batch
+    `BATCH[seq]`: 8192 tokens a step either way) and each mode of `MODES`:
+
+    * "all_reduce": plain TP, an all-reduce after every attention and MLP block;
+    * "split_gather": sequence parallelism, ColossalAI's default (all-gather before a
+      column-parallel linear, reduce-scatter after a row-parallel one);
+    * "ring": the same collectives cut into t point-to-point steps under the GEMMs;
+    * "symm_mem": torch's async TP (fused all-gather-matmul on symmetric memory), or a row
+      that says why it cannot run here (no CUDA/NCCL, a torch without the ops): never
+      another mode in its place (`tensor_parallel.apply` would fall back to "ring").
+
+    The model carries the best single-GPU switches in bf16 (`config.SWITCH_SETS["best"]`)
+    but the fused cross-entropy, which TP replaces by its vocabulary-parallel loss. Every
+    mode starts from the same weights (seed 0, rank 0's broadcast) and the same batches.
+
+    **Correctness first.** The first two steps of each mode are its check: the loss of step
+    1 (the initial weights) and of step 2 (after one optimizer step) against plain TP's,
+    ``|loss − loss_tp| <= LOSS_RTOL[precision] · |loss_tp|`` (bf16 reduces in another order
+    in each mode; fp32 on the CPU agrees to rounding). The difference is recorded
+    (``loss_diff``, the larger of the two) with ``loss_ok``.
+
+    **Timing.** `WARMUP` more steps, then `ITERS` timed with CUDA events
+    (`timing.time_iterations`); a step's time is the slowest rank's (an all-reduce of MAX
+    over the ranks' times of that step), so ``step_ms`` is the median of those, with
+    p10 and p90. tokens/s counts the batch once (every rank works on the same tokens):
+    ``tokens_per_s = batch · seq / step``, ``tokens_per_s_per_gpu`` 1/t of it.
+
+    **Memory**, per rank: ``peak_mem_gib`` (`torch.cuda.max_memory_allocated` over the
+    timed steps, optimizer step included) and the probes of `memory.memory_probe` on one
+    extra forward + backward: ``activation_gib`` its "saved" (what the forward keeps for
+    the backward: the quantity sequence parallelism divides by t) and ``act_peak_gib`` its
+    "activation" (peak minus what was allocated before the forward: saved activations,
+    the backward's transients and the gradients). Both per rank as lists and their max.
+
+    **Ratios** against plain TP at the same sequence length, from the same run:
+    ``vs_tp = step_ms_tp / step_ms`` (> 1: faster than plain TP) and ``act_vs_tp =
+    activation_gib / activation_gib_tp``; the plain-TP figures are in the row
+    (``step_ms_tp``, ``activation_gib_tp``), so `integrity` recomputes both.
+
+        torchrun --nproc-per-node 2 -m colossal_lab bench sequence_parallel_step   # TP 2
+        torchrun --nproc-per-node 4 -m colossal_lab bench sequence_parallel_step   # TP 4
+        python -m colossal_lab bench sequence_parallel_step --quick   # 2 gloo CPU processes
+        python -m colossal_lab bench sequence_parallel_step --quick --world 4   # TP 4, gloo
+
+    **Targets** (at TP 2 and TP 4): `targets(rows)` reads them off the rows.
+
+    The quick run: the tiny model, fp32, gloo, two (or ``--world``) processes of
+    `distributed.spawn`, a few steps; checks and prints, saves nothing. At TP 4 the tiny
+    model's two key/value heads are each replicated on two ranks; `llama-7b-8l`'s 32 are
+    sharded at either t.
+    """
     return two_gpu.run(run_ranks, quick, world)
 
 
