@@ -24,8 +24,6 @@ from colossal_lab.benchmarks.norm_measure import (  # noqa: F401  (the module's 
     EPS,
     HEADLINE,
     HIDDEN,
-    HOST_CALLS,
-    HOST_SHAPES,
     MAX_CASE_BYTES,
     MODEL_SIZES,
     ODD_HIDDEN,
@@ -53,6 +51,8 @@ from colossal_lab.benchmarks.norm_measure import (  # noqa: F401  (the module's 
 from colossal_lab.benchmarks.norm_sweep import (  # noqa: F401
     CHUNK_BUDGET_S,
     GROUPS,
+    HOST_CALLS,
+    HOST_SHAPES,
     SWEEP_EAGER_AT,
     SWEEP_PROVIDERS,
     chunk_estimate_s,

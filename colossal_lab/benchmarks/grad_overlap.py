@@ -14,7 +14,7 @@ import torch
 from colossal_lab import data, timing, train
 from colossal_lab import overlap_model as om
 from colossal_lab.benchmarks import steps
-from colossal_lab.benchmarks.harness import Benchmark, flag
+from colossal_lab.benchmarks.harness import counted
 from colossal_lab.config import SWITCH_SETS, preset
 from colossal_lab.switches import precision
 from colossal_lab.switches.data_parallel import gradient_check, unwrap
@@ -407,10 +407,9 @@ def config_of(iters: int = ITERS) -> dict:
                          "contention with compute (colossal_lab.overlap_model)"}
 
 
-BENCH = Benchmark(
-    "grad_overlap", __doc__, quick_help="tiny model on the CPU, not saved",
-    file_name=lambda a: NAME, options=[flag("iters", help=f"timed steps (default {ITERS})")],
-    run=lambda a: run(a.quick, iters=a.iters), config=lambda a: config_of(a.iters or ITERS))
+BENCH = counted("grad_overlap", __doc__, run, config_of, count="iters", default=ITERS,
+                what="timed steps", quick_help="tiny model on the CPU, not saved",
+                file_name=lambda a: NAME)
 main = BENCH.main
 
 

@@ -194,6 +194,16 @@ def main(bench: Benchmark, argv: Sequence[str] | None = None) -> None:
         print(bench.report(rows))
 
 
+def counted(name: str, doc: str, run: Callable, config: Callable[[int], dict], *,
+            count: str, default: int, what: str, **kw) -> Benchmark:
+    """A benchmark whose one flag is how many times it times (`count`: "reps" or
+    "iters", `default` when not given): `run(quick, <count>=n)`, `config(n)`."""
+    return Benchmark(
+        name, doc, options=[flag(count, help=f"{what} (default {default})")],
+        run=lambda a: run(a.quick, **{count: getattr(a, count)}),
+        config=lambda a: config(getattr(a, count) or default), **kw)
+
+
 def at_least(n: int, what: str = "steps") -> Callable[[argparse.Namespace], str]:
     """A `check` for `--iters`: a measured run times at least `n`."""
 

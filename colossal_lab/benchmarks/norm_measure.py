@@ -44,11 +44,6 @@ MAX_CASE_BYTES = 24 << 30
 """Skip cases whose inputs, outputs and gradients exceed this (eager needs more; an
 H200 holds 141 GB, so the whole RMSNorm sweep runs: 64k x 16384 fp32 is 16 GiB)."""
 EPS = 1e-6
-HOST_SHAPES = ((16, 2048), (16, 16384))
-"""(tokens, hidden) of the host-time rows: few tokens, so the GPU drains the queue
-faster than the host fills it and the loop times the host alone."""
-HOST_CALLS = 200
-"""fwd+bwd calls per host-time loop."""
 
 # ----------------------------------------------------------------------------- the bytes
 

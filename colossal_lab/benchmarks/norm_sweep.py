@@ -13,29 +13,15 @@ import warnings
 
 import torch
 
+from colossal_lab.benchmarks import norm_measure as nm
 from colossal_lab.benchmarks.harness import Invocation, pack
-from colossal_lab.benchmarks.norm_measure import (
-    DTYPES,
-    HEADLINE,
-    HIDDEN,
-    HOST_CALLS,
-    HOST_SHAPES,
-    MAX_CASE_BYTES,
-    MODEL_SIZES,
-    ODD_HIDDEN,
-    TOKENS,
-    _case_bytes,
-    config_of,
-    eager_in_turns,
-    format_row,
-    host_rows,
-    measure,
-    moved_bytes,
-    pass_timing,
-    providers_here,
-)
 from colossal_lab.hardware import measure_copy_gbps
 
+HOST_SHAPES = ((16, 2048), (16, 16384))
+"""(tokens, hidden) of the host-time rows: few tokens, so the GPU drains the queue
+faster than the host fills it and the loop times the host alone."""
+HOST_CALLS = 200
+"""fwd+bwd calls per host-time loop."""
 GROUPS = {"rms_norm": "fused_norm", "models": "fused_norm_models"}
 """--group: "rms_norm", the hidden-size sweep (HIDDEN + ODD_HIDDEN x TOKENS x DTYPES);
 "models": LayerNorm, add+RMSNorm and SwiGLU at MODEL_SIZES x TOKENS x DTYPES. The
@@ -62,33 +48,33 @@ per command: start-up, the copy ceiling and the host-time rows (s)."""
 # ------------------------------------------------------------------ the sweep, in chunks
 
 
-def sweep_cases(group: str = "rms_norm", *, hidden=None, tokens=None, dtypes=DTYPES,
+def sweep_cases(group: str = "rms_norm", *, hidden=None, tokens=None, dtypes=nm.DTYPES,
                 ops=None) -> list[tuple[str, int, int, str]]:
     """(op, tokens, hidden, dtype) of a `--group` (see GROUPS), headline case first
     (the compile provider's static graph), then by dtype, hidden, tokens. `hidden`
     and `tokens` replace the group's sizes (for every op: name one with `ops`)."""
     if group == "rms_norm":
-        widths = {"rms_norm": sorted(set(HIDDEN) | set(ODD_HIDDEN))}
+        widths = {"rms_norm": sorted(set(nm.HIDDEN) | set(nm.ODD_HIDDEN))}
     elif group == "models":
-        h = sorted({m[0] for m in MODEL_SIZES.values()})
-        i = sorted({m[1] for m in MODEL_SIZES.values()})
+        h = sorted({m[0] for m in nm.MODEL_SIZES.values()})
+        i = sorted({m[1] for m in nm.MODEL_SIZES.values()})
         widths = {"layer_norm": h, "add_rms_norm": h, "swiglu": i}
     else:
         raise ValueError(f"unknown group {group!r}; choose from {GROUPS}")
     cases = [(op, t, h, d) for op, hs in widths.items() for d in dtypes
-             for h in (hidden or hs) for t in (tokens or TOKENS)
+             for h in (hidden or hs) for t in (tokens or nm.TOKENS)
              if ops is None or op in ops]
-    return sorted(cases, key=lambda c: ((c[1], c[2]) != HEADLINE or c[3] != "bfloat16",
-                                        c[0], DTYPES.index(c[3]) if c[3] in DTYPES else 9,
+    return sorted(cases, key=lambda c: ((c[1], c[2]) != nm.HEADLINE or c[3] != "bfloat16",
+                                        c[0], nm.DTYPES.index(c[3]) if c[3] in nm.DTYPES else 9,
                                         c[2], c[1]))
 
 
 def skip_reason(op: str, tokens: int, hidden: int, dtype: str) -> str | None:
     """Why a case is not run (its memory), or None."""
-    nbytes = _case_bytes(op, tokens, hidden, getattr(torch, dtype).itemsize)
-    if nbytes > MAX_CASE_BYTES:
+    nbytes = nm._case_bytes(op, tokens, hidden, getattr(torch, dtype).itemsize)
+    if nbytes > nm.MAX_CASE_BYTES:
         return (f"inputs, outputs and gradients need {nbytes / 2**30:.1f} GiB > "
-                f"MAX_CASE_BYTES {MAX_CASE_BYTES / 2**30:.0f} GiB")
+                f"MAX_CASE_BYTES {nm.MAX_CASE_BYTES / 2**30:.0f} GiB")
     return None
 
 
@@ -97,7 +83,7 @@ def estimate_s(case, n_providers: int) -> float:
     op, t, h, d = case
     if skip_reason(*case):
         return 0.0
-    fwd, bwd = moved_bytes(op, t, h, getattr(torch, d).itemsize)
+    fwd, bwd = nm.moved_bytes(op, t, h, getattr(torch, d).itemsize)
     return n_providers * (EST_FIXED_S + EST_REPLAYS * (fwd + bwd) / 3e12)
 
 
@@ -194,7 +180,7 @@ def sweep(cases, providers=None, *, host: bool = True, on_row=None,
             return [p for p in ("torch", "compile", "triton") if p in want]
         if providers is None and (tokens, dtype) == SWEEP_EAGER_AT:
             want = ("eager", *want)
-        return [p for p in providers_here(op, device) if p in want]
+        return [p for p in nm.providers_here(op, device) if p in want]
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -211,13 +197,13 @@ def sweep(cases, providers=None, *, host: bool = True, on_row=None,
                     new.append({"kind": "op", "op": op, "provider": p, "tokens": t,
                                 "hidden": h, "dtype": d, "skipped": why})
                     continue
-                row = measure(op, p, t, h, dtype, device)
+                row = nm.measure(op, p, t, h, dtype, device)
                 row.update(copy_gbps=copy, gpu_free_gib=free_gib)
                 new.append(row)
-            eager_in_turns(op, new, t, h, dtype, device)
+            nm.eager_in_turns(op, new, t, h, dtype, device)
             for row in new:
                 if "skipped" not in row:
-                    print(format_row(row), flush=True)
+                    print(nm.format_row(row), flush=True)
             rows += new
             if new and on_row is not None:
                 on_row(rows)
@@ -230,7 +216,7 @@ def sweep(cases, providers=None, *, host: bool = True, on_row=None,
                     todo = [p for p in names(op) if ("host", op, p, t, h, d) not in done]
                     if not todo:
                         continue
-                    new = host_rows(op, todo, t, h, getattr(torch, d), device,
+                    new = nm.host_rows(op, todo, t, h, getattr(torch, d), device,
                                     calls=host_calls, repeats=5 if host_calls > 20 else 1)
                     for row in new:
                         print(f"  host {op:<13}{row['provider']:<14}{t:>6} x {h:<6}{d:<9}"
@@ -273,8 +259,8 @@ def targets(rows: list[dict], *, op: str = "rms_norm", min_eager_tokens: int = 1
             if not keep(k, mine) or not mine.get(field) or not ref.get(field):
                 continue
             n += 1
-            other = {p: pass_timing(r, field) for p, r in ((ours, mine), ("torch", ref))
-                     if pass_timing(r, field) != "cuda_graph"}
+            other = {p: nm.pass_timing(r, field) for p, r in ((ours, mine), ("torch", ref))
+                     if nm.pass_timing(r, field) != "cuda_graph"}
             if graph and other:  # a timing that fell back is a failed check, not a pass
                 failing.append({"at": k, "not_graph_replay": other})
                 continue
@@ -290,14 +276,14 @@ def targets(rows: list[dict], *, op: str = "rms_norm", min_eager_tokens: int = 1
                        lambda k, r: True, graph=True),
            ratio_check(f"eager fwd+bwd >= 1.0x torch at >= {min_eager_tokens} tokens",
                        "eager_fwd_bwd_ms", lambda k, r: k[0] >= min_eager_tokens)]
-    head = pairs.get((*HEADLINE, "bfloat16"), {}).get(ours, {})
+    head = pairs.get((*nm.HEADLINE, "bfloat16"), {}).get(ours, {})
     share = (head["fwd_bwd_gbps"] / head["copy_gbps"]
              if head.get("fwd_bwd_gbps") and head.get("copy_gbps") else None)
     low = share is not None and share < copy_share
-    out.append({"check": f">= {copy_share:.0%} of copy at {HEADLINE[0]} x {HEADLINE[1]} "
+    out.append({"check": f">= {copy_share:.0%} of copy at {nm.HEADLINE[0]} x {nm.HEADLINE[1]} "
                          "bf16 fwd+bwd", "ok": None if share is None else not low,
                 "points": int(share is not None), "worst": share,
-                "at": (*HEADLINE, "bfloat16"),
+                "at": (*nm.HEADLINE, "bfloat16"),
                 "failing": [{"share": round(share, 3)}] if low else []})
     hosts = {}
     for r in rows:
@@ -339,7 +325,7 @@ def run_group(call: Invocation) -> None:
         for t in targets(rows):
             print(f"  {t['check']}: {t['ok']} (worst {t['worst']})")
         return
-    config, kept = config_of(group=a.group), []
+    config, kept = nm.config_of(group=a.group), []
     if a.resume:
         kept, config = call.resume(config, missing_ok=True,
                                    may_change=("eager_timing", "host_timing"),

@@ -12,7 +12,7 @@ import torch
 
 from colossal_lab import overlap_model as om
 from colossal_lab import timing
-from colossal_lab.benchmarks.harness import Benchmark, flag
+from colossal_lab.benchmarks.harness import counted
 from colossal_lab.config import SWITCH_SETS, preset
 from colossal_lab.model import build_model
 from colossal_lab.pipeline import schedules as sch
@@ -355,10 +355,8 @@ def config_of(reps: int = REPS) -> dict:
                           "costs"}
 
 
-BENCH = Benchmark(
-    NAME, __doc__, quick_help="tiny model on the CPU, not saved",
-    options=[flag("reps", help=f"timed repetitions (default {REPS})")],
-    run=lambda a: run(a.quick, reps=a.reps), config=lambda a: config_of(a.reps or REPS))
+BENCH = counted(NAME, __doc__, run, config_of, count="reps", default=REPS,
+                what="timed repetitions", quick_help="tiny model on the CPU, not saved")
 main = BENCH.main
 
 

@@ -10,7 +10,7 @@ import torch
 
 from colossal_lab import overlap_model as om
 from colossal_lab import timing
-from colossal_lab.benchmarks.harness import Benchmark, flag
+from colossal_lab.benchmarks.harness import counted
 from colossal_lab.config import Switches, preset
 from colossal_lab.model import build_model
 from colossal_lab.switches.apply import apply_switches
@@ -366,10 +366,8 @@ def config_of(reps: int = REPS) -> dict:
                           "gemm.comm_rows)"}
 
 
-BENCH = Benchmark(
-    NAME, __doc__, quick_help="tiny shapes on the CPU, not saved",
-    options=[flag("reps", help=f"replays per case (default {REPS})")],
-    run=lambda a: run(a.quick, reps=a.reps), config=lambda a: config_of(a.reps or REPS))
+BENCH = counted(NAME, __doc__, run, config_of, count="reps", default=REPS,
+                what="replays per case", quick_help="tiny shapes on the CPU, not saved")
 main = BENCH.main
 
 
