@@ -19,7 +19,7 @@ def _bench(**kw) -> Benchmark:
 
 def test_default_flow_saves_with_provenance(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
-    _bench(report=lambda rows: f"{len(rows)} row").main(["--size", "5", "--name", "t"])
+    _bench(summary=lambda rows: f"{len(rows)} row").main(["--size", "5", "--name", "t"])
     out = capsys.readouterr().out
     assert "saved" in out and "1 row" in out
     (path,) = tmp_path.glob("*/t.json")

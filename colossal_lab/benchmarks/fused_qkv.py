@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from colossal_lab import timing
-from colossal_lab.benchmarks.fused_norm import _Traffic
 from colossal_lab.benchmarks.harness import Benchmark, case_line, flag, opt
+from colossal_lab.benchmarks.norm_measure import _Traffic
 from colossal_lab.benchmarks.steps import Setup
 from colossal_lab.config import Switches, preset
 from colossal_lab.hardware import measure_copy_gbps, measure_matmul_tflops
@@ -153,7 +153,7 @@ def saved_bytes(fn, *inputs) -> int:
 
 def eager_traffic(tokens: int, inter: int, dtype=torch.bfloat16) -> dict:
     """Bytes and aten ops of the eager SwiGLU on views, forward and backward, counted
-    op by op on meta tensors (`fused_norm._Traffic`: nothing is allocated)."""
+    op by op on meta tensors (`norm_measure._Traffic`: nothing is allocated)."""
 
     gu = torch.randn(tokens, 2 * inter, device="meta", dtype=dtype, requires_grad=True)
     with _Traffic() as fwd:

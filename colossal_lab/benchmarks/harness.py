@@ -94,11 +94,12 @@ class Benchmark:
     """The results file's name from the flags (default `--name`, else `name`)."""
     check: Callable[[argparse.Namespace], str | None] | None = None
     """A usage error for flags that do not go together (None: they do)."""
-    report: Callable[[list[dict]], str] | None = None
-    """Printed after a measured run is saved (`summary`, say)."""
+    summary: Callable[[list[dict]], str] | None = None
+    """The lines printed after a measured run is saved."""
     execute: Callable[[Invocation], None] | None = None
     """A flow of the benchmark's own, instead of run, then save."""
     prog: str | None = None
+    """The program's name in usage lines (default argparse's)."""
     description: str | None = None
     """The usage line's text (default the docstring's first line)."""
 
@@ -181,7 +182,7 @@ def parse(bench: Benchmark, argv: Sequence[str] | None = None) -> Invocation:
 
 def main(bench: Benchmark, argv: Sequence[str] | None = None) -> None:
     """Run `bench` from the command line `argv`: its own flow (`execute`), or run and,
-    unless `--quick`, save with provenance and print the report."""
+    unless `--quick`, save with provenance and print the summary."""
     call = parse(bench, argv)
     if bench.execute is not None:
         bench.execute(call)
@@ -190,8 +191,8 @@ def main(bench: Benchmark, argv: Sequence[str] | None = None) -> None:
     if call.args.quick:
         return
     call.save(rows)
-    if bench.report is not None:
-        print(bench.report(rows))
+    if bench.summary is not None:
+        print(bench.summary(rows))
 
 
 def counted(name: str, doc: str, run: Callable, config: Callable[[int], dict], *,

@@ -123,7 +123,7 @@ def config_of() -> dict:
             "ceiling": "hardware.measure_copy_gbps (read + write bytes)"}
 
 
-def report(rows: list[dict]) -> str:
+def _table(rows: list[dict]) -> str:
     return "\n".join(f"{r['provider']:12s} {r['ms']:7.2f} ms  {r['gbps']:6.0f} GB/s "
                      f"({r['of_copy_ceiling']:.0%} of copy)  x{r['speedup_vs_unfused']:.2f}"
                      for r in rows)
@@ -133,7 +133,7 @@ BENCH = Benchmark(
     NAME, __doc__, quick_help="tiny model on the CPU, not saved",
     options=[flag("providers", choices=PROVIDERS)],
     run=lambda a: run(a.quick, providers=tuple(a.providers) if a.providers else PROVIDERS),
-    config=lambda a: config_of(), report=report)
+    config=lambda a: config_of(), summary=_table)
 main = BENCH.main
 
 

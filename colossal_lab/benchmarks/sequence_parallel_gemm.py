@@ -273,6 +273,21 @@ def comm_rows(gemm: list[dict], cfg, tokens: int, tps, link: om.Link,
 # ------------------------------------------------------------------------- run
 
 
+def config_of(reps: int = REPS) -> dict:
+    return {"preset": PRESET, "seq_len": SEQ_LEN, "batch": BATCH, "tps": list(TPS),
+            "chunks": list(CHUNKS), "reps": reps, "passes": list(PASSES),
+            "dtype": "bfloat16",
+            "timing": "timing.time_kernels: CUDA-graph replays, CUDA events around each, "
+                      "L2 flushed before each",
+            "memory": "Korthikanti et al. 2022 equations (GPT layer, 16-bit, dropout); "
+                      "measured: one decoder layer's saved tensors, sdpa attention, "
+                      "bf16 parameters",
+            "link": vars(om.link(LINK)),
+            "comm_model": "ring collectives, alpha + bytes/bandwidth, no contention, "
+                          "GEMMs as measured (colossal_lab.benchmarks.sequence_parallel_"
+                          "gemm.comm_rows)"}
+
+
 def run(quick: bool = False, *, progress: bool = True, reps: int | None = None) -> list[dict]:
     """GEMM rows (measured), memory rows (formula + the t = 1 check), comm rows (model).
     `quick`: the tiny model on this machine's CPU in fp32, not a measurement of any GPU.
@@ -349,21 +364,6 @@ def summary(rows: list[dict]) -> str:
                          f"+ split {r['split_cost_ms']:.3f} ms of a {r['layer_ms']:.3f} ms "
                          f"layer ({r['exposed_share']:.1%})")
     return "\n".join(lines)
-
-
-def config_of(reps: int = REPS) -> dict:
-    return {"preset": PRESET, "seq_len": SEQ_LEN, "batch": BATCH, "tps": list(TPS),
-            "chunks": list(CHUNKS), "reps": reps, "passes": list(PASSES),
-            "dtype": "bfloat16",
-            "timing": "timing.time_kernels: CUDA-graph replays, CUDA events around each, "
-                      "L2 flushed before each",
-            "memory": "Korthikanti et al. 2022 equations (GPT layer, 16-bit, dropout); "
-                      "measured: one decoder layer's saved tensors, sdpa attention, "
-                      "bf16 parameters",
-            "link": vars(om.link(LINK)),
-            "comm_model": "ring collectives, alpha + bytes/bandwidth, no contention, "
-                          "GEMMs as measured (colossal_lab.benchmarks.sequence_parallel_"
-                          "gemm.comm_rows)"}
 
 
 BENCH = counted(NAME, __doc__, run, config_of, count="reps", default=REPS,
