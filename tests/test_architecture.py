@@ -137,7 +137,7 @@ def test_module_docstring_opens_with_one_line_job(path):
     doc = ast.get_docstring(ast.parse(path.read_text()))
     assert doc, f"{_rel(path)} has no module docstring"
     first = doc.splitlines()[0].rstrip()
-    assert first.endswith((".", ":")) and len(first) <= 100, \
+    assert first.endswith((".", ":", "?")) and len(first) <= 100, \
         f"{_rel(path)}: the docstring's first line should name the module's job in one " \
         f"sentence of at most 100 characters: {first!r}"
 

@@ -8,15 +8,11 @@ import types
 import pytest
 import torch
 
-from colossal_lab.benchmarks import fused_norm
+from colossal_lab.benchmarks import fused_norm, norm_measure, norm_sweep, norm_tuner
+from colossal_lab.kernels import _norm_common
 
 FIELDS = ("op", "provider", "tokens", "hidden", "dtype", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
           "fwd_gbps", "bwd_gbps", "fwd_bwd_gbps")
-
-
-# CPU timings of 1 warm-up and 3 calls (conftest.few_cpu_reps): nothing here asserts
-# a speed or a count of calls
-pytestmark = pytest.mark.usefixtures("few_cpu_reps")
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +78,8 @@ SWEEP_FIELDS = ("fwd_bwd_ms", "eager_fwd_ms", "eager_fwd_bwd_ms", "eager_fwd_bwd
 @pytest.fixture()
 def small_host(monkeypatch):
     """Host-time rows at one tiny shape, 2 calls: the interpreter is slow."""
-    monkeypatch.setattr(fused_norm, "HOST_SHAPES", ((4, 64),))
-    monkeypatch.setattr(fused_norm, "HOST_CALLS", 2)
+    monkeypatch.setattr(norm_sweep, "HOST_SHAPES", ((4, 64),))
+    monkeypatch.setattr(norm_sweep, "HOST_CALLS", 2)
 
 
 def test_sweep_rows_carry_both_timings_and_host_time(small_host):
@@ -126,10 +122,10 @@ def test_eager_timings_take_the_providers_in_turns(monkeypatch):
         ms = rounds_ms[f.provider][n]
         return types.SimpleNamespace(median_ms=ms if f.name == "fwd" else 2 * ms)
 
-    monkeypatch.setattr(fused_norm, "_provider_fn", provider_fn)
-    monkeypatch.setattr(fused_norm, "_eager_calls",
+    monkeypatch.setattr(norm_measure, "_provider_fn", provider_fn)
+    monkeypatch.setattr(norm_measure, "_eager_calls",
                         lambda fn, inputs, grads: (Call(fn, "fwd"), Call(fn, "fwd_bwd")))
-    monkeypatch.setattr(fused_norm, "time_fn", fake_time_fn)
+    monkeypatch.setattr(norm_measure, "time_fn", fake_time_fn)
     rows = [{"kind": "op", "provider": p, "fwd_bwd_ms": 1.0, "timing": "cuda_graph"}
             for p in ("torch", "triton", "broken")]
     rows.append({"kind": "op", "provider": "liger", "skipped": "too big"})
@@ -147,8 +143,8 @@ def test_eager_timings_take_the_providers_in_turns(monkeypatch):
 
 
 def test_default_sweep_times_eager_only_at_its_one_token_count(small_host, monkeypatch):
-    monkeypatch.setattr(fused_norm, "SWEEP_EAGER_AT", (8, "float32"))
-    monkeypatch.setattr(fused_norm, "SWEEP_PROVIDERS", ("torch",))
+    monkeypatch.setattr(norm_sweep, "SWEEP_EAGER_AT", (8, "float32"))
+    monkeypatch.setattr(norm_sweep, "SWEEP_PROVIDERS", ("torch",))
     cases = [("rms_norm", 8, 40, "float32"), ("rms_norm", 4, 40, "float32"),
              ("rms_norm", 8, 40, "bfloat16")]
     rows = fused_norm.sweep(cases, host=False)
@@ -241,7 +237,7 @@ def _pair(tokens, hidden, ours_ms, torch_ms, eager=(1.0, 1.0), dtype="bfloat16")
 def test_measure_labels_each_pass_where_one_fell_back(monkeypatch):
     """A row whose passes were timed alike has one `timing`; where one pass's capture
     fell back, `timing_by_pass` (and `timed_as`) say which, and `pass_timing` reads it."""
-    real = fused_norm.time_kernels
+    real = norm_measure.time_kernels
 
     def bwd_falls_back(fn, device=None):
         t, _ = real(fn, device=device)
@@ -250,7 +246,7 @@ def test_measure_labels_each_pass_where_one_fell_back(monkeypatch):
 
     row = fused_norm.measure("rms_norm", "torch", 8, 64, torch.float32, device="cpu")
     assert row["timing"] == "perf_counter" and "timing_by_pass" not in row
-    monkeypatch.setattr(fused_norm, "time_kernels", bwd_falls_back)
+    monkeypatch.setattr(norm_measure, "time_kernels", bwd_falls_back)
     row = fused_norm.measure("rms_norm", "torch", 8, 64, torch.float32, device="cpu")
     assert row["timing"] == "cuda_graph/events (capture failed: X)"
     assert row["timing_by_pass"] == {"fwd_ms": "cuda_graph", "fwd_bwd_ms": "cuda_graph",
@@ -307,12 +303,12 @@ def test_targets_on_synthetic_rows():
 @pytest.fixture()
 def table(monkeypatch):
     """A launch table for a pretend GPU, its cache cleared before and after."""
-    from colossal_lab.kernels import _norm_common, norm_table
+    from colossal_lab.kernels import _norm_common
 
     entries = {"128/float32/fwd": {"rows": 2, "num_warps": 8},
                "128/float32/bwd": {"rows": 4, "num_warps": 4, "programs_per_sm": 3,
                                    "num_stages": 1, "min_rows_per_program": 5}}
-    monkeypatch.setattr(norm_table, "TABLES", {"NVIDIA H200": entries})
+    monkeypatch.setattr(_norm_common, "TABLES", {"NVIDIA H200": entries})
     monkeypatch.setattr(_norm_common, "_gpu_name", lambda: "NVIDIA H200")
     _norm_common.launch_config.cache_clear()
     yield _norm_common
@@ -335,11 +331,9 @@ def test_table_entry_overrides_the_heuristic(table):
 def test_small_entry_overrides_at_few_rows(table, monkeypatch):
     """A ".../small" entry changes only the fields it sets, only where asked (launches
     of at most SMALL_ROWS rows), and says so in the source."""
-    from colossal_lab.kernels import norm_table
-
-    entries = dict(norm_table.TABLES["NVIDIA H200"])
+    entries = dict(table.TABLES["NVIDIA H200"])
     entries["128/float32/bwd/small"] = {"num_warps": 2, "programs_per_sm": 1}
-    monkeypatch.setattr(norm_table, "TABLES", {"NVIDIA H200": entries})
+    monkeypatch.setattr(table, "TABLES", {"NVIDIA H200": entries})
     table.launch_config.cache_clear()
     big = table.launch_config(100, torch.float32, backward=True)
     few = table.launch_config(100, torch.float32, backward=True, small=True)
@@ -354,12 +348,12 @@ def test_small_entry_overrides_at_few_rows(table, monkeypatch):
 def test_rms_norm_plans_take_the_small_entry_by_row_count(table, monkeypatch):
     """The launchers ask for the small entry at <= SMALL_ROWS rows and not above, and
     the kernels stay correct with it."""
-    from colossal_lab.kernels import _norm_common, norm_table, rms_norm
+    from colossal_lab.kernels import _norm_common, rms_norm
     from colossal_lab.ops import norm
 
-    entries = dict(norm_table.TABLES["NVIDIA H200"])
+    entries = dict(_norm_common.TABLES["NVIDIA H200"])
     entries["128/float32/fwd/small"] = {"rows": 1, "num_warps": 2}
-    monkeypatch.setattr(norm_table, "TABLES", {"NVIDIA H200": entries})
+    monkeypatch.setattr(_norm_common, "TABLES", {"NVIDIA H200": entries})
     monkeypatch.setattr(_norm_common, "SMALL_ROWS", 8)
     monkeypatch.setattr(rms_norm, "SMALL_ROWS", 8)
     table.launch_config.cache_clear()
@@ -384,9 +378,9 @@ def test_rms_norm_plans_take_the_small_entry_by_row_count(table, monkeypatch):
 def test_small_tune_candidates_one_per_grid():
     """`_tune_small` times each (tile, warps, grid) once: on a CPU every grid is the
     interpreter's 4 programs, so one backward candidate per tile and warps."""
-    fwd, bwd = fused_norm._small_candidates(1024, 1024, torch.device("cpu"))
-    tiles = [r for r in fused_norm.TUNE_SMALL_ROWS if r * 1024 <= 16384]
-    assert fwd == [(r, nw) for r in tiles for nw in fused_norm.TUNE_SMALL_WARPS]
+    fwd, bwd = norm_tuner._small_candidates(1024, 1024, torch.device("cpu"))
+    tiles = [r for r in norm_tuner.TUNE_SMALL_ROWS if r * 1024 <= 16384]
+    assert fwd == [(r, nw) for r in tiles for nw in norm_tuner.TUNE_SMALL_WARPS]
     assert sorted((r, nw) for r, nw, *_ in bwd) == sorted(fwd)
     assert {p for *_, p in bwd} == {4}
 
@@ -406,6 +400,43 @@ def test_kernels_correct_with_a_table_launch(table):
             table.launch_config(100, torch.float32, backward=True, small=True)]
     assert [c.rows for c in used] == [2, 4]  # the table's tiles, not the heuristic's 32
     assert table.launch_config.cache_info().hits >= 2  # the launches asked the same
+
+
+NORM_TABLE_PY = {'NVIDIA H200': {'1024/bfloat16/bwd': {'min_rows_per_program': 2},
+                                 '1024/bfloat16/bwd/small': {'min_rows_per_program': 1,
+                                                             'num_stages': 1,
+                                                             'num_warps': 4,
+                                                             'prefetch': False,
+                                                             'programs_per_sm': 2,
+                                                             'rows': 4},
+                                 '1024/float32/bwd': {'min_rows_per_program': 1},
+                                 '1024/float32/bwd/small': {'min_rows_per_program': 1,
+                                                            'num_stages': 1,
+                                                            'num_warps': 4,
+                                                            'prefetch': False,
+                                                            'programs_per_sm': 2,
+                                                            'rows': 4},
+                                 '2048/bfloat16/bwd': {'min_rows_per_program': 4},
+                                 '2048/float32/bwd': {'min_rows_per_program': 4},
+                                 '4096/bfloat16/bwd': {'min_rows_per_program': 2,
+                                                       'num_stages': 1,
+                                                       'num_warps': 8,
+                                                       'prefetch': True,
+                                                       'programs_per_sm': 2,
+                                                       'rows': 1},
+                                 '4096/bfloat16/fwd': {'num_warps': 8, 'rows': 1},
+                                 '4096/float32/bwd': {'min_rows_per_program': 4}}}
+"""`TABLES` as `kernels/norm_table.py` held it before the table became data."""
+
+
+def test_norm_table_json_holds_the_python_table():
+    """`norm_table.json` loads to the table the Python module held, bools included,
+    and is the table the launches consult."""
+    loaded = _norm_common.load_tables()
+    assert loaded == NORM_TABLE_PY
+    assert [type(v) for e in loaded["NVIDIA H200"].values() for v in e.values()] == [
+        type(v) for e in NORM_TABLE_PY["NVIDIA H200"].values() for v in e.values()]
+    assert _norm_common.TABLES == loaded
 
 
 def test_write_table_from_tune_rows(tmp_path, monkeypatch):
@@ -451,11 +482,10 @@ def test_write_table_from_tune_rows(tmp_path, monkeypatch):
               **({"current": "table:NVIDIA H200/small"} if cur else {})}
              for r, g, ms, cur in ((8, 100.0, 1.0, True), (2, 102.0, 0.98, False))]
     saved = save_results("fused_norm_tune", tune, gpu="h200")
-    path = fused_norm.write_table(path=tmp_path / "norm_table.py")
-    ns: dict = {}
-    exec(path.read_text(), ns)
+    path = fused_norm.write_table(path=tmp_path / "norm_table.json")
+    tables = _norm_common.load_tables(path)
     gpu = json.loads(saved.read_text())["provenance"]["gpu"]  # keyed by torch's name
-    assert ns["TABLES"][gpu] == {
+    assert tables[gpu] == {
         "4096/bfloat16/bwd": {"rows": 1, "num_warps": 8, "programs_per_sm": 2,
                               "num_stages": 2, "prefetch": False,
                               "min_rows_per_program": 16},
@@ -470,8 +500,8 @@ def test_tune_rows_save_and_merge(tmp_path, monkeypatch):
     """Every row `tune` returns (the ceiling too) has the fields save_tune merges by, and
     a later invocation at another token count keeps the earlier one's rows."""
     monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
-    monkeypatch.setattr(fused_norm, "measure_copy_gbps", lambda device: 4000.0)
-    monkeypatch.setattr(fused_norm, "_tune_hidden", lambda t, h, d, dev: [
+    monkeypatch.setattr(norm_tuner, "measure_copy_gbps", lambda device: 4000.0)
+    monkeypatch.setattr(norm_tuner, "_tune_hidden", lambda t, h, d, dev: [
         {"kind": "tune", "tokens": t, "hidden": h, "dtype": str(d)[6:], "pass": "bwd",
          "rows": 1, "num_warps": 4, "programs_per_sm": 1, "num_stages": 1, "gbps": 1.0}])
     for tokens in ((1024,), (16384,)):
@@ -516,7 +546,7 @@ def test_host_rows_time_the_providers_in_turns_with_the_collector_paused(monkeyp
             return x * w
         return fn
 
-    monkeypatch.setattr(fused_norm, "_provider_fn", fake)
+    monkeypatch.setattr(norm_measure, "_provider_fn", fake)
     rows = fused_norm.host_rows("rms_norm", ("torch", "triton"), 4, 64, torch.float32,
                                 "cpu", calls=2, repeats=3)
     assert [r["provider"] for r in rows] == ["torch", "triton"]
@@ -528,14 +558,14 @@ def test_host_rows_time_the_providers_in_turns_with_the_collector_paused(monkeyp
 
 
 def test_host_rows_keep_one_providers_error_to_its_row(monkeypatch):
-    real = fused_norm._provider_fn
+    real = norm_measure._provider_fn
 
     def fake(op, provider):
         if provider == "triton":
             raise RuntimeError("no such kernel")
         return real(op, provider)
 
-    monkeypatch.setattr(fused_norm, "_provider_fn", fake)
+    monkeypatch.setattr(norm_measure, "_provider_fn", fake)
     torch_row, bad = fused_norm.host_rows("rms_norm", ("torch", "triton"), 4, 64,
                                           torch.float32, "cpu", calls=2, repeats=2)
     assert torch_row["host_us"] > 0 and "error" not in torch_row

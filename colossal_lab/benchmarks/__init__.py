@@ -1,6 +1,7 @@
-"""GPU benchmarks, one module per experiment. Each has `run(quick=False) -> rows` and
-`main(argv)`, which saves `results/<gpu>/<name>.json` with provenance.
+"""GPU benchmarks, one module per experiment, found by name (`get`).
 
+Each module has `run(quick=False) -> rows` and `main(argv)`, its `harness.Benchmark`'s
+command line, which saves `results/<gpu>/<name>.json` with provenance;
 `python -m colossal_lab bench NAME [--quick]` runs one. Providers are compared side by
 side in one process (one run, ratios), never across runs.
 """

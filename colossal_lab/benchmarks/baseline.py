@@ -12,11 +12,9 @@ like-for-like check that our model is no slower), and with `F.rms_norm`; Hugging
 
 from __future__ import annotations
 
-import argparse
-
+from colossal_lab.benchmarks.harness import Benchmark, flag, opt
 from colossal_lab.benchmarks.steps import Setup, run_setups, step_config
 from colossal_lab.config import Switches
-from colossal_lab.measure.results import save_results
 
 SETUPS = (
     Setup("ours-fp32-naive", "ours: fp32, naive attention + norm", "ours",
@@ -51,20 +49,16 @@ def run(quick: bool = False, *, preset_name: str = "llama-7b-8l", seq_len: int =
 config_of = step_config
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--preset", default="llama-7b-8l")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--setups", nargs="*", choices=SETUP_NAMES)
-    a = p.parse_args(argv)
-    rows = run(a.quick, preset_name=a.preset, seq_len=a.seq_len, batch=a.batch,
-               setups=a.setups)
-    if not a.quick:
-        path = save_results("baseline", rows, config=config_of(a.preset, a.seq_len, a.batch),
-                            command="python -m colossal_lab bench baseline")
-        print(f"saved {path}")
+STEP_FLAGS = [flag("preset"), flag("seq_len"), flag("batch")]
+"""The step's shape on the command line (also `profile_breakdown`'s)."""
+
+BENCH = Benchmark(
+    "baseline", __doc__, quick_help="tiny model at seq 64, in this process, not saved",
+    options=[*STEP_FLAGS, opt("--setups", nargs="*", choices=SETUP_NAMES)],
+    run=lambda a: run(a.quick, preset_name=a.preset, seq_len=a.seq_len, batch=a.batch,
+                      setups=a.setups),
+    config=lambda a: config_of(a.preset, a.seq_len, a.batch))
+main = BENCH.main
 
 
 if __name__ == "__main__":

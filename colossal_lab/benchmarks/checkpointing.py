@@ -1,32 +1,16 @@
-"""Chapter 04: what gradient checkpointing costs in speed and buys in memory.
-
-Two groups of training steps, each setup in its own process (`benchmarks.steps`):
-
-1. `llama-7b-8l`, seq 4096, batch 4, bf16 autocast, switches 1-2 on: no checkpointing,
-   ratios 0.25 / 0.5 / 0.75 / 1 (full recomputation) and the two selective modes. Each
-   row carries tokens/s, MFU (6N), MFU (+attention), HFU (+ the recomputed FLOPs), what
-   ColossalAI's evaluator would report (8N per token with checkpointing on), peak and
-   activation memory, what one layer keeps, and the largest batch: predicted from two
-   memory probes and verified by running it.
-2. Full LLaMA-7B (32 layers, 6.74B) on one GPU, bf16 parameters with fp32 master weights
-   and optimizer states in the optimizer ("bf16-pure": ~100 GiB before any activation),
-   switches 1-3 on: no checkpointing at batch 1 and 2, selective and full
-   recomputation at batch 2, and at batch 3 the fewest checkpointed layers that fit
-   (chosen from memory probes).
-
-    python -m colossal_lab bench checkpointing --group sweep   # ~5 min on one H200
-    python -m colossal_lab bench checkpointing --group 7b      # ~4 min
-    python -m colossal_lab bench checkpointing --quick         # tiny model, CPU, seconds
-"""
+"""Chapter 04: what gradient checkpointing costs in speed and buys in memory."""
 
 from __future__ import annotations
 
-import argparse
 import os
 
+from colossal_lab.benchmarks.harness import Benchmark, flag, opt
 from colossal_lab.benchmarks.steps import Setup, format_row, run_chapter, step_config
-from colossal_lab.config import Switches
+from colossal_lab.config import Switches, preset
+from colossal_lab.measure.results import load_results
+from colossal_lab.palette import BLUE, GREY, ORANGE
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig as Ckpt
+from colossal_lab.training.memory import MemoryModel
 
 NAME = "checkpointing"
 RATIOS = (0.25, 0.5, 0.75)
@@ -96,14 +80,32 @@ def file_name(group: str) -> str:
 
 def load(gpu: str | None = None) -> list[dict]:
     """The rows of both groups' recorded files."""
-    from colossal_lab.measure.results import load_results
 
     return [r for g in GROUPS for r in load_results(file_name(g), gpu).rows]
 
 
 def run(quick: bool = False, *, setups=None, seq_len: int = 4096, batch: int = 4
         ) -> list[dict]:
-    """Every setup side by side (`quick`: the tiny model on the CPU, in this process)."""
+    """Every setup side by side (`quick`: the tiny model on the CPU, in this process).
+
+    Two groups of training steps, each setup in its own process (`benchmarks.steps`):
+
+    1. `llama-7b-8l`, seq 4096, batch 4, bf16 autocast, switches 1-2 on: no checkpointing,
+       ratios 0.25 / 0.5 / 0.75 / 1 (full recomputation) and the two selective modes. Each
+       row carries tokens/s, MFU (6N), MFU (+attention), HFU (+ the recomputed FLOPs), what
+       ColossalAI's evaluator would report (8N per token with checkpointing on), peak and
+       activation memory, what one layer keeps, and the largest batch: predicted from two
+       memory probes and verified by running it.
+    2. Full LLaMA-7B (32 layers, 6.74B) on one GPU, bf16 parameters with fp32 master weights
+       and optimizer states in the optimizer ("bf16-pure": ~100 GiB before any activation),
+       switches 1-3 on: no checkpointing at batch 1 and 2, selective and full
+       recomputation at batch 2, and at batch 3 the fewest checkpointed layers that fit
+       (chosen from memory probes).
+
+        python -m colossal_lab bench checkpointing --group sweep   # ~5 min on one H200
+        python -m colossal_lab bench checkpointing --group 7b      # ~4 min
+        python -m colossal_lab bench checkpointing --quick         # tiny model, CPU, seconds
+    """
     chosen = [s for s in SETUPS if s.name in (setups or (QUICK if quick else SETUP_NAMES))]
     if not quick:  # the largest batch should be bounded by memory, not by fragmentation
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -148,8 +150,6 @@ def versus_none(rows: list[dict], baseline: str = "ckpt-none") -> list[dict]:
 def memory_model(rows: list[dict], none: str = "ckpt-none", full: str = "ckpt-full"):
     """`memory.MemoryModel` from two measured rows (their fixed and per-sample
     memory); None when the rows lack the probes (a CPU run)."""
-    from colossal_lab.config import preset
-    from colossal_lab.training.memory import MemoryModel
 
     by = ok_rows(rows)
     a, b = by.get(none), by.get(full)
@@ -166,9 +166,8 @@ def memory_model(rows: list[dict], none: str = "ckpt-none", full: str = "ckpt-fu
 def plot_tradeoff(rows: list[dict], *, memory: str = "activation_mem_gib", ax=None):
     """Memory against tokens/s for each sweep setup: the ratios joined by a line from no
     checkpointing to full recomputation, the selective modes as separate points."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: plotting only, optional for a run
 
-    from colossal_lab.palette import BLUE, GREY, ORANGE
 
     pts = [r for r in versus_none(rows) if r.get(memory) is not None]
     if ax is None:
@@ -196,9 +195,8 @@ def plot_tradeoff(rows: list[dict], *, memory: str = "activation_mem_gib", ax=No
 
 def plot_largest_batch(rows: list[dict], ax=None):
     """Largest batch per setup: predicted from the probes and verified by running it."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: plotting only, optional for a run
 
-    from colossal_lab.palette import BLUE, GREY, ORANGE
 
     pts = [r for r in rows if "error" not in r and r.get("largest_batch_predicted")]
     if ax is None:
@@ -226,25 +224,21 @@ def plot_largest_batch(rows: list[dict], ax=None):
     return ax
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=4, help="batch of the 8-layer sweep")
-    p.add_argument("--group", choices=list(GROUPS), default="sweep",
-                   help="which group of setups (one results file each)")
-    a = p.parse_args(argv)
+def _run_group(a) -> list[dict]:
     names = [s.name for s in GROUPS[a.group]]
     if a.quick:
-        run(True, setups=[n for n in QUICK if n in names] or None)
-        return
-    rows = run(setups=names, seq_len=a.seq_len, batch=a.batch)
-    from colossal_lab.measure.results import save_results
+        return run(True, setups=[n for n in QUICK if n in names] or None)
+    return run(setups=names, seq_len=a.seq_len, batch=a.batch)
 
-    path = save_results(file_name(a.group), rows,
-                        config=config_of(seq_len=a.seq_len, batch=a.batch),
-                        command=f"python -m colossal_lab bench {NAME} --group {a.group}")
-    print(f"saved {path}")
+
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny model on the CPU, in this process, not saved",
+    options=[flag("seq_len"), flag("batch", help="batch of the 8-layer sweep"),
+             opt("--group", choices=list(GROUPS), default="sweep",
+                 help="which group of setups (one results file each)")],
+    run=_run_group, file_name=lambda a: file_name(a.group),
+    config=lambda a: config_of(seq_len=a.seq_len, batch=a.batch))
+main = BENCH.main
 
 
 if __name__ == "__main__":

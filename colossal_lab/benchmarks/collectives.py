@@ -1,57 +1,17 @@
-"""NCCL's collectives on the GPUs of one node: all-reduce, all-gather and reduce-scatter
-bus bandwidth against message size, over each link NCCL may take between them.
+"""NCCL's all-reduce, all-gather and reduce-scatter bus bandwidth on the GPUs of one node.
 
-**What is measured.** Each op on bf16 messages of `SIZES` bytes (1 MiB to 1 GiB, powers
-of 4), `WARMUP` untimed calls then `REPS` timed ones, each bracketed by CUDA events on
-the current stream (`timing.time_iterations`) after a barrier that lines the ranks up,
-so a rep times the collective, not one rank waiting for the other to arrive. A rep's
-time is the slowest rank's (a collective is done when it is done everywhere); the row
-holds the median, p10 and p90 of those, and every rep in `ms_all`.
-
-**Sizes and bus bandwidth,** as nccl-tests define them (NVIDIA nccl-tests,
-doc/PERFORMANCE.md). The size S of a row is the whole message: the all-reduced buffer,
-the all-gather's output (each rank gives S/n), the reduce-scatter's input (each rank
-keeps S/n). Algorithm bandwidth is algbw = S / t. Bus bandwidth rescales it to the
-bytes every link carries in the bandwidth-optimal ring, so that it is comparable
-across ops and rank counts, and with the link's peak:
-
-    all-reduce:                  busbw = algbw · 2(n−1)/n
-    all-gather, reduce-scatter:  busbw = algbw · (n−1)/n
-
-(`BUS_FACTOR`). On 2 ranks an all-reduce's busbw is its algbw; an all-gather's is half.
-
-**The links** (`--link`, `LINK_ENV`), set in NCCL's environment before the process
-group starts: "nvlink" (NCCL's choice: peer-to-peer over NVLink), "host"
-(``NCCL_P2P_DISABLE=1``: through shared host memory over PCIe), "sockets"
-(``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``: through the network stack, as between
-nodes without InfiniBand). ``NCCL_NVLS_ENABLE=0`` always: NVLink SHARP (multicast) must
-stay off on the machines this book is measured on. One invocation measures one link
-setting (NCCL reads its environment once); its rows carry ``link`` and replace that
-link's rows in ``results/<gpu>x<n>/collectives.json`` (`results.merge_rows`), so three
-invocations build one file::
-
-    torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link nvlink
-    torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link host
-    torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link sockets
-    python -m colossal_lab bench collectives --quick   # 2 gloo processes on this CPU
-
-The world n is whatever torchrun launched (``--nproc-per-node 4`` on four GPUs: the
-rows carry ``world`` and their bus factor, and go to ``results/<gpu>x4``).
-`--quick` is a smoke test: 2 CPU processes (or ``--world 4``) on gloo over loopback,
-`QUICK_SIZES`, a few reps, nothing saved: it exercises the code, it measures no GPU.
-"""
+Against message size, over each link NCCL may take between them."""
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from colossal_lab.benchmarks import two_gpu
+from colossal_lab.benchmarks.harness import Benchmark, Invocation, Option, flag, opt
 from colossal_lab.measure import results, timing
 from colossal_lab.parallel import distributed
 
@@ -191,7 +151,47 @@ def run(quick: bool = False, *, link: str = "nvlink", reps: int | None = None,
         world: int = two_gpu.WORLD) -> list[dict]:
     """The rows of one link setting. `quick`: `world` gloo processes on this CPU
     (`spawn`), `QUICK_SIZES`, a few reps; rank 0's rows. Otherwise call it on every rank
-    of a torchrun job (`main` does): NCCL on the GPUs, every rank returns the rows."""
+    of a torchrun job (`main` does): NCCL on the GPUs, every rank returns the rows.
+
+    **What is measured.** Each op on bf16 messages of `SIZES` bytes (1 MiB to 1 GiB, powers
+    of 4), `WARMUP` untimed calls then `REPS` timed ones, each bracketed by CUDA events on
+    the current stream (`timing.time_iterations`) after a barrier that lines the ranks up,
+    so a rep times the collective, not one rank waiting for the other to arrive. A rep's
+    time is the slowest rank's (a collective is done when it is done everywhere); the row
+    holds the median, p10 and p90 of those, and every rep in `ms_all`.
+
+    **Sizes and bus bandwidth,** as nccl-tests define them (NVIDIA nccl-tests,
+    doc/PERFORMANCE.md). The size S of a row is the whole message: the all-reduced buffer,
+    the all-gather's output (each rank gives S/n), the reduce-scatter's input (each rank
+    keeps S/n). Algorithm bandwidth is algbw = S / t. Bus bandwidth rescales it to the
+    bytes every link carries in the bandwidth-optimal ring, so that it is comparable
+    across ops and rank counts, and with the link's peak:
+
+        all-reduce:                  busbw = algbw · 2(n−1)/n
+        all-gather, reduce-scatter:  busbw = algbw · (n−1)/n
+
+    (`BUS_FACTOR`). On 2 ranks an all-reduce's busbw is its algbw; an all-gather's is half.
+
+    **The links** (`--link`, `LINK_ENV`), set in NCCL's environment before the process
+    group starts: "nvlink" (NCCL's choice: peer-to-peer over NVLink), "host"
+    (``NCCL_P2P_DISABLE=1``: through shared host memory over PCIe), "sockets"
+    (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``: through the network stack, as between
+    nodes without InfiniBand). ``NCCL_NVLS_ENABLE=0`` always: NVLink SHARP (multicast) must
+    stay off on the machines this book is measured on. One invocation measures one link
+    setting (NCCL reads its environment once); its rows carry ``link`` and replace that
+    link's rows in ``results/<gpu>x<n>/collectives.json`` (`results.merge_rows`), so three
+    invocations build one file::
+
+        torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link nvlink
+        torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link host
+        torchrun --nproc-per-node 2 -m colossal_lab bench collectives --link sockets
+        python -m colossal_lab bench collectives --quick   # 2 gloo processes on this CPU
+
+    The world n is whatever torchrun launched (``--nproc-per-node 4`` on four GPUs: the
+    rows carry ``world`` and their bus factor, and go to ``results/<gpu>x4``).
+    `--quick` is a smoke test: 2 CPU processes (or ``--world 4``) on gloo over loopback,
+    `QUICK_SIZES`, a few reps, nothing saved: it exercises the code, it measures no GPU.
+    """
     if quick:  # NCCL's link settings mean nothing to gloo: say where it ran
         return distributed.spawn(_quick_worker, world, QUICK_LINK,
                                  tuple(sizes or QUICK_SIZES), QUICK_WARMUP,
@@ -223,7 +223,7 @@ def plot_bandwidth(rows: Sequence[dict]):
     """Bus bandwidth against message size, one line per (op, link), the p10-p90 time
     spread shaded: where each link saturates, the ceiling the chapters hold the
     switches' communication against. Returns the figure."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: plotting only, optional for a run
 
     rows = [r for r in rows if r.get("kind") == "collective"]
     fig, ax = plt.subplots(figsize=(7.5, 4))
@@ -270,39 +270,53 @@ def config_of(link_env: dict, reps: int, sizes) -> dict:
             "merged_by": "link"}
 
 
-def main(argv=None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="bench collectives",
-                                description=__doc__.splitlines()[0])
-    p.add_argument("--link", choices=LINKS, default="nvlink",
-                   help="NCCL transport between the GPUs (default: nvlink)")
-    p.add_argument("--quick", action="store_true",
-                   help="gloo processes on this CPU (link 'loopback', --link ignored), "
-                   "tiny messages, not saved; a measured run takes torchrun's world (2 or "
-                   "more)")
-    two_gpu.add_world_arg(p)
-    p.add_argument("--reps", type=int, default=None, help=f"timed reps (default {REPS})")
-    a = p.parse_args(argv)
-    world = two_gpu.quick_world(p, a)
+def link_flag() -> Option:
+    """``--link``: the NCCL transport a measured run uses (`LINK_ENV`)."""
+    return opt("--link", choices=LINKS, default="nvlink",
+               help="NCCL transport between the GPUs (default: nvlink)")
+
+
+def on_link(call: Invocation, *, quick_rows, rank_rows, merged_by, config, report
+            ) -> None:
+    """The command line's flow of a benchmark per NCCL transport: `--quick`: print
+    `report(quick_rows(world))`; else at least two ranks on the `--link` transport
+    (`set_link`, before NCCL starts), `rank_rows()` on every rank, and on rank 0 the
+    rows merged into the saved ones (`results.merge_rows` by `merged_by`: each link's
+    run adds its rows) with `config(link_env)`."""
+    a, name = call.args, call.bench.name
     if a.quick:
-        rows = run(True, link=a.link, reps=a.reps, world=world)
-        print(summary(rows))
+        print(report(quick_rows(two_gpu.quick_world(call))))
         return
-    two_gpu.refuse(NAME, quick=False, at_least=True)
+    two_gpu.refuse(name, quick=False, at_least=True)
     link_env = set_link(a.link)  # before init: NCCL reads its environment once
-    with distributed.guard(f"bench {NAME}"):
+    with distributed.guard(f"bench {name}"):
         distributed.init()
-        rows = run(link=a.link, reps=a.reps)
+        rows = rank_rows()
         if distributed.is_main():
             slug = results.run_slug()
-            merged = results.merge_rows(NAME, rows, "link", gpu=slug)
-            path = results.save_results(NAME, merged, gpu=slug, config=config_of(
-                link_env, a.reps or REPS, SIZES))
-            print(summary(rows))
+            merged = results.merge_rows(name, rows, merged_by, gpu=slug)
+            path = results.save_results(name, merged, gpu=slug, config=config(link_env))
+            print(report(rows))
             print(f"saved {path} ({len(rows)} rows of link {a.link!r}, "
                   f"{len(merged)} in all)")
         distributed.barrier()
     distributed.destroy()
+
+
+BENCH = Benchmark(
+    NAME, __doc__, prog=f"bench {NAME}",
+    quick_help="gloo processes on this CPU (link 'loopback', --link ignored), tiny "
+    "messages, not saved; a measured run takes torchrun's world (2 or more)",
+    options=[link_flag(), two_gpu.world_flag(),
+             flag("reps", help=f"timed reps (default {REPS})")],
+    check=two_gpu.world_problem,
+    execute=lambda call: on_link(
+        call, merged_by="link", report=summary,
+        quick_rows=lambda world: run(True, link=call.args.link, reps=call.args.reps,
+                                     world=world),
+        rank_rows=lambda: run(link=call.args.link, reps=call.args.reps),
+        config=lambda env: config_of(env, call.args.reps or REPS, SIZES)))
+main = BENCH.main
 
 
 if __name__ == "__main__":

@@ -1,43 +1,8 @@
-"""The finale's comparison: every single-GPU switch composed, against HF + Liger.
-
-One training step of `llama-7b-8l` (seq 4096, batch 4, random tokens, AdamW), each
-setup in its own process, all in one run:
-
-    hf-liger            Hugging Face LlamaForCausalLM, SDPA, Liger's kernels, bf16 autocast
-    ours-bf16-s123      switches 1-3 (cuDNN attention, Triton norm, fused projections +
-                        our SwiGLU), bf16 autocast: the best composition before the finale
-    ours-bf16-autocast  + our RoPE and fused head + loss, bf16 autocast (fp32 weights,
-                        cast every step)
-    ours-bf16           the same with bf16 parameters and fp32 master weights in our
-                        one-pass AdamW: no per-step weight casts, the clipping folded
-                        into the update, the moments in bf16 with stochastic rounding
-                        (the best bf16 composition, `SWITCH_SETS["best"]`)
-    ours-bf16-compile   ours-bf16 with each decoder layer torch.compiled around our
-                        kernels (`enable_compile="layers"`; not in "best" until measured);
-                        its row's `first_step_s` is the compile time
-    ours-bf16-graph     ours-bf16 with the whole step replayed as one CUDA graph
-                        (`enable_compile="graph"`; not in "best" until measured)
-    ours-bf16-defer     ours-bf16 with each step's AdamW update run during the next
-                        step's forward, on a side stream (`extra["adamw_defer"]`; not
-                        in "best" until measured)
-    ours-bf16-m32       ours-bf16 with AdamW's moments in fp32: the optimizer's exact
-                        numerics, 8 bytes a parameter more
-    ours-fp8            the same switches with fp8 linears, delayed scaling
-    hf-torchao-fp8      Hugging Face's model, SDPA, torchao's float8 linears (tensorwise
-                        dynamic scaling), torch.compile: the peer of ours-fp8
-    ours-7b-bf16        full LLaMA-7B (32 layers), batch 2, as ours-bf16, with the
-                        fewest checkpointed layers that the memory model says fit
-                        (`Setup.auto_ratio`: three probes, then verified by the run)
-
-    python -m colossal_lab bench composed                      # results/<gpu>/composed.json
-    python -m colossal_lab bench composed --setups hf-liger ours-bf16
-    python -m colossal_lab bench composed --quick              # tiny model, no Liger,
-                                                               # nothing compiled
-"""
+"""The finale's comparison: every single-GPU switch composed, against HF + Liger."""
 
 from __future__ import annotations
 
-from colossal_lab.benchmarks.steps import Setup, main_for, run_chapter
+from colossal_lab.benchmarks.steps import Setup, chapter_bench, run_chapter
 from colossal_lab.config import SWITCH_SETS
 
 ALL_BF16 = SWITCH_SETS["best"].replace(precision="bf16", enable_fused_optimizer=False,
@@ -82,12 +47,47 @@ SETUP_NAMES = tuple(s.name for s in SETUPS)
 def run(quick: bool = False) -> list[dict]:
     """Every setup side by side (`steps.run_chapter`). `quick`: the tiny model on this
     machine, without the setups `steps.runs_quick` leaves to the GPU run (Liger's
-    kernels need a GPU; compiled setups take minutes to compile)."""
+    kernels need a GPU; compiled setups take minutes to compile).
+
+    One training step of `llama-7b-8l` (seq 4096, batch 4, random tokens, AdamW), each
+    setup in its own process, all in one run:
+
+        hf-liger            Hugging Face LlamaForCausalLM, SDPA, Liger's kernels, bf16 autocast
+        ours-bf16-s123      switches 1-3 (cuDNN attention, Triton norm, fused projections +
+                            our SwiGLU), bf16 autocast: the best composition before the finale
+        ours-bf16-autocast  + our RoPE and fused head + loss, bf16 autocast (fp32 weights,
+                            cast every step)
+        ours-bf16           the same with bf16 parameters and fp32 master weights in our
+                            one-pass AdamW: no per-step weight casts, the clipping folded
+                            into the update, the moments in bf16 with stochastic rounding
+                            (the best bf16 composition, `SWITCH_SETS["best"]`)
+        ours-bf16-compile   ours-bf16 with each decoder layer torch.compiled around our
+                            kernels (`enable_compile="layers"`; not in "best" until measured);
+                            its row's `first_step_s` is the compile time
+        ours-bf16-graph     ours-bf16 with the whole step replayed as one CUDA graph
+                            (`enable_compile="graph"`; not in "best" until measured)
+        ours-bf16-defer     ours-bf16 with each step's AdamW update run during the next
+                            step's forward, on a side stream (`extra["adamw_defer"]`; not
+                            in "best" until measured)
+        ours-bf16-m32       ours-bf16 with AdamW's moments in fp32: the optimizer's exact
+                            numerics, 8 bytes a parameter more
+        ours-fp8            the same switches with fp8 linears, delayed scaling
+        hf-torchao-fp8      Hugging Face's model, SDPA, torchao's float8 linears (tensorwise
+                            dynamic scaling), torch.compile: the peer of ours-fp8
+        ours-7b-bf16        full LLaMA-7B (32 layers), batch 2, as ours-bf16, with the
+                            fewest checkpointed layers that the memory model says fit
+                            (`Setup.auto_ratio`: three probes, then verified by the run)
+
+        python -m colossal_lab bench composed                      # results/<gpu>/composed.json
+        python -m colossal_lab bench composed --setups hf-liger ours-bf16
+        python -m colossal_lab bench composed --quick              # tiny model, no Liger,
+                                                                   # nothing compiled
+    """
     return run_chapter("composed", SETUPS, quick)
 
 
-def main(argv=None) -> None:
-    main_for("composed", SETUPS, argv)
+main = chapter_bench("composed", SETUPS).main
+
 
 if __name__ == "__main__":
     main()

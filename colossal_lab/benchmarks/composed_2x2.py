@@ -1,69 +1,11 @@
-"""The book's final configuration on four GPUs: full LLaMA-7B with every switch,
-composed as 2 × 2 (DP 2 × TP 2, or TP 2 × PP 2), both measured in one torchrun group,
-as MFU per GPU against the single-GPU 7B run and the issue's target (issue #21 item 4).
+"""The finale on four GPUs: full LLaMA-7B with every switch, as DP 2 × TP 2 and TP 2 × PP 2.
 
-On four ranks (``torchrun --nproc-per-node 4``, NCCL, NVLink multicast off),
-`llama-7b` (32 layers) at sequence 4096, the base switches `two_gpu.switches_for`
-(the best bf16 set without the fused cross-entropy and embedding, which TP's
-vocabulary-parallel loss and its row-sharded embedding replace), each setup of
-`SETUPS` built fresh from seed 0 by `apply_switches` on a `distributed.make_mesh`:
-
-* ``dp2tp2-ring``, ``dp2tp2-split_gather``: mesh dp = 2 × tp = 2; each tp pair holds
-  half of every weight with sequence parallelism in that mode (collectives cut into
-  ring steps under the GEMMs, or ColossalAI's all-gather / reduce-scatter), and the
-  two pairs reduce their gradients with our overlapped bucketed all-reduce
-  (``overlap_communication=True``, `grad_overlap_measured.BUCKET_ELEMS` buckets);
-  `DP_BATCH` sequences per dp rank (``--dp-batch``), `train.make_step` (the DP
-  reduction, clipping by the whole model's norm, AdamW);
-* ``tp2pp2-zbv``, ``tp2pp2-1f1b``: mesh pp = 2 × tp = 2, a pipeline of two stages
-  (ZB-V: two chunks per rank in a V, whose W steps run the TP linears' deferred
-  weight-gradient halves; or 1F1B), each stage TP-sharded with ring sequence
-  parallelism, m = `PP_M` micro-batches of one sequence (``--pp-m``), built by
-  `pipeline_measured._build`; after each ``model.step`` the gradients are clipped by
-  the whole split model's norm (`grad_norm.clip_`), then AdamW.
-
-Which is faster is not obvious: DP × TP all-reduces a 7B/2 gradient each step
-(overlapped with the backward) and runs every layer on every pair; TP × PP sends only
-activations between the stages but pays the pipeline's bubble (ZB-V fills most of it).
-``--ckpt-ratio R`` recomputes ``floor(R · n)`` layers of each stage
-(`GradientCheckpointConfig`) in every setup, should the activations not fit.
-
-**Correctness first.** Each setup's first two steps are its check (as
-`sequence_parallel_step`'s): the group's loss of step 1 (the initial weights) and of
-step 2 (after one optimizer step), recorded as ``loss_step1`` / ``loss_step2``. The
-data are seed 0's random tokens, the whole group's batch drawn alike on every rank; a
-dp rank trains on its slice of it, the pipeline on all of it. When the two layouts'
-batches are the same size (``--dp-batch`` · 2 = ``--pp-m``, as in the quick run) they
-train on the same tokens from the same weights, so their losses agree to rounding.
-
-**Timing and per GPU** as `composed_parallel`'s: `WARMUP` untimed steps, then
-`ITERS` (>= 20) timed with CUDA events, a step's time the slower rank's, ``step_ms``
-the median with p10 and p90 (`two_gpu.timed_steps`). ``batch`` counts the sequences
-one step of the group trains on, each once: dp2tp2 ``dp_batch`` · 2 (each tp pair its
-own, both ranks of a pair the same), tp2pp2 m · 1. `composed_parallel.per_gpu` turns
-it into tokens/s, per GPU, ``mfu_per_gpu`` (6N, one GPU's dense bf16 peak) and
-``vs_single_gpu_best`` against `SINGLE_GPU_SETUP` of ``results/<gpu>/composed.json``
-(`llama-7b` at 4096 on one GPU); ``meets_target`` is ``mfu_per_gpu >= TARGET_MFU``.
-A setup that fails (out of memory) becomes a row with its ``error``; the others still
-run. After them one row of ``kind: "choice"`` names the faster setup by MFU per GPU
-among those that ran, and its layout: the issue's "whichever is faster".
-
-    torchrun --nproc-per-node 4 -m colossal_lab bench composed_2x2
-    torchrun --nproc-per-node 4 -m colossal_lab bench composed_2x2 --ckpt-ratio 0.25
-    python -m colossal_lab bench composed_2x2 --quick   # 4 gloo CPU processes
-
-Measured rows go to ``results/<gpu>x4/composed_2x2.json`` (`results.run_slug`). The
-quick run: the tiny model with 4 layers (ZB-V's 2p = 4 stages), fp32, sequence 32,
-gloo, a few steps; prints, saves nothing. `targets(rows)` reads the issue's target off
-the rows.
-"""
+Both layouts are measured in one torchrun group, as MFU per GPU against the single-GPU
+7B run and the target `TARGET_MFU`."""
 
 from __future__ import annotations
 
-import argparse
 import functools
-import math
-import sys
 
 import torch
 
@@ -71,7 +13,14 @@ from colossal_lab.benchmarks import composed_parallel as cp
 from colossal_lab.benchmarks import grad_overlap_measured as gom
 from colossal_lab.benchmarks import pipeline_measured as pm
 from colossal_lab.benchmarks import two_gpu as two
-from colossal_lab.parallel import distributed
+from colossal_lab.benchmarks.harness import Benchmark, at_least, flag, opt, share, whole_at_least
+from colossal_lab.config import preset
+from colossal_lab.measure import hardware
+from colossal_lab.model import build_model
+from colossal_lab.parallel import data_parallel, distributed, grad_norm, tensor_parallel
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.switches.checkpointing import GradientCheckpointConfig
+from colossal_lab.training import data, train
 
 NAME = "composed_2x2"
 KIND = "composed_2x2"
@@ -91,7 +40,7 @@ PP_M = 8
 """Micro-batches (of `pipeline_measured.MICRO_BATCH` sequences) per pipelined step."""
 WARMUP, ITERS = 3, 20
 TARGET_MFU = 0.50
-"""Issue #21's target: MFU (6N) per GPU in bf16 of the composed 7B run."""
+"""The target: MFU (6N) per GPU in bf16 of the composed 7B run."""
 SINGLE_GPU_SETUP = "ours-7b-bf16"
 """The single-GPU row of ``composed.json`` on the same model: full 7B at 4096."""
 QUICK = {"preset": "tiny", "layers": 4, "seq_len": 32, "dp_batch": 2, "pp_m": 4,
@@ -107,7 +56,6 @@ COLUMNS = cp.COLUMNS[:1] + [("mode", "mode", "")] + cp.COLUMNS[1:] + [
 def _switches(layout: str, variant: str, ctx: dict):
     """The base switches plus sequence parallelism, the layout's own and the
     checkpointing of ``--ckpt-ratio``."""
-    from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 
     ratio = ctx["ckpt_ratio"]
     sw = ctx["sw"].replace(
@@ -139,7 +87,6 @@ def _checked_and_timed(step, batches, ctx: dict) -> dict:
 
 def _group_batches(cfg, n: int, ctx: dict) -> list:
     """Four of the group's batches of `n` sequences, seed 0, alike on every rank."""
-    from colossal_lab.training import data
 
     gen = data.random_batches(cfg.vocab_size, n, ctx["seq_len"], seed=0,
                               device=ctx["device"])
@@ -148,10 +95,6 @@ def _group_batches(cfg, n: int, ctx: dict) -> list:
 
 def _dp_tp(mode: str, ctx: dict) -> dict:
     """DP 2 × TP 2 with sequence parallelism in `mode`: this rank's figures."""
-    from colossal_lab.model import build_model
-    from colossal_lab.parallel import data_parallel, tensor_parallel
-    from colossal_lab.switches.apply import apply_switches
-    from colossal_lab.training import train
 
     cfg, mesh, b = ctx["cfg"], ctx["meshes"]["dp2tp2"], ctx["dp_batch"]
     torch.manual_seed(0)
@@ -174,7 +117,6 @@ def _dp_tp(mode: str, ctx: dict) -> dict:
 def _tp_pp(schedule: str, ctx: dict) -> dict:
     """TP 2 × PP 2 under `schedule`, AdamW after each clipped step: this rank's
     figures."""
-    from colossal_lab.parallel import data_parallel, grad_norm
 
     cfg, m = ctx["cfg"], ctx["pp_m"]
     got = pm._build(schedule, cfg, _switches("tp2pp2", schedule, ctx),
@@ -227,7 +169,7 @@ def choice(rows: list[dict]) -> dict:
 
 
 def targets(rows: list[dict], world: int | None = None) -> list[dict]:
-    """Issue #21's target on these rows, each a `two_gpu.threshold` verdict: the
+    """The target on these rows, each a `two_gpu.threshold` verdict: the
     composed 7B run reaches MFU (6N) >= `TARGET_MFU` per GPU in bf16 (``mfu_per_gpu``,
     one GPU's dense bf16 peak), first for the faster setup, the one the ``kind:
     "choice"`` row names (`choice` of the rows where there is no such row), then for
@@ -267,8 +209,6 @@ def targets(rows: list[dict], world: int | None = None) -> list[dict]:
 def _context(quick: bool, iters: int | None, dp_batch: int | None, pp_m: int | None,
              ckpt_ratio: float | None) -> dict:
     """Every setup's fixed inputs on this rank (the meshes: collectives, every rank)."""
-    from colossal_lab.config import preset
-    from colossal_lab.measure import hardware
 
     q = QUICK if quick else {}
     name = q.get("preset", PRESET)
@@ -321,7 +261,63 @@ def run_ranks(quick: bool = False, setups=SETUPS, iters: int | None = None,
 
 def run(quick: bool = False, setups=SETUPS, iters: int | None = None, **sizes) -> list:
     """Rank 0's rows (`two_gpu.run`): four gloo CPU processes with `quick`. `sizes`:
-    `run_ranks`'s ``dp_batch``, ``pp_m``, ``ckpt_ratio``."""
+    `run_ranks`'s ``dp_batch``, ``pp_m``, ``ckpt_ratio``.
+
+    On four ranks (``torchrun --nproc-per-node 4``, NCCL, NVLink multicast off),
+    `llama-7b` (32 layers) at sequence 4096, the base switches `two_gpu.switches_for`
+    (the best bf16 set without the fused cross-entropy and embedding, which TP's
+    vocabulary-parallel loss and its row-sharded embedding replace), each setup of
+    `SETUPS` built fresh from seed 0 by `apply_switches` on a `distributed.make_mesh`:
+
+    * ``dp2tp2-ring``, ``dp2tp2-split_gather``: mesh dp = 2 × tp = 2; each tp pair holds
+      half of every weight with sequence parallelism in that mode (collectives cut into
+      ring steps under the GEMMs, or ColossalAI's all-gather / reduce-scatter), and the
+      two pairs reduce their gradients with our overlapped bucketed all-reduce
+      (``overlap_communication=True``, `grad_overlap_measured.BUCKET_ELEMS` buckets);
+      `DP_BATCH` sequences per dp rank (``--dp-batch``), `train.make_step` (the DP
+      reduction, clipping by the whole model's norm, AdamW);
+    * ``tp2pp2-zbv``, ``tp2pp2-1f1b``: mesh pp = 2 × tp = 2, a pipeline of two stages
+      (ZB-V: two chunks per rank in a V, whose W steps run the TP linears' deferred
+      weight-gradient halves; or 1F1B), each stage TP-sharded with ring sequence
+      parallelism, m = `PP_M` micro-batches of one sequence (``--pp-m``), built by
+      `pipeline_measured._build`; after each ``model.step`` the gradients are clipped by
+      the whole split model's norm (`grad_norm.clip_`), then AdamW.
+
+    Which is faster is not obvious: DP × TP all-reduces a 7B/2 gradient each step
+    (overlapped with the backward) and runs every layer on every pair; TP × PP sends only
+    activations between the stages but pays the pipeline's bubble (ZB-V fills most of it).
+    ``--ckpt-ratio R`` recomputes ``floor(R · n)`` layers of each stage
+    (`GradientCheckpointConfig`) in every setup, should the activations not fit.
+
+    **Correctness first.** Each setup's first two steps are its check (as
+    `sequence_parallel_step`'s): the group's loss of step 1 (the initial weights) and of
+    step 2 (after one optimizer step), recorded as ``loss_step1`` / ``loss_step2``. The
+    data are seed 0's random tokens, the whole group's batch drawn alike on every rank; a
+    dp rank trains on its slice of it, the pipeline on all of it. When the two layouts'
+    batches are the same size (``--dp-batch`` · 2 = ``--pp-m``, as in the quick run) they
+    train on the same tokens from the same weights, so their losses agree to rounding.
+
+    **Timing and per GPU** as `composed_parallel`'s: `WARMUP` untimed steps, then
+    `ITERS` (>= 20) timed with CUDA events, a step's time the slower rank's, ``step_ms``
+    the median with p10 and p90 (`two_gpu.timed_steps`). ``batch`` counts the sequences
+    one step of the group trains on, each once: dp2tp2 ``dp_batch`` · 2 (each tp pair its
+    own, both ranks of a pair the same), tp2pp2 m · 1. `composed_parallel.per_gpu` turns
+    it into tokens/s, per GPU, ``mfu_per_gpu`` (6N, one GPU's dense bf16 peak) and
+    ``vs_single_gpu_best`` against `SINGLE_GPU_SETUP` of ``results/<gpu>/composed.json``
+    (`llama-7b` at 4096 on one GPU); ``meets_target`` is ``mfu_per_gpu >= TARGET_MFU``.
+    A setup that fails (out of memory) becomes a row with its ``error``; the others still
+    run. After them one row of ``kind: "choice"`` names the faster setup by MFU per GPU
+    among those that ran, and its layout: whichever is faster.
+
+        torchrun --nproc-per-node 4 -m colossal_lab bench composed_2x2
+        torchrun --nproc-per-node 4 -m colossal_lab bench composed_2x2 --ckpt-ratio 0.25
+        python -m colossal_lab bench composed_2x2 --quick   # 4 gloo CPU processes
+
+    Measured rows go to ``results/<gpu>x4/composed_2x2.json`` (`results.run_slug`). The
+    quick run: the tiny model with 4 layers (ZB-V's 2p = 4 stages), fp32, sequence 32,
+    gloo, a few steps; prints, saves nothing. `targets(rows)` reads the target off
+    the rows.
+    """
     return two.run(functools.partial(run_ranks, setups=tuple(setups), iters=iters,
                                      **sizes), quick, WORLD)
 
@@ -356,51 +352,31 @@ def config_of(setups, iters: int, dp_batch: int, pp_m: int,
             "nccl_nvls_enable": "0"}
 
 
-def _at_least(n: int):
-    """An argparse type: a whole number >= `n`."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < n:
-            raise argparse.ArgumentTypeError(f"{value} < {n}: give {n} or more")
-        return value
-    return parse
+def _sizes(a) -> dict:
+    return {"dp_batch": a.dp_batch, "pp_m": a.pp_m, "ckpt_ratio": a.ckpt_ratio}
 
 
-def _ratio(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and 0 <= value <= 1):
-        raise argparse.ArgumentTypeError(f"{text} is not a share of the layers in [0, 1]")
-    return value
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog=f"bench {NAME}", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model, 4 gloo processes on this CPU, not saved")
-    p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
-    p.add_argument("--iters", type=int, default=None, help=f"timed steps (default {ITERS})")
-    p.add_argument("--dp-batch", type=_at_least(1), default=None,
-                   help=f"sequences per dp rank in dp2tp2 (default {DP_BATCH})")
-    p.add_argument("--pp-m", type=_at_least(2), default=None,
-                   help=f"micro-batches per pipelined step, >= p = 2 (default {PP_M})")
-    p.add_argument("--ckpt-ratio", type=_ratio, default=None,
-                   help="share of each stage's layers to recompute (default: none)")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    a = p.parse_args(argv)
-    if not a.quick and a.iters is not None and a.iters < 20:
-        p.error(f"--iters {a.iters}: time at least 20 steps, or p10-p90 means nothing")
-    two.refuse_or_init(NAME, a.quick, worlds=(WORLD,))
-    sizes = {"dp_batch": a.dp_batch, "pp_m": a.pp_m, "ckpt_ratio": a.ckpt_ratio}
-    if a.quick:
-        print_rows(run(True, a.setups, a.iters, **sizes))
-        return
-    with distributed.guard(NAME):
-        rows = run_ranks(False, setups=a.setups, iters=a.iters, **sizes)
-    if distributed.is_main():
-        print_rows(rows)
-        two.save(NAME, rows, config_of(a.setups, a.iters or ITERS, a.dp_batch or DP_BATCH,
-                                       a.pp_m or PP_M, a.ckpt_ratio), argv)
-    distributed.destroy()
+BENCH = Benchmark(
+    NAME, __doc__, prog=f"bench {NAME}",
+    quick_help="tiny model, 4 gloo processes on this CPU, not saved",
+    options=[opt("--setups", nargs="+", choices=SETUPS, default=list(SETUPS)),
+             flag("iters", help=f"timed steps (default {ITERS})"),
+             opt("--dp-batch", type=whole_at_least(1), default=None,
+                 help=f"sequences per dp rank in dp2tp2 (default {DP_BATCH})"),
+             opt("--pp-m", type=whole_at_least(2), default=None,
+                 help=f"micro-batches per pipelined step, >= p = 2 (default {PP_M})"),
+             opt("--ckpt-ratio", type=share, default=None,
+                 help="share of each stage's layers to recompute (default: none)")],
+    check=at_least(20),
+    execute=lambda call: two.on_ranks(
+        call, worlds=(WORLD,), show=print_rows,
+        quick_rows=lambda: run(True, call.args.setups, call.args.iters, **_sizes(call.args)),
+        rank_rows=lambda: run_ranks(False, setups=call.args.setups, iters=call.args.iters,
+                                    **_sizes(call.args)),
+        config=lambda: config_of(call.args.setups, call.args.iters or ITERS,
+                                 call.args.dp_batch or DP_BATCH, call.args.pp_m or PP_M,
+                                 call.args.ckpt_ratio)))
+main = BENCH.main
 
 
 if __name__ == "__main__":

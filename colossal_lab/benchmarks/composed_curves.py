@@ -16,10 +16,9 @@ from the naive one's by no more than the naive runs differ from each other.
 
 from __future__ import annotations
 
-import argparse
-
 from colossal_lab.benchmarks.composed import BEST_M32, S123
 from colossal_lab.benchmarks.curves import FINAL_WINDOW, Curve, run_curves
+from colossal_lab.benchmarks.harness import Benchmark
 from colossal_lab.benchmarks.precision import CURVE_CFG, CURVE_RUN
 from colossal_lab.config import SWITCH_SETS, tiny
 
@@ -59,21 +58,9 @@ def config_of() -> dict:
                        for c in CURVES}}
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, 6 steps, not saved")
-    a = p.parse_args(argv)
-    rows = run(a.quick)
-    if a.quick:
-        return
-    from colossal_lab.measure.results import save_results
-
-    path = save_results(NAME, rows, config=config_of(),
-                        command=" ".join([f"python -m colossal_lab bench {NAME}", *argv]))
-    print(f"saved {path}")
+BENCH = Benchmark(NAME, __doc__, quick_help="tiny model, 6 steps, not saved",
+                  run=lambda a: run(a.quick), config=lambda a: config_of())
+main = BENCH.main
 
 
 if __name__ == "__main__":

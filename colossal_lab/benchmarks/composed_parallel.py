@@ -1,74 +1,23 @@
-"""The finale on two GPUs: the best single-GPU switches composed with each parallel
-layout, side by side in one torchrun group, as MFU per GPU against the single-GPU best.
+"""The finale on two GPUs: the best switches composed with each parallel layout.
 
-On two ranks (``torchrun --nproc-per-node 2``, NCCL, NVLink multicast off), `llama-7b-8l`
-at sequence 4096, bf16, every setup of `SETUPS` built fresh from seed 0 by the sibling
-benchmark that measures its switch alone (nothing is re-implemented here):
-
-* ``dp2-overlap``: data parallel, our overlapped bucketed all-reduce
-  (`grad_overlap_measured.build`, backend "overlap", 12M-element buckets), per-rank batch
-  `DP_BATCH` = 4: each GPU does the single-GPU ``composed`` run's whole step, plus the
-  gradient all-reduce; the switches are ``SWITCH_SETS["best"]`` exactly as the
-  single-GPU ``ours-bf16`` row's;
-* ``dp2-ddp``: the same with torch ``DistributedDataParallel`` on the same bucket bytes,
-  the reference next to it;
-* ``tp2-ring``, ``tp2-split_gather``: TP = 2 with sequence parallelism, its collectives
-  cut into ring steps under the GEMMs, or ColossalAI's plain all-gather/reduce-scatter
-  (`sequence_parallel_step.measure_mode`: two checking steps, then the timed ones),
-  batch `sequence_parallel_step.BATCH[4096]`;
-* ``pp2-zbv``, ``pp2-1f1b``: a pipeline of p = 2 at m = `PP_M` micro-batches of one
-  sequence, our ZB-V (two chunks per rank in a V) or 1F1B, built by
-  `pipeline_measured._build` (the smallest piece of that benchmark that yields one
-  schedule's step: its `run_ranks` also measures per-layer costs and checks gradients
-  against 1F1B, which this comparison does not need), AdamW after every step.
-
-TP and PP run `two_gpu.switches_for`: "best" without the fused cross-entropy and
-embedding, which TP's vocabulary-parallel loss and the pipeline's stage heads replace.
-
-**Timing.** `WARMUP` untimed steps, then `ITERS` (>= 20) timed with CUDA events; a
-step's time is the slower rank's (the per-step MAX over the ranks), so ``step_ms`` is the
-median of those, with p10 and p90 (DP through `train.measure_step`, TP and PP through
-`two_gpu.timed_steps`; the same events, the same reduction).
-
-**Per GPU.** ``batch`` counts the sequences one step of the whole group trains on, each
-once: DP 2 · 4 (every rank its own), TP 2 (both ranks work on the same tokens, each
-holding half of every weight), PP m · 1 (each micro-batch passes both stages). Then
-``tokens_per_s = batch · seq / step``, ``tokens_per_s_per_gpu`` half of it, and
-``mfu_per_gpu = 6 · N · tokens_per_s_per_gpu / peak``: the seed formula (`mfu.step_stats`)
-with the whole model's N and one GPU's dense bf16 peak; with ``mfu_attn_per_gpu`` its
-attention-aware sibling. A layout's communication, its duplicated work (none here) and
-its bubbles all show up as lost MFU per GPU. ``vs_single_gpu_best = mfu_per_gpu /
-mfu(ours-bf16)``, the best bf16 row of ``results/<gpu>/composed.json`` (its file and
-commit in the config, ``single_gpu_best``; None with the reason when that file, or a
-row of the same preset and sequence, is absent). ``peak_mem_gib`` is the larger rank's
-`torch.cuda.max_memory_allocated` over the timed steps, each rank's in
-``peak_mem_gib_per_rank``. A setup that fails (out of memory, a missing op) becomes a
-row with its ``error``; the others still run.
-
-    torchrun --nproc-per-node 2 -m colossal_lab bench composed_parallel
-    torchrun --nproc-per-node 2 -m colossal_lab bench composed_parallel --setups dp2-overlap
-    python -m colossal_lab bench composed_parallel --quick   # 2 gloo CPU processes
-
-The quick run: the tiny model (4 layers for the pipeline), fp32, sequence 32, gloo, a
-few steps; prints, saves nothing.
-
-**No target.** Issue #20 asks for the comparison, not a number: `targets(rows)` reports
-each layout's ratio in the shape of the other benchmarks' verdicts, with no verdict.
-"""
+The layouts run side by side in one torchrun group, as MFU per GPU against the
+single-GPU best."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import sys
 from pathlib import Path
 
 from colossal_lab.benchmarks import grad_overlap_measured as gom
 from colossal_lab.benchmarks import pipeline_measured as pm
 from colossal_lab.benchmarks import sequence_parallel_step as sps
 from colossal_lab.benchmarks import two_gpu as two
+from colossal_lab.benchmarks.harness import Benchmark, at_least, flag, opt
+from colossal_lab.config import preset
+from colossal_lab.measure import hardware, mfu, results
 from colossal_lab.parallel import distributed
+from colossal_lab.training import data
 
 NAME = "composed_parallel"
 KIND = "composed_parallel"
@@ -92,7 +41,6 @@ QUICK = {"preset": "tiny", "seq_len": 32, "dp_batch": gom.QUICK["batches"][0],
 
 def single_gpu_path() -> Path:
     """``results/<this GPU's slug>/composed.json``: one GPU of the same kind."""
-    from colossal_lab.measure import hardware, results
 
     return results.results_dir() / hardware.detect().slug / f"{SINGLE_GPU_NAME}.json"
 
@@ -162,7 +110,6 @@ def _tp(mode: str, ctx: dict) -> dict:
 
 def _pp(schedule: str, ctx: dict) -> dict:
     """A p = 2 pipeline under `schedule` with AdamW after each step: this rank's timing."""
-    from colossal_lab.training import data
 
     cfg, m = ctx["pp_cfg"], ctx["pp_m"]
     got = pm._build(schedule, cfg, ctx["sw"], ctx["pp_mesh"], m, ctx["device"])
@@ -208,7 +155,6 @@ MEASURE = {"dp2": _dp, "tp2": _tp, "pp2": _pp}
 def per_gpu(row: dict, cfg, world: int, peak: float, best: dict) -> dict:
     """The throughput fields of a timed row: the group's tokens/s, per GPU, MFU per GPU
     (6N and attention-aware, one GPU's peak) and the ratio to the single-GPU best."""
-    from colossal_lab.measure import mfu
 
     st = mfu.step_stats(cfg, batch=row["batch"] / world, seq_len=row["seq_len"],
                         step_time_s=row["step_ms"] / 1e3, peak_tflops=peak)
@@ -224,8 +170,6 @@ def per_gpu(row: dict, cfg, world: int, peak: float, best: dict) -> dict:
 
 def _context(quick: bool, iters: int | None) -> dict:
     """Every setup's fixed inputs on this rank."""
-    from colossal_lab.config import preset
-    from colossal_lab.measure import hardware
 
     q = QUICK if quick else {}
     name = q.get("preset", PRESET)
@@ -289,7 +233,62 @@ def measure_row(name: str, row: dict, measure, variant: str, ctx: dict, cfg,
 
 
 def run(quick: bool = False, setups=SETUPS, iters: int | None = None) -> list[dict]:
-    """Rank 0's rows (`two_gpu.run`): two gloo CPU processes with `quick`."""
+    """Rank 0's rows (`two_gpu.run`): two gloo CPU processes with `quick`.
+
+    On two ranks (``torchrun --nproc-per-node 2``, NCCL, NVLink multicast off), `llama-7b-8l`
+    at sequence 4096, bf16, every setup of `SETUPS` built fresh from seed 0 by the sibling
+    benchmark that measures its switch alone (nothing is re-implemented here):
+
+    * ``dp2-overlap``: data parallel, our overlapped bucketed all-reduce
+      (`grad_overlap_measured.build`, backend "overlap", 12M-element buckets), per-rank batch
+      `DP_BATCH` = 4: each GPU does the single-GPU ``composed`` run's whole step, plus the
+      gradient all-reduce; the switches are ``SWITCH_SETS["best"]`` exactly as the
+      single-GPU ``ours-bf16`` row's;
+    * ``dp2-ddp``: the same with torch ``DistributedDataParallel`` on the same bucket bytes,
+      the reference next to it;
+    * ``tp2-ring``, ``tp2-split_gather``: TP = 2 with sequence parallelism, its collectives
+      cut into ring steps under the GEMMs, or ColossalAI's plain all-gather/reduce-scatter
+      (`sequence_parallel_step.measure_mode`: two checking steps, then the timed ones),
+      batch `sequence_parallel_step.BATCH[4096]`;
+    * ``pp2-zbv``, ``pp2-1f1b``: a pipeline of p = 2 at m = `PP_M` micro-batches of one
+      sequence, our ZB-V (two chunks per rank in a V) or 1F1B, built by
+      `pipeline_measured._build` (the smallest piece of that benchmark that yields one
+      schedule's step: its `run_ranks` also measures per-layer costs and checks gradients
+      against 1F1B, which this comparison does not need), AdamW after every step.
+
+    TP and PP run `two_gpu.switches_for`: "best" without the fused cross-entropy and
+    embedding, which TP's vocabulary-parallel loss and the pipeline's stage heads replace.
+
+    **Timing.** `WARMUP` untimed steps, then `ITERS` (>= 20) timed with CUDA events; a
+    step's time is the slower rank's (the per-step MAX over the ranks), so ``step_ms`` is the
+    median of those, with p10 and p90 (DP through `train.measure_step`, TP and PP through
+    `two_gpu.timed_steps`; the same events, the same reduction).
+
+    **Per GPU.** ``batch`` counts the sequences one step of the whole group trains on, each
+    once: DP 2 · 4 (every rank its own), TP 2 (both ranks work on the same tokens, each
+    holding half of every weight), PP m · 1 (each micro-batch passes both stages). Then
+    ``tokens_per_s = batch · seq / step``, ``tokens_per_s_per_gpu`` half of it, and
+    ``mfu_per_gpu = 6 · N · tokens_per_s_per_gpu / peak``: the seed formula (`mfu.step_stats`)
+    with the whole model's N and one GPU's dense bf16 peak; with ``mfu_attn_per_gpu`` its
+    attention-aware sibling. A layout's communication, its duplicated work (none here) and
+    its bubbles all show up as lost MFU per GPU. ``vs_single_gpu_best = mfu_per_gpu /
+    mfu(ours-bf16)``, the best bf16 row of ``results/<gpu>/composed.json`` (its file and
+    commit in the config, ``single_gpu_best``; None with the reason when that file, or a
+    row of the same preset and sequence, is absent). ``peak_mem_gib`` is the larger rank's
+    `torch.cuda.max_memory_allocated` over the timed steps, each rank's in
+    ``peak_mem_gib_per_rank``. A setup that fails (out of memory, a missing op) becomes a
+    row with its ``error``; the others still run.
+
+        torchrun --nproc-per-node 2 -m colossal_lab bench composed_parallel
+        torchrun --nproc-per-node 2 -m colossal_lab bench composed_parallel --setups dp2-overlap
+        python -m colossal_lab bench composed_parallel --quick   # 2 gloo CPU processes
+
+    The quick run: the tiny model (4 layers for the pipeline), fp32, sequence 32, gloo, a
+    few steps; prints, saves nothing.
+
+    **No target.** The layouts are compared, not held to a number: `targets(rows)` reports
+    each layout's ratio in the shape of the other benchmarks' verdicts, with no verdict.
+    """
     return two.run(functools.partial(run_ranks, setups=tuple(setups), iters=iters), quick)
 
 
@@ -299,7 +298,7 @@ def run(quick: bool = False, setups=SETUPS, iters: int | None = None) -> list[di
 def targets(rows: list[dict], world: int | None = None) -> list[dict]:
     """One report per layout (dp2, tp2, pp2, in the rows' order), in the shape of the
     verdicts of `two_gpu.threshold` but with no target: ``target`` None and ``ok``
-    None, which `two_gpu.format_targets` prints as "reported". No issue holds these
+    None, which `two_gpu.format_targets` prints as "reported". Nothing holds these
     layouts to a number; a report is neither met nor missed, so ``ok`` is never True
     or False here, and ``why`` is set only when the layout has no figure.
 
@@ -359,26 +358,18 @@ def config_of(setups, iters: int) -> dict:
             "nccl_nvls_enable": "0"}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog=f"bench {NAME}", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model, 2 gloo processes on this CPU, not saved")
-    p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
-    p.add_argument("--iters", type=int, default=None, help=f"timed steps (default {ITERS})")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    a = p.parse_args(argv)
-    if not a.quick and a.iters is not None and a.iters < 20:
-        p.error(f"--iters {a.iters}: time at least 20 steps, or p10-p90 means nothing")
-    two.refuse_or_init(NAME, a.quick)
-    if a.quick:
-        two.print_table(run(True, a.setups, a.iters), COLUMNS)
-        return
-    with distributed.guard(NAME):
-        rows = run_ranks(False, setups=a.setups, iters=a.iters)
-    if distributed.is_main():
-        two.print_table(rows, COLUMNS)
-        two.save(NAME, rows, config_of(a.setups, a.iters or ITERS), argv)
-    distributed.destroy()
+BENCH = Benchmark(
+    NAME, __doc__, prog=f"bench {NAME}",
+    quick_help="tiny model, 2 gloo processes on this CPU, not saved",
+    options=[opt("--setups", nargs="+", choices=SETUPS, default=list(SETUPS)),
+             flag("iters", help=f"timed steps (default {ITERS})")],
+    check=at_least(20),
+    execute=lambda call: two.on_ranks(
+        call, show=lambda rows: two.print_table(rows, COLUMNS),
+        quick_rows=lambda: run(True, call.args.setups, call.args.iters),
+        rank_rows=lambda: run_ranks(False, setups=call.args.setups, iters=call.args.iters),
+        config=lambda: config_of(call.args.setups, call.args.iters or ITERS)))
+main = BENCH.main
 
 
 if __name__ == "__main__":

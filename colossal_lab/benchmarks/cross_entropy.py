@@ -1,32 +1,7 @@
-"""Loss switch benchmark: lm_head + cross-entropy, eager against fused, time and memory.
-
-One case per (tokens N, hidden d, vocabulary V, precision): N = 16384 tokens (our
-LLaMA-7B-8L step: 4 × 4096), d = 4096, V = 32000 (LLaMA-2) and 128256 (LLaMA-3).
-Precision "bf16" is the step's: fp32 weight, bf16 hidden states, matmuls under bf16
-autocast; "bf16-pure" has a bf16 weight and no autocast. Providers side by side:
-
-- "eager": `cross_entropy_ref(hidden @ weightᵀ)`, the model today: (N, V) bf16
-  logits, fp32 F.cross_entropy.
-- "compile": `torch.compile` of the same function.
-- "triton": ours, `fused_linear_cross_entropy(..., backend="triton")`: chunks of
-  tokens, our Triton loss kernel writing dlogits in place, no (N, V) tensor.
-- "liger": Liger-Kernel's `LigerFusedLinearCrossEntropyLoss`, when importable.
-
-Each is timed forward+backward (gradients of hidden and weight): as CUDA-graph replays
-where capture works (`timing.time_kernels`; a provider that synchronises, e.g. with
-`.item()`, cannot be captured and is timed with events, said in `timing`) and eagerly
-with `do_bench` (`fwd_bwd_eager_ms`). Peak memory is what one forward+backward adds on
-top of the inputs (`timing.reset_peak_memory` / `peak_memory_gib`), with the (N, V)
-fp32 logits' size beside it for scale. FLOPs: 2·N·d·V forward (the lm_head GEMM),
-3× that forward+backward; the loss's own bytes are in `colossal_lab.kernels.cross_entropy`.
-
-    python -m colossal_lab.benchmarks.cross_entropy          # results/<gpu>/cross_entropy.json
-    python -m colossal_lab.benchmarks.cross_entropy --quick  # tiny case on the CPU, not saved
-"""
+"""Loss switch benchmark: lm_head + cross-entropy, eager against fused, time and memory."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import warnings
@@ -34,6 +9,8 @@ import warnings
 import torch
 
 from colossal_lab import precision as P
+from colossal_lab.benchmarks.harness import Benchmark, flag, opt, row_line
+from colossal_lab.kernels import runs_on
 from colossal_lab.measure import timing
 from colossal_lab.ops.cross_entropy import (
     cross_entropy_ref,
@@ -61,7 +38,7 @@ def _compiled():
 
 @functools.cache
 def _liger():
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # lazy: optional
 
     return LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
 
@@ -171,8 +148,31 @@ def run(quick: bool = False, *, providers=None, cases=None, precisions=None) -> 
     """Every provider on every case, side by side in this process.
 
     `quick`: one tiny case on the CPU in fp32, providers eager and triton (the kernel
-    under the interpreter)."""
-    from colossal_lab.kernels import runs_on
+    under the interpreter).
+
+    One case per (tokens N, hidden d, vocabulary V, precision): N = 16384 tokens (our
+    LLaMA-7B-8L step: 4 × 4096), d = 4096, V = 32000 (LLaMA-2) and 128256 (LLaMA-3).
+    Precision "bf16" is the step's: fp32 weight, bf16 hidden states, matmuls under bf16
+    autocast; "bf16-pure" has a bf16 weight and no autocast. Providers side by side:
+
+    - "eager": `cross_entropy_ref(hidden @ weightᵀ)`, the plain model: (N, V) bf16
+      logits, fp32 F.cross_entropy.
+    - "compile": `torch.compile` of the same function.
+    - "triton": ours, `fused_linear_cross_entropy(..., backend="triton")`: chunks of
+      tokens, our Triton loss kernel writing dlogits in place, no (N, V) tensor.
+    - "liger": Liger-Kernel's `LigerFusedLinearCrossEntropyLoss`, when importable.
+
+    Each is timed forward+backward (gradients of hidden and weight): as CUDA-graph replays
+    where capture works (`timing.time_kernels`; a provider that synchronises, e.g. with
+    `.item()`, cannot be captured and is timed with events, said in `timing`) and eagerly
+    with `do_bench` (`fwd_bwd_eager_ms`). Peak memory is what one forward+backward adds on
+    top of the inputs (`timing.reset_peak_memory` / `peak_memory_gib`), with the (N, V)
+    fp32 logits' size beside it for scale. FLOPs: 2·N·d·V forward (the lm_head GEMM),
+    3× that forward+backward; the loss's own bytes are in `colossal_lab.kernels.cross_entropy`.
+
+        python -m colossal_lab.benchmarks.cross_entropy          # results/<gpu>/cross_entropy.json
+        python -m colossal_lab.benchmarks.cross_entropy --quick  # tiny case on the CPU, not saved
+    """
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if quick:
@@ -196,10 +196,8 @@ def run(quick: bool = False, *, providers=None, cases=None, precisions=None) -> 
 def format_row(r: dict) -> str:
     head = f"  {r['provider']:<8}{r['tokens']:>6} x {r['hidden']:<5} V {r['vocab']:<7}" \
            f"{r['precision']:<10}"
-    if "error" in r:
-        return f"{head} failed: {r['error'][:90]}"
     mem = f", +{r['peak_extra_gib']:.2f} GiB" if "peak_extra_gib" in r else ""
-    return f"{head} {r['fwd_bwd_ms']:.3f} ms fwd+bwd ({r['timing']}){mem}"
+    return row_line(head, r, lambda r: f" {r['fwd_bwd_ms']:.3f} ms fwd+bwd ({r['timing']}){mem}")
 
 
 def summary(rows: list[dict]) -> str:
@@ -231,25 +229,14 @@ def config_of() -> dict:
             "flops": "2·N·d·V forward, 3x forward+backward"}
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny case (CPU smoke test)")
-    p.add_argument("--providers", nargs="*", choices=PROVIDERS)
-    p.add_argument("--precisions", nargs="*", choices=PRECISIONS)
-    p.add_argument("--name", default=NAME, help="results file name (keep partial runs "
-                                                "apart)")
-    a = p.parse_args(argv)
-    rows = run(a.quick, providers=tuple(a.providers) if a.providers else None,
-               precisions=tuple(a.precisions) if a.precisions else None)
-    if not a.quick:
-        from colossal_lab.measure.results import save_results
-
-        path = save_results(a.name, rows, config=config_of(),
-                            command=" ".join([f"python -m colossal_lab bench {NAME}", *argv]))
-        print(f"saved {path}")
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny case (CPU smoke test)",
+    options=[flag("providers", choices=PROVIDERS),
+             opt("--precisions", nargs="*", choices=PRECISIONS), flag("name")],
+    run=lambda a: run(a.quick, providers=tuple(a.providers) if a.providers else None,
+                      precisions=tuple(a.precisions) if a.precisions else None),
+    config=lambda a: config_of())
+main = BENCH.main
 
 
 if __name__ == "__main__":

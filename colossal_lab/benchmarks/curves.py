@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from colossal_lab.config import ModelConfig, Switches
+from colossal_lab.measure import mfu
+from colossal_lab.training import train
 
 FINAL_WINDOW = 20
 """Steps averaged into a curve's final loss."""
@@ -40,8 +42,6 @@ def run_curves(curves: Sequence[Curve], cfg: ModelConfig, run: dict, *, referenc
     """Train `cfg` once per curve with `run`'s arguments (batch, seq_len, steps, lr,
     max_files, log_every, eval_batches) and return one row each (kind "loss_curve");
     `rel_diff_vs_<reference>` compares final losses with the curve named `reference`."""
-    from colossal_lab.measure import mfu
-    from colossal_lab.training import train
 
     rows = []
     for c in curves:

@@ -1,40 +1,15 @@
-"""Switch 3 benchmark: fused projections, from the GEMMs up to the training step.
-
-Two kinds of rows in one results file (`kind`), and the training step in its own:
-
-- "gemm": the q/k/v and gate/up projections of LLaMA-7B (d 4096, 32 heads, no GQA,
-  i 11008) and TinyLlama-1.1B (d 2048, GQA 32:4, D 64, i 5632) over 1k … 64k tokens,
-  bf16, forward and forward+backward. Providers side by side:
-  "separate" (one GEMM per projection; the backward accumulates dX over them),
-  "fused" (one GEMM, the output split into views as the model does; the backward
-  concatenates the pieces' gradients first) and "fused-gemm" (one GEMM with one output
-  gradient: the GEMMs alone, what the Triton SwiGLU's fused gradient gives gate/up).
-  FLOPs = 2·T·d·N forward and 3× that forward+backward (N: summed output width).
-- "swiglu": silu(gate)·up on the fused (T, 2i) output, providers eager / compile /
-  triton, in effective GB/s (3·T·i·e bytes forward, 5·T·i·e backward: what an ideal
-  kernel moves) against the device copy ceiling, plus the bytes each keeps for the
-  backward.
-- the `llama-7b-8l` step (seq 4096, batch 4, bf16) with switches 1 and 2 on and the
-  projections separate, fused, and fused + Triton SwiGLU (`SETUPS`, each in its own
-  process): `python -m colossal_lab bench fused_qkv_step` -> fused_qkv_step.json.
-
-Kernels are timed as CUDA-graph replays (`timing.time_cuda_graph`: the kernels alone,
-L2 flushed before each replay) and, in the `*_eager_ms` columns, eagerly with
-`do_bench` (Python launches included: where three launches cost more than one).
-
-    python -m colossal_lab bench fused_qkv          # -> results/<gpu>/fused_qkv.json
-    python -m colossal_lab bench fused_qkv --quick  # tiny shapes on the CPU, not saved
-"""
+"""Switch 3 benchmark: fused projections, from the GEMMs up to the training step."""
 
 from __future__ import annotations
 
-import argparse
 import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
+from colossal_lab.benchmarks.harness import Benchmark, case_line, flag, opt
+from colossal_lab.benchmarks.norm_measure import _Traffic
 from colossal_lab.benchmarks.steps import Setup
 from colossal_lab.config import Switches, preset
 from colossal_lab.measure import timing
@@ -178,8 +153,7 @@ def saved_bytes(fn, *inputs) -> int:
 
 def eager_traffic(tokens: int, inter: int, dtype=torch.bfloat16) -> dict:
     """Bytes and aten ops of the eager SwiGLU on views, forward and backward, counted
-    op by op on meta tensors (`fused_norm._Traffic`: nothing is allocated)."""
-    from colossal_lab.benchmarks.fused_norm import _Traffic
+    op by op on meta tensors (`norm_measure._Traffic`: nothing is allocated)."""
 
     gu = torch.randn(tokens, 2 * inter, device="meta", dtype=dtype, requires_grad=True)
     with _Traffic() as fwd:
@@ -230,7 +204,33 @@ def swiglu_case(provider: str, tokens: int, inter: int, dtype, device) -> dict:
 def run(quick: bool = False, *, parts=PARTS, models=None, tokens=None) -> list[dict]:
     """Every part, providers side by side in this process.
 
-    `quick`: a tiny GQA shape on the CPU (fp32), the step on the tiny preset."""
+    `quick`: a tiny GQA shape on the CPU (fp32), the step on the tiny preset.
+
+    Two kinds of rows in one results file (`kind`), and the training step in its own:
+
+    - "gemm": the q/k/v and gate/up projections of LLaMA-7B (d 4096, 32 heads, no GQA,
+      i 11008) and TinyLlama-1.1B (d 2048, GQA 32:4, D 64, i 5632) over 1k … 64k tokens,
+      bf16, forward and forward+backward. Providers side by side:
+      "separate" (one GEMM per projection; the backward accumulates dX over them),
+      "fused" (one GEMM, the output split into views as the model does; the backward
+      concatenates the pieces' gradients first) and "fused-gemm" (one GEMM with one output
+      gradient: the GEMMs alone, what the Triton SwiGLU's fused gradient gives gate/up).
+      FLOPs = 2·T·d·N forward and 3× that forward+backward (N: summed output width).
+    - "swiglu": silu(gate)·up on the fused (T, 2i) output, providers eager / compile /
+      triton, in effective GB/s (3·T·i·e bytes forward, 5·T·i·e backward: what an ideal
+      kernel moves) against the device copy ceiling, plus the bytes each keeps for the
+      backward.
+    - the `llama-7b-8l` step (seq 4096, batch 4, bf16) with switches 1 and 2 on and the
+      projections separate, fused, and fused + Triton SwiGLU (`SETUPS`, each in its own
+      process): `python -m colossal_lab bench fused_qkv_step` -> fused_qkv_step.json.
+
+    Kernels are timed as CUDA-graph replays (`timing.time_cuda_graph`: the kernels alone,
+    L2 flushed before each replay) and, in the `*_eager_ms` columns, eagerly with
+    `do_bench` (Python launches included: where three launches cost more than one).
+
+        python -m colossal_lab bench fused_qkv          # -> results/<gpu>/fused_qkv.json
+        python -m colossal_lab bench fused_qkv --quick  # tiny shapes on the CPU, not saved
+    """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = QUICK_MODELS if quick else {m: MODELS[m] for m in (models or MODELS)}
@@ -271,14 +271,8 @@ def run(quick: bool = False, *, parts=PARTS, models=None, tokens=None) -> list[d
 def format_gemm(case: list[dict]) -> str:
     r0 = case[0]
     head = f"  {r0['model']:<9}{r0['proj']:<8}{r0['tokens']:>6} tok"
-    cols = []
-    for r in case:
-        if "error" in r:
-            cols.append(f"{r['provider']}: failed")
-        else:
-            cols.append(f"{r['provider']} {r['fwd_bwd_tflops']:.3g} TF/s"
-                        f" x{r.get('fwd_bwd_speedup', 1):.2f}")
-    return head + "  f+b: " + ", ".join(cols)
+    return case_line(head + "  f+b: ", case, lambda r: f"{r['provider']} "
+                     f"{r['fwd_bwd_tflops']:.3g} TF/s x{r.get('fwd_bwd_speedup', 1):.2f}")
 
 
 def format_swiglu(r: dict) -> str:
@@ -327,26 +321,16 @@ def config_of() -> dict:
             "swiglu_gbps": "bytes an ideal kernel moves / time; see swiglu_bytes()"}
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    p.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
-    p.add_argument("--models", nargs="*", choices=list(MODELS))
-    p.add_argument("--tokens", nargs="*", type=int, help=f"default {TOKENS}")
-    p.add_argument("--name", default=NAME, help="results file name (keep partial runs "
-                                                "apart)")
-    a = p.parse_args(argv)
-    rows = run(a.quick, parts=tuple(a.parts), models=a.models,
-               tokens=tuple(a.tokens) if a.tokens else None)
-    if not a.quick:
-        from colossal_lab.measure.results import save_results
-
-        path = save_results(a.name, rows, config=config_of(),
-                            command=" ".join([f"python -m colossal_lab bench {NAME}", *argv]))
-        print(f"saved {path}")
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny shapes (CPU smoke test)",
+    options=[opt("--parts", nargs="*", choices=PARTS, default=list(PARTS)),
+             opt("--models", nargs="*", choices=list(MODELS)),
+             opt("--tokens", nargs="*", type=int, help=f"default {TOKENS}"),
+             flag("name")],
+    run=lambda a: run(a.quick, parts=tuple(a.parts), models=a.models,
+                      tokens=tuple(a.tokens) if a.tokens else None),
+    config=lambda a: config_of())
+main = BENCH.main
 
 
 if __name__ == "__main__":

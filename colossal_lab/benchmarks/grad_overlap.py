@@ -1,39 +1,10 @@
-"""Switch 8 on one GPU: when does each gradient become ready in the backward, and how
-much all-reduce would a data-parallel step leave exposed?
+"""Switch 8 on one GPU: when each gradient is ready, and what all-reduce it would expose.
 
-One GPU cannot measure data parallelism, but it can measure what overlap works with:
-the backward's timeline. For a training step of `llama-7b-8l` (sequence 4096, batch 4,
-the best bf16 switches, `config.SWITCH_SETS["best"]`), a post-accumulate-grad hook on
-every parameter records a CUDA event on the current stream when the parameter's
-gradient is final, and a hook on the loss records one when the backward starts (and
-queues one for its end, `queue_callback`, as DDP does); nothing synchronises inside the
-backward: the elapsed times are read after the step. Over 30 steps (after 3 warm-up
-steps) each parameter's ready time is the median, with p10 and p90, and so is the
-backward's total time. On a CPU (`quick`): the tiny model, 5 steps after 1, with
-`time.perf_counter` in the hooks, the best switches a CPU runs, and the bucket sizes of
-`QUICK_BUCKETS` (divided by 1024): a smoke test and an illustration, not a measurement.
-
-`colossal_lab.parallel.overlap_model` then turns the timeline into predicted exposed
-communication for every bucket size of `BUCKETS` (1M, 4M, 12M = ColossalAI's, 25 MB =
-DDP's with its 1 MiB first bucket, 64M elements, and one flat bucket after the
-backward = naive), every link of `overlap_model.LINKS` (NVLink 4, PCIe 5 x16, 400 and
-100 Gb/s networks), 2 and 8 ranks, and bf16 and fp32 gradients; buckets assigned in the
-measured ready order (what the overlapped reducer uses from its second step) and in
-reverse registration order (its first step).
-
-Rows: ``kind="param"`` (one per trainable parameter: name, numel, ready_ms median /
-p10 / p90, its place in the order the hooks fired), ``kind="backward"`` (the backward
-and whole-step times), ``kind="model"`` (one per configuration: buckets, comm_ms,
-exposed_ms, backward_ms, exposed_share = exposed / (one GPU's step + exposed), the
-share of a data-parallel step spent waiting for the reduction).
-
-    python -m colossal_lab bench grad_overlap   # results/<gpu>/grad_overlap_model.json
-    python -m colossal_lab bench grad_overlap --quick   # tiny, this CPU, not saved
-"""
+How much all-reduce would a data-parallel step leave exposed, given when each gradient
+becomes ready in the backward?"""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 from collections.abc import Sequence
@@ -41,8 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
+from colossal_lab import precision
+from colossal_lab.benchmarks import steps
+from colossal_lab.benchmarks.harness import counted
+from colossal_lab.config import SWITCH_SETS, preset
 from colossal_lab.measure import timing
 from colossal_lab.parallel import overlap_model as om
+from colossal_lab.parallel.data_parallel import unwrap
+from colossal_lab.switches.resolved import backends_in_use
+from colossal_lab.testing.gradient_checks import data_parallel_gradient_check
+from colossal_lab.training import data, train
 
 NAME = "grad_overlap_model"
 PRESET, SEQ_LEN, BATCH = "llama-7b-8l", 4096, 4
@@ -56,7 +35,7 @@ ORDERS = ("ready", "registration")
 """Bucket orders: the measured ready order (the overlapped reducer's buckets after its
 first step) and reverse registration (before it)."""
 MEASURED = "grad_overlap_measured"
-"""The results file of the measured multi-GPU run (its own issue): chapter 08 shows
+"""The results file of the measured multi-GPU run (`grad_overlap_measured`): chapter 08 shows
 it when it exists."""
 M = 1024 * 1024
 
@@ -115,7 +94,6 @@ class TimelineRecorder:
     the hooks (the CPU runs the backward in the hooks' thread)."""
 
     def __init__(self, model: torch.nn.Module):
-        from colossal_lab.parallel.data_parallel import unwrap
 
         inner = unwrap(model)
         named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
@@ -205,11 +183,6 @@ def measure_timeline(preset_name: str = PRESET, seq_len: int = SEQ_LEN,
     (default: `SWITCH_SETS["best"]`; on a CPU its "triton" norm becomes the CPU's best,
     as Triton would need the interpreter), recording the backward's timeline in each.
     Returns one "param" row per trainable parameter and one "backward" row."""
-    from colossal_lab import precision
-    from colossal_lab.benchmarks import steps
-    from colossal_lab.config import SWITCH_SETS, preset
-    from colossal_lab.switches.resolved import backends_in_use
-    from colossal_lab.training import data, train
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if switches is None:
@@ -342,7 +315,37 @@ def run(quick: bool = False, *, iters: int | None = None, progress: bool = True
         ) -> list[dict]:
     """The timeline (param and backward rows) and the model over every configuration.
     `quick`: the tiny model on this machine's CPU, `QUICK_BUCKETS`; not a measurement
-    of any GPU."""
+    of any GPU.
+
+    One GPU cannot measure data parallelism, but it can measure what overlap works with:
+    the backward's timeline. For a training step of `llama-7b-8l` (sequence 4096, batch 4,
+    the best bf16 switches, `config.SWITCH_SETS["best"]`), a post-accumulate-grad hook on
+    every parameter records a CUDA event on the current stream when the parameter's
+    gradient is final, and a hook on the loss records one when the backward starts (and
+    queues one for its end, `queue_callback`, as DDP does); nothing synchronises inside the
+    backward: the elapsed times are read after the step. Over 30 steps (after 3 warm-up
+    steps) each parameter's ready time is the median, with p10 and p90, and so is the
+    backward's total time. On a CPU (`quick`): the tiny model, 5 steps after 1, with
+    `time.perf_counter` in the hooks, the best switches a CPU runs, and the bucket sizes of
+    `QUICK_BUCKETS` (divided by 1024): a smoke test and an illustration, not a measurement.
+
+    `colossal_lab.parallel.overlap_model` then turns the timeline into predicted exposed
+    communication for every bucket size of `BUCKETS` (1M, 4M, 12M = ColossalAI's, 25 MB =
+    DDP's with its 1 MiB first bucket, 64M elements, and one flat bucket after the
+    backward = naive), every link of `overlap_model.LINKS` (NVLink 4, PCIe 5 x16, 400 and
+    100 Gb/s networks), 2 and 8 ranks, and bf16 and fp32 gradients; buckets assigned in the
+    measured ready order (what the overlapped reducer uses from its second step) and in
+    reverse registration order (its first step).
+
+    Rows: ``kind="param"`` (one per trainable parameter: name, numel, ready_ms median /
+    p10 / p90, its place in the order the hooks fired), ``kind="backward"`` (the backward
+    and whole-step times), ``kind="model"`` (one per configuration: buckets, comm_ms,
+    exposed_ms, backward_ms, exposed_share = exposed / (one GPU's step + exposed), the
+    share of a data-parallel step spent waiting for the reduction).
+
+        python -m colossal_lab bench grad_overlap   # results/<gpu>/grad_overlap_model.json
+        python -m colossal_lab bench grad_overlap --quick   # tiny, this CPU, not saved
+    """
     if quick:
         q = QUICK
         rows = measure_timeline(q["preset"], q["seq_len"], q["batch"], warmup=q["warmup"],
@@ -385,7 +388,6 @@ def gradient_checks(cases: dict) -> dict:
     """Run on every rank of a group (`distributed.spawn(gradient_checks, 2, cases)`):
     `data_parallel_gradient_check` for each case, ``{name: (backend, keywords)}``, in one
     group of processes (each costs a few seconds to start). Returns {name: verdict}."""
-    from colossal_lab.testing.gradient_checks import data_parallel_gradient_check
 
     return {name: data_parallel_gradient_check(backend, **kw)
             for name, (backend, kw) in cases.items()}
@@ -409,24 +411,10 @@ def config_of(iters: int = ITERS) -> dict:
                          "contention with compute (colossal_lab.parallel.overlap_model)"}
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model on the CPU, not saved")
-    p.add_argument("--iters", type=int, default=None,
-                   help=f"timed steps (default {ITERS})")
-    a = p.parse_args(argv)
-    rows = run(a.quick, iters=a.iters)
-    if not a.quick:
-        from colossal_lab.measure.results import save_results
-
-        command = " ".join(["python -m colossal_lab bench grad_overlap", *argv])
-        path = save_results(NAME, rows, config=config_of(a.iters or ITERS),
-                            command=command)
-        print(f"saved {path}")
+BENCH = counted("grad_overlap", __doc__, run, config_of, count="iters", default=ITERS,
+                what="timed steps", quick_help="tiny model on the CPU, not saved",
+                file_name=lambda a: NAME)
+main = BENCH.main
 
 
 if __name__ == "__main__":

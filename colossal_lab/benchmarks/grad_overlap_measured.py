@@ -1,84 +1,24 @@
-"""Switch 8 measured on N GPUs: how much of the gradient all-reduce does each
-data-parallel backend hide behind the backward?
-
-For each preset of `--presets` (default `PRESETS`: llama-7b-8l, and "1b", TinyLlama-1.1B's
-shape), each per-rank batch of `BATCHES` (sequence 4096, the best bf16 switches,
-`config.SWITCH_SETS["best"]`) and the link setting of `--link`
-(`collectives.LINK_ENV`: nvlink, host, sockets), the training step is timed
-(`train.measure_step`: `WARMUP` then `ITERS` steps, CUDA events; a step's time is the
-slowest rank's) for
-
-* ``nocomm``: the naive model with its reduction taken out (``grad_sync`` set to
-  `data_parallel.NO_SYNC`), run on every rank at once at the same per-rank batch:
-  T_nocomm, one GPU's step under the same conditions as the others (every GPU busy,
-  same clocks, same memory). We do not take "naive minus its all-reduce": that would
-  assume the flatten and copy-back cost nothing and that the all-reduce costs on the
-  step's stream what it costs alone; the all-reduce alone is recorded
-  (`allreduce_flat_ms`) as a cross-check of T_sync − T_nocomm.
-* ``naive``: one flat all-reduce after the backward (`NaiveAllReduce`): T_sync.
-* ``overlap``: ours, `OverlappedAllReduce` (``overlap_communication=True``), buckets of
-  `BUCKET_ELEMS` (ColossalAI's 12M elements) launched as they fill.
-* ``ddp``: torch `DistributedDataParallel`, buckets of the same bytes
-  (`bucket_cap_mb` = 12M elements of the gradient dtype; its first bucket 1 MiB).
-* ``fsdp2``: `fully_shard` per decoder layer (ZeRO-3: reduce-scatter of the
-  gradients, all-gather of the parameters; not a replicated peer: it also moves the
-  parameters, and its optimizer updates 1/N of them).
-
-All four are built by `apply_switches(model, switches, mesh)` on a fresh model (seed 0).
-
-**Per row** (`kind="dp_step"`, one per preset, batch, link and backend):
-``tokens_per_s`` per GPU (per-rank batch · sequence / step), ``step_ms`` with p10 and p90
-and every step (``step_ms_all``), MFU against one GPU's peak, and
-
-* overlap efficiency E = (T_sync − T_overlap) / (T_sync − T_nocomm)
-  (`overlap_efficiency`): 1 = every millisecond of the naive step's communication
-  hidden, 0 = none, < 0 = slower than naive; for overlap, ddp and fsdp2 (None when
-  T_sync − T_nocomm ≤ 0: no communication to hide, E means nothing);
-* ``measured_exposed_ms`` = T − T_nocomm, and next to it ``predicted_exposed_ms``: what
-  the single-GPU model of `overlap_model` (the one chapter 08 draws from
-  `bench grad_overlap`) predicts for the same buckets, from this run's own backward
-  timeline (the nocomm model's gradient-ready times, `grad_overlap.TimelineRecorder`)
-  and this link's all-reduce measured here (a `Link` whose bandwidth is the bus
-  bandwidth of an all-reduce of one bucket, or of the flat buffer for naive, latency
-  folded in: `link_busbw_gbps`); None for fsdp2, which the model does not describe;
-* ``comm_share`` = (T_sync − T_nocomm) / T_backward: the naive step's communication
-  against the backward it could hide under (> 1: no bucket size can hide it all);
-* ``grad_max_abs_diff_vs_naive``: after one forward and backward on the same batch
-  (rank-dependent, the same for every backend), the largest difference between this
-  backend's reduced gradients and naive's (fsdp2: its shards gathered), with
-  ``grad_max_abs`` for scale; this is also each backend's first step (ours and DDP
-  rebuild their buckets in it).
-
-Run once per link; each invocation replaces its link's and presets' rows in
-``results/<gpu>x<n>/grad_overlap_measured.json`` (`results.merge_rows`)::
-
-    torchrun --nproc-per-node 2 -m colossal_lab bench grad_overlap_measured --link nvlink
-    torchrun --nproc-per-node 4 -m colossal_lab bench grad_overlap_measured --link nvlink
-    python -m colossal_lab bench grad_overlap_measured --quick   # 2 gloo CPU processes
-
-`--quick`: the tiny model in fp32, sequence 32, 2 gloo processes on this CPU (or
-``--world 4``; `distributed.spawn`), buckets of `QUICK_BUCKET_ELEMS`, a few steps,
-nothing saved. N is whatever torchrun launched (2 or more): the per-rank batch stays,
-the global batch is N times it, and the model's all-reduce time uses N
-(``2(N−1)/N``, cancelled by the bus bandwidth measured at the same N).
-
-**Targets** (issues #20 and #21, at any N): `targets(rows)` reads them off the rows.
-"""
+"""Switch 8 on N GPUs: how much gradient all-reduce each data-parallel backend hides."""
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
-import sys
 from collections.abc import Sequence
 
 import torch
 
+from colossal_lab import precision as precision_mod
 from colossal_lab.benchmarks import collectives, two_gpu
 from colossal_lab.benchmarks import grad_overlap as go
-from colossal_lab.measure import results
-from colossal_lab.parallel import distributed
+from colossal_lab.benchmarks.harness import Benchmark, flag, opt
+from colossal_lab.config import SWITCH_SETS, Switches, preset
+from colossal_lab.measure import hardware, mfu, timing
+from colossal_lab.model import build_model
+from colossal_lab.parallel import data_parallel, distributed
+from colossal_lab.parallel import overlap_model as om
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.training import data, train
 
 NAME = go.MEASURED
 PRESETS = ("llama-7b-8l", "1b")
@@ -95,7 +35,7 @@ OVERLAPPED = ("overlap", "ddp", "fsdp2")
 PROBE_REPS = 10
 """Timed all-reduces per size of the link probe (the model's bandwidth)."""
 TARGET_E = 0.8
-"""Issues #20 and #21: our overlap's E at least this wherever the communication is at
+"""Target: our overlap's E at least this wherever the communication is at
 least `TARGET_COMM_SHARE` of the backward."""
 TARGET_COMM_SHARE = 0.2
 """The ``comm_share`` from which on `TARGET_E` holds."""
@@ -134,7 +74,6 @@ def comm_share(t_sync: float, t_nocomm: float, backward_ms: float) -> float | No
 
 
 def _switches(backend: str, quick: bool, bucket_elems: int):
-    from colossal_lab.config import SWITCH_SETS, Switches
 
     base = Switches() if quick else SWITCH_SETS["best"]  # fp32 on the CPU: fast, exact
     dp = "naive" if backend == "nocomm" else backend
@@ -145,11 +84,6 @@ def _switches(backend: str, quick: bool, bucket_elems: int):
 def build(preset_name: str, backend: str, *, quick: bool, bucket_elems: int, device):
     """A fresh model (seed 0) with the best switches and `backend`'s reduction applied
     by `apply_switches`, and its optimizer. "nocomm": naive's, reduction removed."""
-    from colossal_lab.config import preset
-    from colossal_lab.model import build_model
-    from colossal_lab.parallel import data_parallel
-    from colossal_lab.switches.apply import apply_switches
-    from colossal_lab.training import train
 
     torch.manual_seed(0)
     model = apply_switches(build_model(preset(preset_name), device),
@@ -164,9 +98,6 @@ def build(preset_name: str, backend: str, *, quick: bool, bucket_elems: int, dev
 def reduced_grads(model, input_ids, labels) -> dict[str, torch.Tensor]:
     """Forward, backward and the backend's reduction (`finish`) on one batch, no
     optimizer step; the reduced gradients by name (fsdp2's shards gathered)."""
-    from colossal_lab import precision as precision_mod
-    from colossal_lab.parallel import data_parallel
-    from colossal_lab.training import train
 
     inner = data_parallel.unwrap(model)
     prec = precision_mod.of(inner)
@@ -202,8 +133,6 @@ def time_steps(model, opt, cfg, preset_name: str, batch: int, seq_len: int, *, w
     """`train.measure_step` of `make_step(model, opt)` on random tokens (this rank's
     own), then each step's time replaced by the slowest rank's: the row's step fields,
     tokens/s per GPU and MFU against one GPU's peak from those."""
-    from colossal_lab.measure import mfu, timing
-    from colossal_lab.training import data, train
 
     device = next(model.parameters()).device
     step = train.make_step(model, opt)
@@ -226,8 +155,6 @@ def time_steps(model, opt, cfg, preset_name: str, batch: int, seq_len: int, *, w
 def backward_timeline(model, opt, cfg, batch: int, seq_len: int, steps: int, seed: int):
     """Gradient-ready times and backward ms (medians over `steps` recorded steps after
     one), as `bench grad_overlap` records them: the model's input."""
-    from colossal_lab.measure import timing
-    from colossal_lab.training import data, train
 
     device = next(model.parameters()).device
     rec = go.TimelineRecorder(model)
@@ -265,7 +192,6 @@ def predicted_exposed(backend: str, grads, backward_ms: float, *, bucket_elems: 
     `Link` with the bus bandwidth measured here (`busbw`: bytes -> GB/s): the flat
     buffer's for naive, one bucket's for ours and DDP (ready order: both rebuild their
     buckets after the first step); None for fsdp2 and nocomm."""
-    from colossal_lab.parallel import overlap_model as om
 
     dtype = {2: "bf16", 4: "fp32"}[esize]
     flat = sum(g.numel for g in grads) * esize
@@ -298,8 +224,6 @@ def measure_config(preset_name: str, batch: int, link: str, *, seq_len: int, qui
                    bucket_elems: int, peak_tflops: float, progress: bool = True
                    ) -> list[dict]:
     """Every backend's row for one (preset, per-rank batch, link), on every rank."""
-    from colossal_lab.config import preset
-    from colossal_lab.training import data
 
     env = distributed.env()
     world, rank = env.world_size, env.rank
@@ -376,7 +300,6 @@ def measure(link: str, *, presets: Sequence[str] = PRESETS,
             probe_reps: int = PROBE_REPS, bucket_elems: int = BUCKET_ELEMS,
             progress: bool = True) -> list[dict]:
     """Every (preset, batch) for one link setting, on every rank of the group."""
-    from colossal_lab.measure import hardware
 
     peak = hardware.detect().peak_tflops("bf16")
     if peak is None:  # the CPU: MFU against a number, never read (quick is not saved)
@@ -404,7 +327,71 @@ def run(quick: bool = False, *, link: str = "nvlink", presets: Sequence[str] = P
         iters: int | None = None, progress: bool = True,
         world: int = two_gpu.WORLD) -> list[dict]:
     """One link setting's rows. `quick`: `world` gloo processes on this CPU (`spawn`),
-    rank 0's rows. Otherwise on every rank of a torchrun job (`main`)."""
+    rank 0's rows. Otherwise on every rank of a torchrun job (`main`).
+
+    For each preset of `--presets` (default `PRESETS`: llama-7b-8l, and "1b", TinyLlama-1.1B's
+    shape), each per-rank batch of `BATCHES` (sequence 4096, the best bf16 switches,
+    `config.SWITCH_SETS["best"]`) and the link setting of `--link`
+    (`collectives.LINK_ENV`: nvlink, host, sockets), the training step is timed
+    (`train.measure_step`: `WARMUP` then `ITERS` steps, CUDA events; a step's time is the
+    slowest rank's) for
+
+    * ``nocomm``: the naive model with its reduction taken out (``grad_sync`` set to
+      `data_parallel.NO_SYNC`), run on every rank at once at the same per-rank batch:
+      T_nocomm, one GPU's step under the same conditions as the others (every GPU busy,
+      same clocks, same memory). We do not take "naive minus its all-reduce": that would
+      assume the flatten and copy-back cost nothing and that the all-reduce costs on the
+      step's stream what it costs alone; the all-reduce alone is recorded
+      (`allreduce_flat_ms`) as a cross-check of T_sync − T_nocomm.
+    * ``naive``: one flat all-reduce after the backward (`NaiveAllReduce`): T_sync.
+    * ``overlap``: ours, `OverlappedAllReduce` (``overlap_communication=True``), buckets of
+      `BUCKET_ELEMS` (ColossalAI's 12M elements) launched as they fill.
+    * ``ddp``: torch `DistributedDataParallel`, buckets of the same bytes
+      (`bucket_cap_mb` = 12M elements of the gradient dtype; its first bucket 1 MiB).
+    * ``fsdp2``: `fully_shard` per decoder layer (ZeRO-3: reduce-scatter of the
+      gradients, all-gather of the parameters; not a replicated peer: it also moves the
+      parameters, and its optimizer updates 1/N of them).
+
+    All four are built by `apply_switches(model, switches, mesh)` on a fresh model (seed 0).
+
+    **Per row** (`kind="dp_step"`, one per preset, batch, link and backend):
+    ``tokens_per_s`` per GPU (per-rank batch · sequence / step), ``step_ms`` with p10 and p90
+    and every step (``step_ms_all``), MFU against one GPU's peak, and
+
+    * overlap efficiency E = (T_sync − T_overlap) / (T_sync − T_nocomm)
+      (`overlap_efficiency`): 1 = every millisecond of the naive step's communication
+      hidden, 0 = none, < 0 = slower than naive; for overlap, ddp and fsdp2 (None when
+      T_sync − T_nocomm ≤ 0: no communication to hide, E means nothing);
+    * ``measured_exposed_ms`` = T − T_nocomm, and next to it ``predicted_exposed_ms``: what
+      the single-GPU model of `overlap_model` (the one chapter 08 draws from
+      `bench grad_overlap`) predicts for the same buckets, from this run's own backward
+      timeline (the nocomm model's gradient-ready times, `grad_overlap.TimelineRecorder`)
+      and this link's all-reduce measured here (a `Link` whose bandwidth is the bus
+      bandwidth of an all-reduce of one bucket, or of the flat buffer for naive, latency
+      folded in: `link_busbw_gbps`); None for fsdp2, which the model does not describe;
+    * ``comm_share`` = (T_sync − T_nocomm) / T_backward: the naive step's communication
+      against the backward it could hide under (> 1: no bucket size can hide it all);
+    * ``grad_max_abs_diff_vs_naive``: after one forward and backward on the same batch
+      (rank-dependent, the same for every backend), the largest difference between this
+      backend's reduced gradients and naive's (fsdp2: its shards gathered), with
+      ``grad_max_abs`` for scale; this is also each backend's first step (ours and DDP
+      rebuild their buckets in it).
+
+    Run once per link; each invocation replaces its link's and presets' rows in
+    ``results/<gpu>x<n>/grad_overlap_measured.json`` (`results.merge_rows`)::
+
+        torchrun --nproc-per-node 2 -m colossal_lab bench grad_overlap_measured --link nvlink
+        torchrun --nproc-per-node 4 -m colossal_lab bench grad_overlap_measured --link nvlink
+        python -m colossal_lab bench grad_overlap_measured --quick   # 2 gloo CPU processes
+
+    `--quick`: the tiny model in fp32, sequence 32, 2 gloo processes on this CPU (or
+    ``--world 4``; `distributed.spawn`), buckets of `QUICK_BUCKET_ELEMS`, a few steps,
+    nothing saved. N is whatever torchrun launched (2 or more): the per-rank batch stays,
+    the global batch is N times it, and the model's all-reduce time uses N
+    (``2(N−1)/N``, cancelled by the bus bandwidth measured at the same N).
+
+    **Targets** (at any N): `targets(rows)` reads them off the rows.
+    """
     if quick:
         return distributed.spawn(_quick_worker, world, collectives.QUICK_LINK,
                                  timeout_s=240, collective_timeout_s=60)[0]
@@ -429,7 +416,7 @@ def _share(row: dict) -> float | None:
 
 
 def targets(rows: Sequence[dict], world: int | None = None) -> list[dict]:
-    """The issues' targets on these rows (one world, any N: `world` only names it; by
+    """The targets on these rows (one world, any N: `world` only names it; by
     default the rows' ``world``), each a `two_gpu.threshold` verdict on our backend,
     "overlap", over every (preset, per-rank batch, link) configuration in the rows:
 
@@ -526,41 +513,28 @@ def config_of(link_env: dict, presets, iters: int) -> dict:
                       "slowest rank's"}
 
 
-def main(argv=None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog=f"bench {NAME}", description=__doc__.splitlines()[0])
-    p.add_argument("--link", choices=collectives.LINKS, default="nvlink",
-                   help="NCCL transport between the GPUs (default: nvlink)")
-    p.add_argument("--presets", nargs="+", default=list(PRESETS),
-                   help=f"model presets (default: {' '.join(PRESETS)})")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model, gloo processes on this CPU (link 'loopback', --link "
-                   "ignored), not saved; a measured run takes torchrun's world (2 or more)")
-    two_gpu.add_world_arg(p)
-    p.add_argument("--iters", type=int, default=None, help=f"timed steps (default {ITERS})")
-    a = p.parse_args(argv)
-    world = two_gpu.quick_world(p, a)
-    from colossal_lab.config import preset
-
+def _known_presets(a) -> str | None:
     for name in a.presets:  # an unknown name fails here, not after minutes of setup
         preset(name)
-    if a.quick:
-        print(summary(run(True, link=a.link, world=world)))
-        return
-    two_gpu.refuse(NAME, quick=False, at_least=True)
-    link_env = collectives.set_link(a.link)  # before init: NCCL reads it once
-    with distributed.guard(f"bench {NAME}"):
-        distributed.init()
-        rows = run(link=a.link, presets=a.presets, iters=a.iters)
-        if distributed.is_main():
-            slug = results.run_slug()
-            merged = results.merge_rows(NAME, rows, ("link", "preset"), gpu=slug)
-            path = results.save_results(NAME, merged, gpu=slug, config=config_of(
-                link_env, a.presets, a.iters or ITERS))
-            print(summary(rows))
-            print(f"saved {path} ({len(rows)} rows, {len(merged)} in all)")
-        distributed.barrier()
-    distributed.destroy()
+    return two_gpu.world_problem(a)
+
+
+BENCH = Benchmark(
+    NAME, __doc__, prog=f"bench {NAME}",
+    quick_help="tiny model, gloo processes on this CPU (link 'loopback', --link "
+    "ignored), not saved; a measured run takes torchrun's world (2 or more)",
+    options=[collectives.link_flag(),
+             opt("--presets", nargs="+", default=list(PRESETS),
+                 help=f"model presets (default: {' '.join(PRESETS)})"),
+             two_gpu.world_flag(), flag("iters", help=f"timed steps (default {ITERS})")],
+    check=_known_presets,
+    execute=lambda call: collectives.on_link(
+        call, merged_by=("link", "preset"), report=summary,
+        quick_rows=lambda world: run(True, link=call.args.link, world=world),
+        rank_rows=lambda: run(link=call.args.link, presets=call.args.presets,
+                              iters=call.args.iters),
+        config=lambda env: config_of(env, call.args.presets, call.args.iters or ITERS)))
+main = BENCH.main
 
 
 if __name__ == "__main__":

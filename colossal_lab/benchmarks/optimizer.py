@@ -1,35 +1,18 @@
-"""The optimizer step alone: gradient clipping + AdamW over the parameters of
-`llama-7b-8l` (every switch on: fused projections), four ways, side by side in one run.
+"""The optimizer step alone: clipping + AdamW over `llama-7b-8l`'s parameters, four ways.
 
-    provider      parameters  optimizer                                       bytes/param
-    torch-fp32    fp32        clip_grad_norm_, torch AdamW(fused=True)        4+8 + 28 = 40
-    ours-fp32     fp32        FusedAdamW (clipping folded in)                 4 + 28   = 32
-    master        bf16        clip_grad_norm_, MasterAdamW (fp32 masters)     2+4 + 40 = 46
-    ours-master   bf16        FusedAdamW, fp32 masters split (bf16 + int16)   2 + 26   = 28
-    ours-master-m16 bf16      the same with bf16 moments (stochastic rounding) 2 + 18  = 20
-
-fp32 parameters are what bf16 autocast and fp8 train (switch 6), bf16 ones with fp32
-masters what "bf16-pure" trains (chapter 10's ours-bf16). The byte counts are the
-ideal traffic of each (the table in `kernels.adamw`); the time is one whole step
-(norm, clipping and update, Python launches included), timed as a training step is
-(`timing.time_iterations`, CUDA events, 20 steps after 3 warm-ups), each provider on
-fresh random gradients of the same shapes, one at a time (each needs ~30 GB). The
-ceiling is the device's measured copy bandwidth.
-
-    python -m colossal_lab bench optimizer            # -> results/<gpu>/optimizer.json
-    python -m colossal_lab bench optimizer --quick    # the tiny model (CPU: interpreter)
-"""
+Every switch is on (fused projections); the four run side by side in one run."""
 
 from __future__ import annotations
 
-import argparse
 import gc
 
 import torch
 
+from colossal_lab.benchmarks.harness import Benchmark, flag
 from colossal_lab.config import SWITCH_SETS, preset
 from colossal_lab.kernels.adamw import FusedAdamW
 from colossal_lab.measure import timing
+from colossal_lab.measure.hardware import measure_copy_gbps
 from colossal_lab.model import build_model
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.training import optimizer as precision
@@ -77,13 +60,32 @@ def _make(provider: str, shapes, device):
 
 
 def run(quick: bool = False, providers=PROVIDERS, progress: bool = True) -> list[dict]:
+    """Every provider's optimizer step on the model's parameter shapes, side by side.
+
+        provider      parameters  optimizer                                       bytes/param
+        torch-fp32    fp32        clip_grad_norm_, torch AdamW(fused=True)        4+8 + 28 = 40
+        ours-fp32     fp32        FusedAdamW (clipping folded in)                 4 + 28   = 32
+        master        bf16        clip_grad_norm_, MasterAdamW (fp32 masters)     2+4 + 40 = 46
+        ours-master   bf16        FusedAdamW, fp32 masters split (bf16 + int16)   2 + 26   = 28
+        ours-master-m16 bf16      the same with bf16 moments (stochastic rounding) 2 + 18  = 20
+
+    fp32 parameters are what bf16 autocast and fp8 train (switch 6), bf16 ones with fp32
+    masters what "bf16-pure" trains (chapter 10's ours-bf16). The byte counts are the
+    ideal traffic of each (the table in `kernels.adamw`); the time is one whole step
+    (norm, clipping and update, Python launches included), timed as a training step is
+    (`timing.time_iterations`, CUDA events, 20 steps after 3 warm-ups), each provider on
+    fresh random gradients of the same shapes, one at a time (each needs ~30 GB). The
+    ceiling is the device's measured copy bandwidth.
+
+        python -m colossal_lab bench optimizer            # -> results/<gpu>/optimizer.json
+        python -m colossal_lab bench optimizer --quick    # the tiny model (CPU: interpreter)
+    """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = "tiny" if quick else "llama-7b-8l"
     shapes = param_shapes(name)
     n = sum(s.numel() for s in shapes)
     copy_gbps = None
     if device.type == "cuda":
-        from colossal_lab.measure.hardware import measure_copy_gbps
 
         copy_gbps = measure_copy_gbps(device=device)
     rows = []
@@ -121,25 +123,18 @@ def config_of() -> dict:
             "ceiling": "hardware.measure_copy_gbps (read + write bytes)"}
 
 
-def main(argv=None) -> None:
-    import sys
+def _table(rows: list[dict]) -> str:
+    return "\n".join(f"{r['provider']:12s} {r['ms']:7.2f} ms  {r['gbps']:6.0f} GB/s "
+                     f"({r['of_copy_ceiling']:.0%} of copy)  x{r['speedup_vs_unfused']:.2f}"
+                     for r in rows)
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny model on the CPU, not saved")
-    p.add_argument("--providers", nargs="*", choices=PROVIDERS)
-    a = p.parse_args(argv)
-    rows = run(a.quick, providers=tuple(a.providers) if a.providers else PROVIDERS)
-    if a.quick:
-        return
-    from colossal_lab.measure.results import save_results
 
-    path = save_results(NAME, rows, config=config_of(),
-                        command=" ".join([f"python -m colossal_lab bench {NAME}", *argv]))
-    print(f"saved {path}")
-    for r in rows:
-        print(f"{r['provider']:12s} {r['ms']:7.2f} ms  {r['gbps']:6.0f} GB/s "
-              f"({r['of_copy_ceiling']:.0%} of copy)  x{r['speedup_vs_unfused']:.2f}")
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny model on the CPU, not saved",
+    options=[flag("providers", choices=PROVIDERS)],
+    run=lambda a: run(a.quick, providers=tuple(a.providers) if a.providers else PROVIDERS),
+    config=lambda a: config_of(), summary=_table)
+main = BENCH.main
 
 
 if __name__ == "__main__":

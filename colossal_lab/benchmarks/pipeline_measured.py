@@ -1,69 +1,29 @@
-"""Switch 7 measured: pipeline schedules on p GPUs (p = the world size, 2 or 4), side
-by side in one run, against what `pipeline_sim`'s simulator predicts for the same p, m
-and costs.
+"""Switch 7 on 2 or 4 GPUs: the pipeline schedules measured against the simulator.
 
-On p ranks (``torchrun --nproc-per-node p``, NCCL, NVLink multicast off), `llama-7b-8l`
-at sequence 4096, micro-batch 1, the best bf16 switches but the fused cross-entropy
-(``config.SWITCH_SETS["best"]``; torch's schedules compute the loss from the logits,
-and every schedule gets the same head), for m in `MS` micro-batches (4, 8, 16 at p = 2;
-8, 16, 32 at p = 4) and each of `SCHEDULES`:
-
-* "1f1b": ours (`pipeline.runtime`), p stages of 8/p layers;
-* "zb-h1": ours, the backward split into B and W, W filling the bubbles;
-* "zbv": ours, two chunks per rank in a V (rank 0 holds stages 0 and 2p − 1);
-* "torch-zbv": ``torch.distributed.pipelining.ScheduleZBVZeroBubble`` on the same
-  stages (`stages.Stage`), the V placement and the same loss, or a row saying why not
-  (a torch without the class).
-
-The optimizer runs after each pipelined step (AdamW of `optimizer.make_optimizer`), no
-gradient clipping (it needs a norm across the stages, the same for every schedule).
-
-**Correctness first.** Every schedule's first step starts from the same weights (seed
-0) on the same batch as 1F1B's; its gradients are compared with 1F1B's, parameter by
-parameter across the ranks (a parameter may live on another rank under the V
-placement: its owner broadcasts it): ``grad_max_abs_diff`` (the largest
-``max|g − g_1f1b|``), ``grad_rel_diff`` (over the largest ``|g_1f1b|``) and
-``grad_ok`` (``grad_rel_diff <= GRAD_RTOL[precision]``); the loss likewise
-(``loss_diff``).
-
-**Timing.** `WARMUP` untimed steps, then `ITERS` timed with CUDA events; a step's time
-is the slower rank's. ``tokens_per_s = m · micro_batch · seq / step``.
-
-**The bubble.** ``bubble = 1 − Σ_r useful_r / (p · step_ms)``, the simulator's
-definition (idle over total time, `simulate.Timeline.bubble`), with ``useful_r = m ·
-Σ_{stages s on rank r} (F_s + B_s + W_s)``: the per-stage costs
-(`pipeline_sim.stage_costs`) from `pipeline_sim.measure`'s per-layer F, B, W (and the
-undivided F and full backward for 1F1B) of one decoder layer and of the head, timed
-in isolation on rank 0's GPU in this run (``costs_from="pipeline_sim.measure"``); the
-embedding is left out, as in the simulator. Not from the ranks' own traces: the
-runtime's trace is host time and the kernels run asynchronously. ``bubble_sim`` is the
-simulator's bubble for the same schedule, p, m and costs on NVLink 4 (`SIM_LINK`;
-torch's ZB-V against our ZB-V's order), ``sim_step_ms`` its step, ``bubble_vs_sim =
-bubble / bubble_sim``. ``speedup_vs_1f1b = step_ms_1f1b / step_ms`` at the same m.
-
-    torchrun --nproc-per-node 2 -m colossal_lab bench pipeline_measured   # p = 2
-    torchrun --nproc-per-node 4 -m colossal_lab bench pipeline_measured   # p = 4
-    python -m colossal_lab bench pipeline_measured --quick   # 2 gloo CPU processes
-    python -m colossal_lab bench pipeline_measured --quick --world 4   # p = 4 on gloo
-
-The quick run: the tiny model with 2p layers (ZB-V needs a layer per virtual stage),
-fp32, gloo, m = 2p, a few steps (`quick_sizes`); checks and prints, saves nothing.
-
-**Targets** (issue #20 at p = 2, #21 at p = 4, both at m = 8): `targets(rows)` reads
-them off the rows.
-"""
+The schedules run side by side in one run (p = the world size), each next to what
+`pipeline_sim`'s simulator predicts for the same p, m and costs."""
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 
 import torch
+from torch.distributed import pipelining
 
+from colossal_lab import precision
 from colossal_lab.benchmarks import pipeline_sim
 from colossal_lab.benchmarks import two_gpu as two
+from colossal_lab.benchmarks.harness import Benchmark, opt
+from colossal_lab.config import preset
+from colossal_lab.model import build_model
 from colossal_lab.parallel import distributed
+from colossal_lab.parallel.pipeline import schedules as sch
+from colossal_lab.parallel.pipeline.stages import build_stages
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.testing import pipeline_check as check
+from colossal_lab.testing.correctness import max_abs_err
+from colossal_lab.training import data
+from colossal_lab.training.optimizer import make_optimizer
 
 NAME = pipeline_sim.MEASURED
 PRESET, SEQ_LEN, MICRO_BATCH = "llama-7b-8l", 4096, 1
@@ -82,14 +42,14 @@ SIM_LINK = "NVLink 4"
 GRAD_RTOL = {"bf16-pure": 2e-2, "bf16": 2e-2, "fp32": 1e-5}
 """Largest gradient difference against 1F1B, over the largest 1F1B gradient."""
 TARGET_M = 8
-"""The m of the issues' targets: 8 micro-batches per step (4p at p = 2, 2p at p = 4)."""
+"""The m of the targets: 8 micro-batches per step (4p at p = 2, 2p at p = 4)."""
 ZBV_VS_1F1B = {2: 1.1}
-"""Issue #20 (p = 2): ZB-V's ``speedup_vs_1f1b`` at m = `TARGET_M` at least this."""
+"""Target at p = 2: ZB-V's ``speedup_vs_1f1b`` at m = `TARGET_M` at least this."""
 BUBBLE_VS_SIM = {2: 0.2}
-"""Issue #20 (p = 2): ZB-V's measured bubble within this share of the simulator's at m =
+"""Target at p = 2: ZB-V's measured bubble within this share of the simulator's at m =
 `TARGET_M`: ``|bubble − bubble_sim| <= 0.2 · bubble_sim``."""
 ZBV_BUBBLE_VS_1F1B = {4: 1 / 3}
-"""Issue #21 (p = 4): ZB-V's measured bubble at most this share of 1F1B's at m =
+"""Target at p = 4: ZB-V's measured bubble at most this share of 1F1B's at m =
 `TARGET_M`."""
 QUICK = {"preset": "tiny", "layers": 4, "seq_len": 32, "ms": (4,), "warmup": 1,
          "iters": 3, "fbw_warmup": 1, "fbw_reps": 3}
@@ -112,7 +72,6 @@ def useful_per_rank(fbw: list[dict], schedule: str, m: int, num_layers: int,
                     p: int = P) -> list[float]:
     """m · Σ (F + B + W) of the stages each of the `p` ranks holds, ms, from the
     measured per-layer costs (`pipeline_sim.measure` rows)."""
-    from colossal_lab.parallel.pipeline import schedules as sch
 
     layer = next(r for r in fbw if r.get("kind") == "measure" and r["part"] == "layer")
     head = next(r for r in fbw if r.get("kind") == "measure" and r["part"] == "head")
@@ -145,8 +104,6 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor:
 
 def _ours(schedule: str, model, sw, mesh, m: int):
     """(step, named grads, holder, optimizer) of our runtime on `schedule`."""
-    from colossal_lab.switches.apply import apply_switches
-    from colossal_lab.training.optimizer import make_optimizer
 
     piped = apply_switches(model, sw.replace(pp_style=schedule, num_microbatches=m), mesh)
     names = piped.model_names()
@@ -161,14 +118,7 @@ def _ours(schedule: str, model, sw, mesh, m: int):
 def _torch_zbv(model, sw, m: int, device, p: int = P):
     """(step, named grads, holder, optimizer) of torch's ZB-V on our V-placed stages of
     a p-rank pipeline (the whole world), or why it cannot run here."""
-    from torch.distributed import pipelining
 
-    from colossal_lab import precision
-    from colossal_lab.parallel.pipeline import schedules as sch
-    from colossal_lab.parallel.pipeline.stages import build_stages
-    from colossal_lab.switches.apply import apply_switches
-    from colossal_lab.testing import pipeline_check as check
-    from colossal_lab.training.optimizer import make_optimizer
 
     cls = getattr(pipelining, check.TORCH_PEERS["zbv"], None)
     if cls is None:
@@ -213,7 +163,6 @@ def _torch_zbv(model, sw, m: int, device, p: int = P):
 
 def _build(schedule: str, cfg, sw, mesh, m: int, device):
     """A fresh model (seed 0) under `schedule`: `_ours` or `_torch_zbv`'s answer."""
-    from colossal_lab.model import build_model
 
     torch.manual_seed(0)
     model = build_model(cfg, device)
@@ -230,7 +179,6 @@ def compare_grads(mine: dict, ref: dict, device) -> tuple[float, float]:
     """(max |g − g_ref| over every parameter, max |g_ref|) where `mine` and `ref` are
     this rank's named gradients under two placements: each parameter's owner under
     `mine` broadcasts it to the world, its owner under `ref` compares."""
-    from colossal_lab.testing.correctness import max_abs_err
 
     meta = {n: (tuple(g.shape), str(g.dtype).split(".")[-1]) for n, g in mine.items()}
     owners: dict = {}
@@ -257,8 +205,6 @@ def compare_grads(mine: dict, ref: dict, device) -> tuple[float, float]:
 def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
     """The benchmark on every rank of a group (already initialised) that is one
     pipeline of p = its world size; returns the rows (the same on every rank)."""
-    from colossal_lab.config import preset
-    from colossal_lab.training import data
 
     e = distributed.env()
     p = e.world_size
@@ -370,7 +316,58 @@ def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
 
 
 def run(quick: bool = False, world: int = two.WORLD) -> list[dict]:
-    """Rank 0's rows (`two_gpu.run`): with `quick`, `world` gloo CPU processes (p)."""
+    """Rank 0's rows (`two_gpu.run`): with `quick`, `world` gloo CPU processes (p).
+
+    On p ranks (``torchrun --nproc-per-node p``, NCCL, NVLink multicast off), `llama-7b-8l`
+    at sequence 4096, micro-batch 1, the best bf16 switches but the fused cross-entropy
+    (``config.SWITCH_SETS["best"]``; torch's schedules compute the loss from the logits,
+    and every schedule gets the same head), for m in `MS` micro-batches (4, 8, 16 at p = 2;
+    8, 16, 32 at p = 4) and each of `SCHEDULES`:
+
+    * "1f1b": ours (`pipeline.runtime`), p stages of 8/p layers;
+    * "zb-h1": ours, the backward split into B and W, W filling the bubbles;
+    * "zbv": ours, two chunks per rank in a V (rank 0 holds stages 0 and 2p − 1);
+    * "torch-zbv": ``torch.distributed.pipelining.ScheduleZBVZeroBubble`` on the same
+      stages (`stages.Stage`), the V placement and the same loss, or a row saying why not
+      (a torch without the class).
+
+    The optimizer runs after each pipelined step (AdamW of `optimizer.make_optimizer`), no
+    gradient clipping (it needs a norm across the stages, the same for every schedule).
+
+    **Correctness first.** Every schedule's first step starts from the same weights (seed
+    0) on the same batch as 1F1B's; its gradients are compared with 1F1B's, parameter by
+    parameter across the ranks (a parameter may live on another rank under the V
+    placement: its owner broadcasts it): ``grad_max_abs_diff`` (the largest
+    ``max|g − g_1f1b|``), ``grad_rel_diff`` (over the largest ``|g_1f1b|``) and
+    ``grad_ok`` (``grad_rel_diff <= GRAD_RTOL[precision]``); the loss likewise
+    (``loss_diff``).
+
+    **Timing.** `WARMUP` untimed steps, then `ITERS` timed with CUDA events; a step's time
+    is the slower rank's. ``tokens_per_s = m · micro_batch · seq / step``.
+
+    **The bubble.** ``bubble = 1 − Σ_r useful_r / (p · step_ms)``, the simulator's
+    definition (idle over total time, `simulate.Timeline.bubble`), with ``useful_r = m ·
+    Σ_{stages s on rank r} (F_s + B_s + W_s)``: the per-stage costs
+    (`pipeline_sim.stage_costs`) from `pipeline_sim.measure`'s per-layer F, B, W (and the
+    undivided F and full backward for 1F1B) of one decoder layer and of the head, timed
+    in isolation on rank 0's GPU in this run (``costs_from="pipeline_sim.measure"``); the
+    embedding is left out, as in the simulator. Not from the ranks' own traces: the
+    runtime's trace is host time and the kernels run asynchronously. ``bubble_sim`` is the
+    simulator's bubble for the same schedule, p, m and costs on NVLink 4 (`SIM_LINK`;
+    torch's ZB-V against our ZB-V's order), ``sim_step_ms`` its step, ``bubble_vs_sim =
+    bubble / bubble_sim``. ``speedup_vs_1f1b = step_ms_1f1b / step_ms`` at the same m.
+
+        torchrun --nproc-per-node 2 -m colossal_lab bench pipeline_measured   # p = 2
+        torchrun --nproc-per-node 4 -m colossal_lab bench pipeline_measured   # p = 4
+        python -m colossal_lab bench pipeline_measured --quick   # 2 gloo CPU processes
+        python -m colossal_lab bench pipeline_measured --quick --world 4   # p = 4 on gloo
+
+    The quick run: the tiny model with 2p layers (ZB-V needs a layer per virtual stage),
+    fp32, gloo, m = 2p, a few steps (`quick_sizes`); checks and prints, saves nothing.
+
+    **Targets** (at p = 2 and at p = 4, both at m = 8): `targets(rows)` reads
+    them off the rows.
+    """
     return two.run(run_ranks, quick, world)
 
 
@@ -405,13 +402,13 @@ def _bubble_vs_1f1b(zbv: dict, base: dict) -> tuple[float | None, str | None]:
 
 
 def targets(rows: list[dict], world: int | None = None) -> list[dict]:
-    """The issues' targets on these rows at p = `world` (default: the rows' ``world``),
+    """The targets on these rows at p = `world` (default: the rows' ``world``),
     each a `two_gpu.threshold` verdict; "ZB-V" is ours (``zbv``), torch's is a peer:
 
     1. (p = 2) ZB-V >= `ZBV_VS_1F1B` [p] x 1F1B at m = `TARGET_M`: ``speedup_vs_1f1b
        = step_ms_1f1b / step_ms``;
     2. (p = 2) ZB-V's measured bubble within 20% of the simulator's at m = `TARGET_M`
-       (the issue's m): ``|bubble − bubble_sim| / bubble_sim <= 0.2``, i.e. the
+       (the targets' m): ``|bubble − bubble_sim| / bubble_sim <= 0.2``, i.e. the
        relative error of the prediction for the same schedule, p, m and costs, at that
        one m; the other m are in the table, not in the check;
     3. (p = 4) ZB-V's measured bubble <= 1/3 of 1F1B's at m = `TARGET_M`: ``bubble_zbv
@@ -515,32 +512,32 @@ def config_of(p: int = P) -> dict:
             "nccl_nvls_enable": "0"}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        prog=f"bench {NAME}", description="switch 7 measured: schedules at p = the world "
-        f"size ({two._either(two.WORLDS)}: torchrun's --nproc-per-node, or --world with "
-        "--quick)")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model (2p layers), fp32, gloo processes here, not saved")
-    two.add_world_arg(p)
-    p.add_argument("--ms", type=int, nargs="*",
-                   help="micro-batches per step (default at p = 2: "
-                   f"{' '.join(map(str, MS[2]))}; at p = 4: {' '.join(map(str, MS[4]))})")
-    p.add_argument("--schedules", nargs="*", choices=SCHEDULES)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    a = p.parse_args(argv)
-    world = two.quick_world(p, a)
-    two.refuse_or_init(NAME, a.quick, two.WORLDS)
-    if a.quick:
-        rows = run(True, world)
-        two.print_table([r for r in rows if "schedule" in r], COLUMNS)
-        return
+def _schedules(a) -> list[str]:
+    """The chosen schedules, 1F1B always among them: the gradients' and speed-ups'
+    reference."""
     schedules = a.schedules or SCHEDULES
-    if "1f1b" not in schedules:
-        schedules = ["1f1b", *schedules]  # the gradients' and speed-ups' reference
-    with distributed.guard(NAME):
-        rows = run_ranks(False, ms=a.ms, schedules=schedules)
-    if distributed.is_main():
-        two.print_table([r for r in rows if "schedule" in r], COLUMNS)
-        two.save(NAME, rows, config_of(distributed.world_size()), argv)
-    distributed.destroy()
+    return schedules if "1f1b" in schedules else ["1f1b", *schedules]
+
+
+def _show(rows: list[dict]) -> None:
+    two.print_table([r for r in rows if "schedule" in r], COLUMNS)
+
+
+BENCH = Benchmark(
+    NAME, __doc__, prog=f"bench {NAME}",
+    description="switch 7 measured: schedules at p = the world size "
+    f"({two._either(two.WORLDS)}: torchrun's --nproc-per-node, or --world with --quick)",
+    quick_help="tiny model (2p layers), fp32, gloo processes here, not saved",
+    options=[two.world_flag(),
+             opt("--ms", type=int, nargs="*",
+                 help="micro-batches per step (default at p = 2: "
+                 f"{' '.join(map(str, MS[2]))}; at p = 4: {' '.join(map(str, MS[4]))})"),
+             opt("--schedules", nargs="*", choices=SCHEDULES)],
+    check=two.world_problem,
+    execute=lambda call: two.on_ranks(
+        call, worlds=two.WORLDS, show=_show,
+        quick_rows=lambda: run(True, two.quick_world(call)),
+        rank_rows=lambda: run_ranks(False, ms=call.args.ms,
+                                    schedules=_schedules(call.args)),
+        config=lambda: config_of(distributed.world_size())))
+main = BENCH.main

@@ -1,61 +1,45 @@
-"""Switch 7 on one GPU: what F, B and W cost for a LLaMA-7B layer, and what each
-pipeline schedule would make of those costs on p GPUs.
+"""Switch 7 on one GPU: F, B and W of a LLaMA-7B layer, and each schedule on p GPUs.
 
-One GPU cannot run a pipeline, but it can measure what a schedule is built from. For
-one decoder layer of `llama-7b` (sequence 4096, micro-batch 1, the best bf16 switches,
-`config.SWITCH_SETS["best"]`) and for the last stage's extra work (final norm, output
-head and loss, `stages.Stage` with no layers), CUDA events time, over `REPS` repetitions
-after `WARMUP`:
-
-* F: the forward, building the autograd graph, as a pipeline stage runs it;
-* B: the backward to the input with the weight gradients deferred (the runtime's
-  `DeferredLinear` filing dW = dyᵀx with a `WeightGradStore`);
-* W: the deferred weight gradients (`WeightGradStore.flush`);
-* the forward and the full backward with plain linears (no deferral): what GPipe,
-  1F1B and interleaved run; each repetition times both variants, so drift hits both,
-
-each as median, p10 and p90, plus the activation memory one micro-batch leaves between
-F and B, and the size of what a stage sends its neighbour: one (1, 4096, 4096) bf16
-hidden state, 32 MiB, whose transfer time comes from the link table of
-`overlap_model.LINKS` (latency + bytes / bandwidth: a model, not a measurement).
-
-`pipeline.simulate` then times every schedule for p ∈ {2, 4, 8} and m ∈ {4, 8, 16,
-32} on LLaMA-7B's 32 layers: virtual stage s holds 32/S layers, the last one also the
-head (per-stage costs), the embedding is left out (a lookup), transfers run beside the
-compute (``overlap_p2p``) and cost their transfer time on NVLink 4 (a pipeline in one
-node) and on a 400 Gb/s network (one stage per node). ZB-H1's and ZB-V's orders are
-built from the measured costs, as ColossalAI builds its ZB-V order.
-
-Rows: ``kind="measure"`` (part "layer" or "head": f/b/w/f_undivided/full_bwd ms with
-p10 and p90, act_mib, backends), ``kind="p2p"`` (act_bytes, comm_ms per link) and ``kind="sim"``
-(schedule, p, m, chunks, link: step_ms, bubble, tokens_per_s, speedup_vs_1f1b,
-peak_activations in micro-batches of a rank's layers, peak_act_gib from the measured
-act_mib, an upper bound for the zero-bubble schedules whose W keeps part of it).
-
-    python -m colossal_lab bench pipeline_sim           # results/<gpu>/pipeline_sim.json
-    python -m colossal_lab bench pipeline_sim --quick   # tiny model on this CPU, not saved
-"""
+What each pipeline schedule would make of those costs, simulated."""
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import time
 from collections.abc import Sequence
 
 import torch
 
+from colossal_lab import precision
+from colossal_lab.benchmarks.harness import counted
+from colossal_lab.config import SWITCH_SETS, preset
 from colossal_lab.measure import timing
+from colossal_lab.model import build_model
+from colossal_lab.parallel import overlap_model as om
+from colossal_lab.parallel.pipeline.runtime import (
+    WeightGradStore,
+    defer_weight_grads,
+    restore_weight_grads,
+)
+from colossal_lab.parallel.pipeline.sim_rows import (  # noqa: F401  (re-exported)
+    CHUNKS,
+    LINKS,
+    MS,
+    PS,
+    SCHEDULES,
+    simulate_rows,
+    stage_costs,
+)
+from colossal_lab.parallel.pipeline.stages import Stage
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.switches.resolved import backends_in_use
 
 NAME = "pipeline_sim"
 PRESET, SEQ_LEN, MICRO_BATCH = "llama-7b", 4096, 1
 WARMUP, REPS = 3, 30
-PS, MS = (2, 4, 8), (4, 8, 16, 32)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-CHUNKS = 2
-"""Model chunks per rank of the interleaved schedule (ZB-V always has 2)."""
-SIM_LINKS = ("NVLink 4", "400 Gb/s network")
+SIM_LINKS = LINKS
 MEASURED = "pipeline_measured"
-"""The results file of a measured multi-GPU pipeline run (its own issue): chapter 07
+"""The results file of a measured multi-GPU pipeline run (`pipeline_measured`): chapter 07
 shows it when it exists."""
 QUICK = {"preset": "tiny", "seq_len": 64, "micro_batch": 1, "warmup": 2, "reps": 10,
          "ps": (2, 4), "ms": (4, 8)}
@@ -69,10 +53,6 @@ smaller grid, LLaMA-7B's 32 layers all the same."""
 def _parts(preset_name: str, switches, device):
     """One decoder layer and the last stage's head, from a one-layer model of the
     preset with `switches` applied, plus the layer count of the full preset."""
-    from colossal_lab.config import preset
-    from colossal_lab.model import build_model
-    from colossal_lab.parallel.pipeline.stages import Stage
-    from colossal_lab.switches.apply import apply_switches
 
     cfg = preset(preset_name)
     one = apply_switches(build_model(cfg.replace(num_hidden_layers=1), device), switches)
@@ -84,11 +64,6 @@ def _parts(preset_name: str, switches, device):
 def _time_part(stage, x_shape, dtype, labels, *, warmup: int, reps: int, device) -> dict:
     """F, B and W (weight gradients deferred), and F and the full backward (not), of
     `stage`, in ms, each repetition running both; and its activation memory."""
-    from colossal_lab.parallel.pipeline.runtime import (
-        WeightGradStore,
-        defer_weight_grads,
-        restore_weight_grads,
-    )
 
     cuda = device.type == "cuda"
     x = torch.randn(x_shape, dtype=dtype, device=device)
@@ -112,47 +87,47 @@ def _time_part(stage, x_shape, dtype, labels, *, warmup: int, reps: int, device)
     times: dict[str, list[float]] = {"f": [], "b": [], "w": [], "f_undivided": [],
                                      "full_bwd": []}
     store = WeightGradStore("bench")
-    act = None
-    for i in range(warmup + reps):  # the two variants alternate: drift hits both
-        timed = i >= warmup
-        defer_weight_grads(stage, store)  # split: F, B (dW deferred), W
-        stage.zero_grad(set_to_none=True)
+    act, before = None, 0
+
+    def sync():
         if cuda:
             torch.cuda.synchronize()
+
+    def clocked(names, context=None, after_forward=None, then=None):
+        """Clocks around a forward (inside `context`), its backward and `then`; each
+        interval's ms into `times[name]` when `names` is given (a timed repetition)."""
+        nonlocal before
+        stage.zero_grad(set_to_none=True)
+        sync()
         before = torch.cuda.memory_allocated() if cuda else 0
-        t0 = clock()
-        with store.micro_batch(0):
+        marks = [clock()]
+        with context or contextlib.nullcontext():
             inp, out = forward()
-        t1 = clock()
+        marks.append(clock())
+        if after_forward is not None:
+            after_forward()
+        torch.autograd.backward(out, dy)
+        marks.append(clock())
+        if then is not None:
+            then()
+            marks.append(clock())
+        sync()
+        for name, t0, t1 in zip(names or (), marks, marks[1:]):
+            times[name].append(ms(t0, t1))
+
+    def activation_memory():
+        nonlocal act
         if cuda and act is None:
             torch.cuda.synchronize()
             act = (torch.cuda.memory_allocated() - before) / 2**20
-        torch.autograd.backward(out, dy)
-        t2 = clock()
-        store.flush(0)
-        t3 = clock()
-        if cuda:
-            torch.cuda.synchronize()
-        if timed:
-            times["f"].append(ms(t0, t1))
-            times["b"].append(ms(t1, t2))
-            times["w"].append(ms(t2, t3))
-        del inp, out
+
+    for i in range(warmup + reps):  # the two variants alternate: drift hits both
+        timed = i >= warmup
+        defer_weight_grads(stage, store)  # split: F, B (dW deferred), W
+        clocked(("f", "b", "w") if timed else None, store.micro_batch(0),
+                activation_memory, lambda: store.flush(0))
         restore_weight_grads(stage)  # undivided: F, the whole backward
-        stage.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = clock()
-        inp, out = forward()
-        t1 = clock()
-        torch.autograd.backward(out, dy)
-        t2 = clock()
-        if cuda:
-            torch.cuda.synchronize()
-        if timed:
-            times["f_undivided"].append(ms(t0, t1))
-            times["full_bwd"].append(ms(t1, t2))
-        del inp, out
+        clocked(("f_undivided", "full_bwd") if timed else None)
     return {"times": times, "act_mib": act}
 
 
@@ -160,10 +135,6 @@ def measure(preset_name: str = PRESET, seq_len: int = SEQ_LEN,
             micro_batch: int = MICRO_BATCH, *, switches=None, warmup: int = WARMUP,
             reps: int = REPS, device=None) -> list[dict]:
     """The "measure" rows (layer, head) and the "p2p" row for `preset_name`."""
-    from colossal_lab import precision
-    from colossal_lab.config import SWITCH_SETS
-    from colossal_lab.parallel import overlap_model as om
-    from colossal_lab.switches.resolved import backends_in_use
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if switches is None:
@@ -204,99 +175,46 @@ def p2p_ms(nbytes: float, link) -> float:
     return link.latency_us / 1e3 + nbytes / (link.gbps * 1e9) * 1e3
 
 
-# ------------------------------------------------------------------- the simulation
-
-
-def stage_costs(layer: dict, head: dict, num_layers: int, num_stages: int,
-                split: bool) -> tuple[list[float], list[float], list[float]]:
-    """Per virtual stage (f, b, w) in ms: num_layers / num_stages layers each, the head
-    on the last. `split=False`: the undivided forward (plain linears), b the full
-    backward and w 0."""
-    per = num_layers // num_stages
-    if per * num_stages != num_layers:
-        raise ValueError(f"{num_layers} layers do not divide into {num_stages} stages")
-
-    def cost(row, key):
-        return row[f"{key}_ms"]
-
-    fk = "f" if split or "f_undivided_ms" not in layer else "f_undivided"
-    fs, bs, ws = [], [], []
-    for s in range(num_stages):
-        extra = head if s == num_stages - 1 else None
-        f = per * cost(layer, fk) + (cost(extra, fk) if extra else 0.0)
-        if split:
-            b = per * cost(layer, "b") + (cost(extra, "b") if extra else 0.0)
-            w = per * cost(layer, "w") + (cost(extra, "w") if extra else 0.0)
-        else:
-            b = per * cost(layer, "full_bwd") + (cost(extra, "full_bwd") if extra else 0.0)
-            w = 0.0
-        fs.append(f)
-        bs.append(b)
-        ws.append(w)
-    return fs, bs, ws
-
-
-def simulate_rows(measured: Sequence[dict], *, ps: Sequence[int] = PS,
-                  ms: Sequence[int] = MS, schedules: Sequence[str] = SCHEDULES,
-                  links: Sequence[str] = SIM_LINKS, num_layers: int | None = None
-                  ) -> list[dict]:
-    """One "sim" row per (schedule, p, m, link) that exists (interleaved needs
-    m % p == 0, ZB-V m >= p)."""
-    from colossal_lab.parallel import overlap_model as om
-    from colossal_lab.parallel.pipeline import schedules as sch
-    from colossal_lab.parallel.pipeline.simulate import simulate
-
-    layer = next(r for r in measured if r.get("kind") == "measure" and r["part"] == "layer")
-    head = next(r for r in measured if r.get("kind") == "measure" and r["part"] == "head")
-    p2p = next(r for r in measured if r.get("kind") == "p2p")
-    L = num_layers or layer["layers"]
-    tokens_mb = layer["micro_batch"] * layer["seq_len"]
-    rows = []
-    for ln_name in links:
-        comm = p2p[f"comm_ms[{ln_name}]"]
-        om.link(ln_name)  # a known link
-        for p in ps:
-            for m in ms:
-                base = None
-                for name in schedules:
-                    if (name == "interleaved" and m % p) or (name == "zbv" and m < p):
-                        continue
-                    S = p * (CHUNKS if name in ("interleaved", "zbv") else 1)
-                    split = name in ("zb-h1", "zbv")
-                    fs, bs, ws = stage_costs(layer, head, L, S, split)
-                    share = L // p  # one rank's layers: the greedy orders' cost unit
-                    unit = {"f": share * layer["f_ms"], "b": share * layer["b_ms"],
-                            "w": share * layer["w_ms"], "comm": comm}
-                    if name == "zbv":
-                        s = sch.zb_v(p, m, **unit)
-                    elif name == "zb-h1":
-                        s = sch.zb_h1(p, m, **unit)
-                    else:
-                        s = sch.make(name, p, m, CHUNKS)
-                    tl = simulate(s, fs, bs, ws, comm)
-                    peak = max(tl.peak_activations)
-                    row = {"kind": "sim", "schedule": name, "p": p, "m": m,
-                           "chunks": s.chunks, "link": ln_name, "comm_ms": comm,
-                           "layers": L, "step_ms": tl.makespan, "bubble": tl.bubble,
-                           "bubble_over_useful": tl.bubble_over_useful,
-                           "tokens_per_s": m * tokens_mb / (tl.makespan / 1e3),
-                           "peak_activations": peak,
-                           "peak_act_gib": None if layer["act_mib"] is None else
-                           peak * share * layer["act_mib"] / 1024}
-                    if name == "1f1b":
-                        base = row["step_ms"]
-                    rows.append(row)
-                for row in rows:
-                    if row["p"] == p and row["m"] == m and row["link"] == ln_name:
-                        row["speedup_vs_1f1b"] = base / row["step_ms"] if base else None
-    return rows
-
 
 def run(quick: bool = False, *, reps: int | None = None, progress: bool = True
         ) -> list[dict]:
     """The measurement and the simulation. `quick`: the tiny model on this machine's
-    CPU and a smaller grid; not a measurement of any GPU."""
-    from colossal_lab.config import preset
+    CPU and a smaller grid; not a measurement of any GPU.
+
+    One GPU cannot run a pipeline, but it can measure what a schedule is built from. For
+    one decoder layer of `llama-7b` (sequence 4096, micro-batch 1, the best bf16 switches,
+    `config.SWITCH_SETS["best"]`) and for the last stage's extra work (final norm, output
+    head and loss, `stages.Stage` with no layers), CUDA events time, over `REPS` repetitions
+    after `WARMUP`:
+
+    * F: the forward, building the autograd graph, as a pipeline stage runs it;
+    * B: the backward to the input with the weight gradients deferred (the runtime's
+      `DeferredLinear` filing dW = dyᵀx with a `WeightGradStore`);
+    * W: the deferred weight gradients (`WeightGradStore.flush`);
+    * the forward and the full backward with plain linears (no deferral): what GPipe,
+      1F1B and interleaved run; each repetition times both variants, so drift hits both,
+
+    each as median, p10 and p90, plus the activation memory one micro-batch leaves between
+    F and B, and the size of what a stage sends its neighbour: one (1, 4096, 4096) bf16
+    hidden state, 32 MiB, whose transfer time comes from the link table of
+    `overlap_model.LINKS` (latency + bytes / bandwidth: a model, not a measurement).
+
+    `pipeline.simulate` then times every schedule for p ∈ {2, 4, 8} and m ∈ {4, 8, 16,
+    32} on LLaMA-7B's 32 layers: virtual stage s holds 32/S layers, the last one also the
+    head (per-stage costs), the embedding is left out (a lookup), transfers run beside the
+    compute (``overlap_p2p``) and cost their transfer time on NVLink 4 (a pipeline in one
+    node) and on a 400 Gb/s network (one stage per node). ZB-H1's and ZB-V's orders are
+    built from the measured costs, as ColossalAI builds its ZB-V order.
+
+    Rows: ``kind="measure"`` (part "layer" or "head": f/b/w/f_undivided/full_bwd ms with
+    p10 and p90, act_mib, backends), ``kind="p2p"`` (act_bytes, comm_ms per link) and ``kind="sim"``
+    (schedule, p, m, chunks, link: step_ms, bubble, tokens_per_s, speedup_vs_1f1b,
+    peak_activations in micro-batches of a rank's layers, peak_act_gib from the measured
+    act_mib, an upper bound for the zero-bubble schedules whose W keeps part of it).
+
+        python -m colossal_lab bench pipeline_sim           # results/<gpu>/pipeline_sim.json
+        python -m colossal_lab bench pipeline_sim --quick   # tiny model on this CPU, not saved
+    """
 
     if quick:
         q = QUICK
@@ -341,7 +259,6 @@ def summary(rows: Sequence[dict]) -> str:
 
 
 def config_of(reps: int = REPS) -> dict:
-    from colossal_lab.parallel import overlap_model as om
 
     return {"preset": PRESET, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH,
             "switches": 'config.SWITCH_SETS["best"]', "warmup": WARMUP, "reps": reps,
@@ -357,22 +274,9 @@ def config_of(reps: int = REPS) -> dict:
                           "costs"}
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny model on the CPU, not saved")
-    p.add_argument("--reps", type=int, default=None,
-                   help=f"timed repetitions (default {REPS})")
-    a = p.parse_args(argv)
-    rows = run(a.quick, reps=a.reps)
-    if not a.quick:
-        from colossal_lab.measure.results import save_results
-
-        command = " ".join(["python -m colossal_lab bench pipeline_sim", *argv])
-        path = save_results(NAME, rows, config=config_of(a.reps or REPS), command=command)
-        print(f"saved {path}")
+BENCH = counted(NAME, __doc__, run, config_of, count="reps", default=REPS,
+                what="timed repetitions", quick_help="tiny model on the CPU, not saved")
+main = BENCH.main
 
 
 if __name__ == "__main__":

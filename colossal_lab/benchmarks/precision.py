@@ -1,41 +1,19 @@
-"""Switch 6 benchmark: precision, from the GEMM to the training step to the loss curve.
-
-Three parts, each saved to its own file with its own provenance,
-`results/<gpu>/precision_<part>.json` (rows carry a `kind`):
-
-* ``gemm``: LLaMA-7B's linear shapes (d=4096 → 4096 / 12288 / 11008 / 22016 / 32000
-  and 11008 → 4096) over 4k–32k tokens. Raw GEMMs (bf16 `torch.mm` against fp8
-  `torch._scaled_mm` on pre-cast operands, forward only) and whole linears (bf16
-  autocast `F.linear` against our `Fp8Linear`, forward + backward, casts included,
-  dynamic and delayed scaling), side by side; TFLOP/s = 2·M·N·K (forward) or 6·M·N·K
-  (forward + backward) over the time; fp8 rows carry `speedup_vs_bf16`.
-* ``step``: the `llama-7b-8l` training step (seq 4096, batch 4, switches 1–3 on) in
-  fp32 (PyTorch's default: no TF32), tf32, bf16, bf16-pure, fp16 and fp8 (dynamic,
-  delayed), each in its own process via
-  `benchmarks.steps`; MFU is always against the dense **bf16** peak (`mfu_peak`), also
-  for fp8 ("MFU vs bf16 peak"), so the rows compare.
-* ``curve``: a ~55M-parameter LLaMA (every width a multiple of 16, so fp8 really
-  runs everywhere) trained on the real-text corpus for a few hundred steps in fp32,
-  bf16 and fp8, same seed and data order; the curve, the final loss (mean of the last
-  `FINAL_WINDOW` steps) and its relative difference from bf16.
-
-    python -m colossal_lab bench precision                 # all three (~8 min, H200)
-    python -m colossal_lab bench precision --parts gemm    # one part, one file
-    python -m colossal_lab bench precision --quick         # CPU smoke test, seconds
-"""
+"""Switch 6 benchmark: precision, from the GEMM to the training step to the loss curve."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import torch
 import torch.nn.functional as F
 
 from colossal_lab import precision as P
-from colossal_lab.benchmarks.curves import FINAL_WINDOW
+from colossal_lab.benchmarks.curves import FINAL_WINDOW, Curve
+from colossal_lab.benchmarks.curves import run_curves as train_curves
+from colossal_lab.benchmarks.harness import Benchmark, Invocation, flag, opt, row_line
 from colossal_lab.benchmarks.steps import Setup, run_setups, step_config
 from colossal_lab.config import ModelConfig, Switches, tiny
+from colossal_lab.measure.results import load_results
 from colossal_lab.measure.timing import tflops, time_kernels
 from colossal_lab.ops import fp8
 
@@ -164,10 +142,8 @@ def run_gemm(quick: bool = False) -> list[dict]:
 def format_gemm(r: dict) -> str:
     head = f"  {r['linear']:<13}{r['tokens']:>6} x {r['in_features']}->{r['out_features']:<6}" \
            f"{r['provider']:<20}"
-    if "error" in r:
-        return f"{head} failed: {r['error'][:80]}"
     sp = f"  x{r['speedup_vs_bf16']:.2f} vs bf16" if "speedup_vs_bf16" in r else ""
-    return f"{head}{r['tflops']:8.1f} TFLOP/s ({r['pass']}){sp}"
+    return row_line(head, r, lambda r: f"{r['tflops']:8.1f} TFLOP/s ({r['pass']}){sp}", 80)
 
 
 # ----------------------------------------------------------------------------- steps
@@ -199,8 +175,6 @@ def _quick(s: Setup) -> Setup:
 
 
 def run_curves(quick: bool = False) -> list[dict]:
-    from colossal_lab.benchmarks.curves import Curve
-    from colossal_lab.benchmarks.curves import run_curves as train_curves
 
     if quick:
         cfg = tiny().replace(intermediate_size=176)  # every width a multiple of 16
@@ -221,7 +195,31 @@ def run_curves(quick: bool = False) -> list[dict]:
 
 
 def run(quick: bool = False, parts=PARTS) -> list[dict]:
-    """The parts asked for, in order (each row has a `kind`)."""
+    """The parts asked for, in order (each row has a `kind`).
+
+    Three parts, each saved to its own file with its own provenance,
+    `results/<gpu>/precision_<part>.json` (rows carry a `kind`):
+
+    * ``gemm``: LLaMA-7B's linear shapes (d=4096 → 4096 / 12288 / 11008 / 22016 / 32000
+      and 11008 → 4096) over 4k–32k tokens. Raw GEMMs (bf16 `torch.mm` against fp8
+      `torch._scaled_mm` on pre-cast operands, forward only) and whole linears (bf16
+      autocast `F.linear` against our `Fp8Linear`, forward + backward, casts included,
+      dynamic and delayed scaling), side by side; TFLOP/s = 2·M·N·K (forward) or 6·M·N·K
+      (forward + backward) over the time; fp8 rows carry `speedup_vs_bf16`.
+    * ``step``: the `llama-7b-8l` training step (seq 4096, batch 4, switches 1–3 on) in
+      fp32 (PyTorch's default: no TF32), tf32, bf16, bf16-pure, fp16 and fp8 (dynamic,
+      delayed), each in its own process via
+      `benchmarks.steps`; MFU is always against the dense **bf16** peak (`mfu_peak`), also
+      for fp8 ("MFU vs bf16 peak"), so the rows compare.
+    * ``curve``: a ~55M-parameter LLaMA (every width a multiple of 16, so fp8 really
+      runs everywhere) trained on the real-text corpus for a few hundred steps in fp32,
+      bf16 and fp8, same seed and data order; the curve, the final loss (mean of the last
+      `FINAL_WINDOW` steps) and its relative difference from bf16.
+
+        python -m colossal_lab bench precision                 # all three (~8 min, H200)
+        python -m colossal_lab bench precision --parts gemm    # one part, one file
+        python -m colossal_lab bench precision --quick         # CPU smoke test, seconds
+    """
     rows = []
     if "gemm" in parts:
         rows += run_gemm(quick)
@@ -277,31 +275,27 @@ def file_name(part: str, base: str = "precision") -> str:
 
 def load(gpu: str | None = None) -> list[dict]:
     """The rows of every recorded part (each file's rows keep their `kind`)."""
-    from colossal_lab.measure.results import load_results
 
     return [r for part in PARTS for r in load_results(file_name(part), gpu).rows]
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    p.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
-    p.add_argument("--name", default="precision", help="file names: NAME_<part>.json")
-    a = p.parse_args(argv)
-    if a.quick:
-        run(a.quick, tuple(a.parts))
+def _save_parts(call: Invocation) -> None:
+    """Each part measured and saved in turn: a crash loses one part."""
+    if call.args.quick:
+        run(True, tuple(call.args.parts))
         return
-    from colossal_lab.measure.results import save_results
+    for part in call.args.parts:
+        call.save(run(False, (part,)), name=file_name(part, call.args.name),
+                  config=config_of(),
+                  command=f"python -m colossal_lab bench precision --parts {part}")
 
-    for part in a.parts:  # saved after each part: a crash loses one part
-        rows = run(False, (part,))
-        command = f"python -m colossal_lab bench precision --parts {part}"
-        path = save_results(file_name(part, a.name), rows, config=config_of(),
-                            command=command)
-        print(f"saved {path}")
+
+BENCH = Benchmark(
+    "precision", __doc__, quick_help="tiny shapes (CPU smoke test)",
+    options=[opt("--parts", nargs="*", choices=PARTS, default=list(PARTS)),
+             flag("name", default="precision", help="file names: NAME_<part>.json")],
+    execute=_save_parts)
+main = BENCH.main
 
 
 if __name__ == "__main__":

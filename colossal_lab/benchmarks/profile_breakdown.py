@@ -1,38 +1,19 @@
-"""Chapter 09's breakdown: where a training step's GPU time goes, naive against best.
-
-One training step of `llama-7b-8l` (seq 4096, batch 4, random tokens, AdamW) profiled
-with `colossal_lab.measure.profile` (wait 1, warm-up 2, active 3 steps), each setup in its own
-process (as `steps.run_setups` times them), then summarized: GPU time by kernel class,
-the top kernels, idle time (HolisticTraceAnalysis's host-wait / kernel-wait split), and
-the operators placed on the roofline.
-
-    naive-fp32   ours, every switch off, fp32 (the seed's starting point; micro-batch 1,
-                 as chapter 00 times it, since naive attention at 4 does not fit)
-    naive-bf16   ours, every switch off, bf16 autocast (SWITCH_SETS["bf16"]; micro 1)
-    best         ours, SWITCH_SETS["best"] (chapter 10's ours-bf16)
-    hf-liger     Hugging Face LlamaForCausalLM, SDPA, Liger's kernels, bf16 autocast
-
-Rows (`profile.breakdown_rows`): ``kind="step"`` (profiled step, busy, idle, data,
-communication, HTA's numbers), ``kind="class"`` (ms per step by kernel class),
-``kind="kernel"`` (the top kernels) and ``kind="op"`` (roofline points: FLOPs, bytes,
-time). Times are under the profiler, a little slower than chapter 10's timed steps; the
-chapters' step benchmarks give the MFU.
-
-    python -m colossal_lab bench profile_breakdown            # results/<gpu>/profile_breakdown.json
-    python -m colossal_lab bench profile_breakdown --quick    # tiny model on this CPU
-    python -m colossal_lab bench profile_breakdown --trace-dir traces   # keep the traces
-"""
+"""Chapter 09's breakdown: where a training step's GPU time goes, naive against best."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
+from colossal_lab import precision
+from colossal_lab.benchmarks.baseline import STEP_FLAGS
+from colossal_lab.benchmarks.harness import SUPPRESS, Benchmark, Invocation, opt
 from colossal_lab.benchmarks.steps import Setup, in_child, prepare, ran_backends
 from colossal_lab.config import SWITCH_SETS
+from colossal_lab.measure import profile, timing
 from colossal_lab.measure.profile import step_ms_of
+from colossal_lab.training import data, train
 
 NAME = "profile_breakdown"
 SETUPS = (
@@ -52,9 +33,6 @@ def profile_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
                 trace_dir: str | Path) -> list[dict]:
     """Build `setup` (`steps.build`), profile its training step in this process and
     return its rows; the trace is written to `trace_dir/<setup>.json`."""
-    from colossal_lab import precision
-    from colossal_lab.measure import profile, timing
-    from colossal_lab.training import data, train
 
     device, cfg, model, loss_fn, micro, opt = prepare(setup, preset_name, batch)
     step = train.make_step(model, opt, loss_fn, micro_batches=batch // micro)
@@ -92,7 +70,30 @@ def profile_isolated(setup: Setup, preset_name: str, seq_len: int, batch: int,
 def run(quick: bool = False, *, preset_name: str = "llama-7b-8l", seq_len: int = 4096,
         batch: int = 4, setups=None, trace_dir: str | Path | None = None) -> list[dict]:
     """Every setup's rows. `quick`: the tiny model at seq 64, batch 2, in this process,
-    without Liger (its kernels need a GPU)."""
+    without Liger (its kernels need a GPU).
+
+    One training step of `llama-7b-8l` (seq 4096, batch 4, random tokens, AdamW) profiled
+    with `colossal_lab.measure.profile` (wait 1, warm-up 2, active 3 steps), each setup in its own
+    process (as `steps.run_setups` times them), then summarized: GPU time by kernel class,
+    the top kernels, idle time (HolisticTraceAnalysis's host-wait / kernel-wait split), and
+    the operators placed on the roofline.
+
+        naive-fp32   ours, every switch off, fp32 (the seed's starting point; micro-batch 1,
+                     as chapter 00 times it, since naive attention at 4 does not fit)
+        naive-bf16   ours, every switch off, bf16 autocast (SWITCH_SETS["bf16"]; micro 1)
+        best         ours, SWITCH_SETS["best"] (chapter 10's ours-bf16)
+        hf-liger     Hugging Face LlamaForCausalLM, SDPA, Liger's kernels, bf16 autocast
+
+    Rows (`profile.breakdown_rows`): ``kind="step"`` (profiled step, busy, idle, data,
+    communication, HTA's numbers), ``kind="class"`` (ms per step by kernel class),
+    ``kind="kernel"`` (the top kernels) and ``kind="op"`` (roofline points: FLOPs, bytes,
+    time). Times are under the profiler, a little slower than chapter 10's timed steps; the
+    chapters' step benchmarks give the MFU.
+
+        python -m colossal_lab bench profile_breakdown   # results/<gpu>/profile_breakdown.json
+        python -m colossal_lab bench profile_breakdown --quick    # tiny model on this CPU
+        python -m colossal_lab bench profile_breakdown --trace-dir traces   # keep the traces
+    """
     chosen = [s for s in SETUPS if s.name in (setups or SETUP_NAMES)]
     if quick:
         preset_name, seq_len, batch = "tiny", 64, 2
@@ -120,7 +121,6 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def config_of(preset_name: str = "llama-7b-8l", seq_len: int = 4096, batch: int = 4) -> dict:
-    from colossal_lab.measure import profile
 
     return {"preset": preset_name, "seq_len": seq_len, "batch": batch,
             "optimizer": "AdamW", "data": "random tokens",
@@ -132,17 +132,10 @@ def config_of(preset_name: str = "llama-7b-8l", seq_len: int = 4096, batch: int 
             "setups": {s.name: s.label for s in SETUPS}}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--preset", default="llama-7b-8l")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--setups", nargs="*", choices=SETUP_NAMES)
-    p.add_argument("--trace-dir", help="keep the traces here (default: thrown away)")
-    p.add_argument("--child", help=argparse.SUPPRESS)  # a Setup's JSON: profile_isolated
-    p.add_argument("--json-out", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+def _profile(call: Invocation) -> None:
+    """The breakdown of the chosen setups, saved; or, as a child (`--child`), one
+    setup's rows written to `--json-out`."""
+    a = call.args
     if a.child:
         rows = profile_one(Setup.from_json(a.child), a.preset, a.seq_len, a.batch,
                            a.trace_dir)
@@ -152,11 +145,17 @@ def main(argv=None) -> None:
     rows = run(a.quick, preset_name=a.preset, seq_len=a.seq_len, batch=a.batch,
                setups=a.setups, trace_dir=a.trace_dir)
     if not a.quick:
-        from colossal_lab.measure.results import save_results
+        call.save(rows)
 
-        path = save_results(NAME, rows, config=config_of(a.preset, a.seq_len, a.batch),
-                            command=f"python -m colossal_lab bench {NAME}")
-        print(f"saved {path}")
+
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny model, in this process, not saved",
+    options=[*STEP_FLAGS, opt("--setups", nargs="*", choices=SETUP_NAMES),
+             opt("--trace-dir", help="keep the traces here (default: thrown away)"),
+             opt("--child", help=SUPPRESS),  # a Setup's JSON: profile_isolated
+             opt("--json-out", help=SUPPRESS)],
+    config=lambda a: config_of(a.preset, a.seq_len, a.batch), execute=_profile)
+main = BENCH.main
 
 
 if __name__ == "__main__":

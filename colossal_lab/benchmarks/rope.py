@@ -1,46 +1,16 @@
-"""RoPE benchmark: eager, torch.compile, our Triton kernel and Liger-Kernel's, side by
-side in one process.
-
-Each case rotates q (B, S, Hq, D) and k (B, S, Hkv, D) with the model's fp32 (S, D)
-tables, in bf16, and hands the attention (B, H, S, D) tensors, as the model does:
-
-- "eager": `model.apply_rotary` on the transposed views (what the model runs today);
-- "compile": `torch.compile` of that same function;
-- "triton": ours, `kernels.rope.rope_triton` on the (B, S, H, D) layout, then a view
-  transpose;
-- "liger": Liger-Kernel's `LigerRopeFunction` on the transposed views with (1, S, D)
-  tables, when `liger_kernel` is installed. (It makes (B, S, H, D) copies of strided
-  inputs and rotates contiguous ones in place, allocating nothing: in the "separate"
-  layout it rotates the benchmark's inputs again at each call, harmless to the timing
-  since a rotation keeps their norms.)
-
-Two input layouts: "separate" (q and k are their own contiguous tensors: separate
-projections) and "fused" (column slices of one (B, S, (Hq + 2·Hkv)·D) qkv output:
-switch 3; strided rows, and the gradient flows back into the one qkv gradient). The
-upstream gradients have the layout of each provider's outputs (`randn_like`), as an
-attention backward returns them.
-
-Shapes: LLaMA-7B (32 heads, D 128), TinyLlama (GQA 32:4, D 64) and LLaMA-3-8B (GQA
-32:8, D 128), batch 4, S 2048 / 4096 / 8192. Forward, and forward + backward (with
-`torch.autograd.grad`: no .grad accumulation), timed as CUDA-graph replays
-(`timing.time_kernels`: the kernels alone, L2 flushed before each) and eagerly
-(`timing.time_fn`, `*_eager_ms`: Python launches included). The unit is effective
-bandwidth, the bytes an ideal kernel moves (`moved_bytes`) over the time, the same for
-every provider, next to the device's copy ceiling; ratios are against "eager" in the
-same run. The eager chain's real traffic, counted op by op, is in the "traffic" rows.
-
-    python -m colossal_lab.benchmarks.rope           # -> results/<gpu>/rope.json
-    python -m colossal_lab.benchmarks.rope --quick   # tiny shapes on the CPU, not saved
-"""
+"""RoPE: eager, torch.compile, our Triton kernel and Liger-Kernel's, side by side."""
 
 from __future__ import annotations
 
-import argparse
 import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 
+from colossal_lab.benchmarks.harness import Benchmark, case_line, flag, opt
+from colossal_lab.benchmarks.norm_measure import _Traffic
+from colossal_lab.kernels import runs_on
+from colossal_lab.kernels.rope import rope_triton
 from colossal_lab.measure import timing
 from colossal_lab.measure.hardware import measure_copy_gbps
 from colossal_lab.model import RotaryEmbedding, apply_rotary
@@ -118,8 +88,6 @@ def eager_traffic(shape: Shape, seq: int, layout: str = "separate",
     allocated). For "fused" the backward includes what autograd adds to bring the
     gradient back to the (B, S, (Hq + 2·Hkv)·D) qkv output: a transposing copy and the
     concatenation of dq, dk and the (zero) dv. The kernel docstring quotes these."""
-    from colossal_lab.benchmarks.fused_norm import _Traffic
-
     class _Counted(_Traffic):
         """`_Traffic`, with `_unsafe_view` (a reshape's view, whose schema does not
         say it aliases) moving nothing, as on the device."""
@@ -144,20 +112,18 @@ def eager_traffic(shape: Shape, seq: int, layout: str = "separate",
 
 
 def _eager(q, k, cos, sin):
-    """The model today: transpose to (B, H, S, D) views, then `apply_rotary`."""
+    """The plain model: transpose to (B, H, S, D) views, then `apply_rotary`."""
     S = q.shape[1]
     return apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos[:S], sin[:S])
 
 
 def _triton(q, k, cos, sin):
-    from colossal_lab.kernels.rope import rope_triton
-
     q_rot, k_rot = rope_triton(q, k, cos, sin)  # (B, S, H, D), contiguous
     return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
 
 
 def _liger(q, k, cos, sin):
-    from liger_kernel.ops.rope import LigerRopeFunction
+    from liger_kernel.ops.rope import LigerRopeFunction  # lazy: optional package
 
     S = q.shape[1]
     out = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos[None, :S],
@@ -182,7 +148,7 @@ def provider_fn(provider: str):
 
 def liger_available() -> bool:
     try:
-        from liger_kernel.ops.rope import LigerRopeFunction  # noqa: F401
+        from liger_kernel.ops.rope import LigerRopeFunction  # noqa: F401  # lazy: optional
     except Exception:  # not installed, or no GPU build of Triton
         return False
     return True
@@ -191,8 +157,6 @@ def liger_available() -> bool:
 def providers_here(device) -> list[str]:
     """Providers that can run on `device`: ours needs a GPU or the interpreter, Liger a
     GPU and the package."""
-    from colossal_lab.kernels import runs_on
-
     out = ["eager", "compile"]
     if runs_on(device):
         out.append("triton")
@@ -266,7 +230,39 @@ def run(quick: bool = False, *, models=None, seqs=None, layouts=LAYOUTS,
     the eager chain's counted traffic and the copy ceiling.
 
     `quick`: a tiny GQA shape on the CPU in fp32, providers eager and triton (the
-    interpreter): a smoke test, not a measurement."""
+    interpreter): a smoke test, not a measurement.
+
+    Each case rotates q (B, S, Hq, D) and k (B, S, Hkv, D) with the model's fp32 (S, D)
+    tables, in bf16, and hands the attention (B, H, S, D) tensors, as the model does:
+
+    - "eager": `model.apply_rotary` on the transposed views (the plain model's path);
+    - "compile": `torch.compile` of that same function;
+    - "triton": ours, `kernels.rope.rope_triton` on the (B, S, H, D) layout, then a view
+      transpose;
+    - "liger": Liger-Kernel's `LigerRopeFunction` on the transposed views with (1, S, D)
+      tables, when `liger_kernel` is installed. (It makes (B, S, H, D) copies of strided
+      inputs and rotates contiguous ones in place, allocating nothing: in the "separate"
+      layout it rotates the benchmark's inputs again at each call, harmless to the timing
+      since a rotation keeps their norms.)
+
+    Two input layouts: "separate" (q and k are their own contiguous tensors: separate
+    projections) and "fused" (column slices of one (B, S, (Hq + 2·Hkv)·D) qkv output:
+    switch 3; strided rows, and the gradient flows back into the one qkv gradient). The
+    upstream gradients have the layout of each provider's outputs (`randn_like`), as an
+    attention backward returns them.
+
+    Shapes: LLaMA-7B (32 heads, D 128), TinyLlama (GQA 32:4, D 64) and LLaMA-3-8B (GQA
+    32:8, D 128), batch 4, S 2048 / 4096 / 8192. Forward, and forward + backward (with
+    `torch.autograd.grad`: no .grad accumulation), timed as CUDA-graph replays
+    (`timing.time_kernels`: the kernels alone, L2 flushed before each) and eagerly
+    (`timing.time_fn`, `*_eager_ms`: Python launches included). The unit is effective
+    bandwidth, the bytes an ideal kernel moves (`moved_bytes`) over the time, the same for
+    every provider, next to the device's copy ceiling; ratios are against "eager" in the
+    same run. The eager chain's real traffic, counted op by op, is in the "traffic" rows.
+
+        python -m colossal_lab.benchmarks.rope           # -> results/<gpu>/rope.json
+        python -m colossal_lab.benchmarks.rope --quick   # tiny shapes on the CPU, not saved
+    """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if quick:
@@ -309,14 +305,8 @@ def run(quick: bool = False, *, models=None, seqs=None, layouts=LAYOUTS,
 def format_case(case: list[dict]) -> str:
     r0 = case[0]
     head = (f"  {r0['model']:<10}S {r0['seq']:<5} {r0['layout']:<9}")
-    cells = []
-    for r in case:
-        if "error" in r:
-            cells.append(f"{r['provider']} failed: {r['error'][:60]}")
-        else:
-            cells.append(f"{r['provider']} {r['fwd_bwd_ms']:.3g} ms "
-                         f"x{r.get('fwd_bwd_speedup', 1):.2f}")
-    return head + " f+b: " + ", ".join(cells)
+    return case_line(head + " f+b: ", case, lambda r: f"{r['provider']} "
+                     f"{r['fwd_bwd_ms']:.3g} ms x{r.get('fwd_bwd_speedup', 1):.2f}")
 
 
 def summary(rows: list[dict]) -> str:
@@ -365,28 +355,16 @@ def config_of() -> dict:
                        "torch._dynamo.reset()"}
 
 
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    p.add_argument("--models", nargs="*", choices=list(MODELS))
-    p.add_argument("--seq", nargs="*", type=int, help=f"default {SEQ}")
-    p.add_argument("--layouts", nargs="*", choices=LAYOUTS, default=list(LAYOUTS))
-    p.add_argument("--providers", nargs="*", choices=PROVIDERS)
-    p.add_argument("--name", default=NAME, help="results file name (keep partial runs "
-                                                "apart)")
-    a = p.parse_args(argv)
-    rows = run(a.quick, models=a.models, seqs=tuple(a.seq) if a.seq else None,
-               layouts=tuple(a.layouts), providers=a.providers)
-    if not a.quick:
-        from colossal_lab.measure.results import save_results
-
-        command = " ".join([f"python -m colossal_lab bench {NAME}", *argv])
-        path = save_results(a.name, rows, config=config_of(), command=command)
-        print(f"saved {path}")
-
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny shapes (CPU smoke test)",
+    options=[opt("--models", nargs="*", choices=list(MODELS)),
+             opt("--seq", nargs="*", type=int, help=f"default {SEQ}"),
+             opt("--layouts", nargs="*", choices=LAYOUTS, default=list(LAYOUTS)),
+             flag("providers", choices=PROVIDERS), flag("name")],
+    run=lambda a: run(a.quick, models=a.models, seqs=tuple(a.seq) if a.seq else None,
+                      layouts=tuple(a.layouts), providers=a.providers),
+    config=lambda a: config_of())
+main = BENCH.main
 
 if __name__ == "__main__":
     main()

@@ -1,49 +1,20 @@
-"""Switch 5 on one GPU: what chunking costs the GEMMs, what sequence parallelism saves in
-activation memory, and how much communication each scheme leaves exposed on NVLink.
+"""Switch 5 on one GPU: chunked GEMMs, activation memory saved, communication exposed.
 
-One GPU cannot run tensor parallelism, but it can run every GEMM a TP rank runs, whole
-and cut into the chunks a ring would cut it into. For LLaMA-7B (d 4096, 32 heads, i
-11008), sequence 4096, batch 1, bf16, and each TP size t of `TPS`, the four
-projections as one rank holds them: "qkv" (column-parallel, 3d/t outputs), "o" (row,
-d/t inputs), "gate_up" (column, 2i/t) and "down" (row, i/t). Each in three passes:
-"fwd" Y = X Wᵀ and "dgrad" dX = dY·W, both split along the tokens into k chunks, and
-"wgrad" dW = dYᵀX split along the tokens, its reduction dimension: k GEMMs accumulating
-into one output (``addmm_``). k = 1 (unsplit), 2, 4, 8. Timed as CUDA-graph replays
-(`timing.time_kernels`: CUDA events around each replay, L2 flushed, `REPS` replays;
-median, p10, p90), the k-chunk time divided by the unsplit one measured in the same
-process ("ratio").
-
-Then, computed from those rows (no second measurement):
-
-- ``kind="memory"``: activation memory per layer and rank, Korthikanti et al. 2022's
-  formulas (GPT layer, 16-bit activations, dropout masks; with and without the 5as²b/t
-  attention-score term, which flash attention removes) for plain TP
-  (sbh·(10 + 24/t)) and sequence parallelism (sbh·34/t), the same per 32-layer model in
-  GiB, and ColossalAI's "split_gather" as its LLaMA policy builds it (each of q, k, v,
-  gate and up gathers its input and keeps the gathered copy: ``ctx.gathered_input``);
-  plus, for t = 1, what our decoder layer *measurably* keeps for the backward (bytes
-  of the distinct tensors autograd saves, `saved_bytes_per_layer`), as a check of the
-  formula's scale.
-- ``kind="comm"``: a model of the communication each scheme leaves exposed per layer
-  (forward + backward) on NVLink 4 (`overlap_model.link`), fed with the measured GEMM
-  times: plain TP (4 all-reduces; the backward two overlapped with the dW GEMMs),
-  split_gather (8 all-gathers/reduce-scatters; the column linears' backward re-gather
-  hidden behind dX and the reduce-scatter behind dW, Megatron's overlaps), and the ring
-  (each collective in t steps, step time max(GEMM chunk, transfer of one shard)).
-
-    python -m colossal_lab bench sequence_parallel_gemm          # -> results/<gpu>/...
-    python -m colossal_lab bench sequence_parallel_gemm --quick  # CPU smoke, not saved
-"""
+What chunking costs the GEMMs, what sequence parallelism saves in activation memory,
+and how much communication each scheme leaves exposed on NVLink."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
 
+from colossal_lab.benchmarks.harness import counted
+from colossal_lab.config import Switches, preset
 from colossal_lab.measure import timing
+from colossal_lab.model import build_model
 from colossal_lab.parallel import overlap_model as om
+from colossal_lab.switches.apply import apply_switches
 
 NAME = "sequence_parallel_gemm"
 PRESET, SEQ_LEN, BATCH = "llama-7b", 4096, 1
@@ -171,8 +142,6 @@ def saved_bytes_per_layer(cfg, seq_len: int, batch: int, switches, device,
     """Bytes of the distinct tensors (storages) one decoder layer's forward keeps for
     the backward, parameters excluded: what a layer really holds, measured with
     `torch.autograd.graph.saved_tensors_hooks` (one layer of `cfg` with `switches`)."""
-    from colossal_lab.model import build_model
-    from colossal_lab.switches.apply import apply_switches
 
     model = apply_switches(build_model(cfg.replace(num_hidden_layers=1), device), switches)
     if switches.precision != "bf16-pure":
@@ -305,10 +274,58 @@ def comm_rows(gemm: list[dict], cfg, tokens: int, tps, link: om.Link,
 # ------------------------------------------------------------------------- run
 
 
+def config_of(reps: int = REPS) -> dict:
+    return {"preset": PRESET, "seq_len": SEQ_LEN, "batch": BATCH, "tps": list(TPS),
+            "chunks": list(CHUNKS), "reps": reps, "passes": list(PASSES),
+            "dtype": "bfloat16",
+            "timing": "timing.time_kernels: CUDA-graph replays, CUDA events around each, "
+                      "L2 flushed before each",
+            "memory": "Korthikanti et al. 2022 equations (GPT layer, 16-bit, dropout); "
+                      "measured: one decoder layer's saved tensors, sdpa attention, "
+                      "bf16 parameters",
+            "link": vars(om.link(LINK)),
+            "comm_model": "ring collectives, alpha + bytes/bandwidth, no contention, "
+                          "GEMMs as measured (colossal_lab.benchmarks.sequence_parallel_"
+                          "gemm.comm_rows)"}
+
+
 def run(quick: bool = False, *, progress: bool = True, reps: int | None = None) -> list[dict]:
     """GEMM rows (measured), memory rows (formula + the t = 1 check), comm rows (model).
-    `quick`: the tiny model on this machine's CPU in fp32, not a measurement of any GPU."""
-    from colossal_lab.config import Switches, preset
+    `quick`: the tiny model on this machine's CPU in fp32, not a measurement of any GPU.
+
+    One GPU cannot run tensor parallelism, but it can run every GEMM a TP rank runs, whole
+    and cut into the chunks a ring would cut it into. For LLaMA-7B (d 4096, 32 heads, i
+    11008), sequence 4096, batch 1, bf16, and each TP size t of `TPS`, the four
+    projections as one rank holds them: "qkv" (column-parallel, 3d/t outputs), "o" (row,
+    d/t inputs), "gate_up" (column, 2i/t) and "down" (row, i/t). Each in three passes:
+    "fwd" Y = X Wᵀ and "dgrad" dX = dY·W, both split along the tokens into k chunks, and
+    "wgrad" dW = dYᵀX split along the tokens, its reduction dimension: k GEMMs accumulating
+    into one output (``addmm_``). k = 1 (unsplit), 2, 4, 8. Timed as CUDA-graph replays
+    (`timing.time_kernels`: CUDA events around each replay, L2 flushed, `REPS` replays;
+    median, p10, p90), the k-chunk time divided by the unsplit one measured in the same
+    process ("ratio").
+
+    Then, computed from those rows (no second measurement):
+
+    - ``kind="memory"``: activation memory per layer and rank, Korthikanti et al. 2022's
+      formulas (GPT layer, 16-bit activations, dropout masks; with and without the 5as²b/t
+      attention-score term, which flash attention removes) for plain TP
+      (sbh·(10 + 24/t)) and sequence parallelism (sbh·34/t), the same per 32-layer model in
+      GiB, and ColossalAI's "split_gather" as its LLaMA policy builds it (each of q, k, v,
+      gate and up gathers its input and keeps the gathered copy: ``ctx.gathered_input``);
+      plus, for t = 1, what our decoder layer *measurably* keeps for the backward (bytes
+      of the distinct tensors autograd saves, `saved_bytes_per_layer`), as a check of the
+      formula's scale.
+    - ``kind="comm"``: a model of the communication each scheme leaves exposed per layer
+      (forward + backward) on NVLink 4 (`overlap_model.link`), fed with the measured GEMM
+      times: plain TP (4 all-reduces; the backward two overlapped with the dW GEMMs),
+      split_gather (8 all-gathers/reduce-scatters; the column linears' backward re-gather
+      hidden behind dX and the reduce-scatter behind dW, Megatron's overlaps), and the ring
+      (each collective in t steps, step time max(GEMM chunk, transfer of one shard)).
+
+        python -m colossal_lab bench sequence_parallel_gemm          # -> results/<gpu>/...
+        python -m colossal_lab bench sequence_parallel_gemm --quick  # CPU smoke, not saved
+    """
 
     device = torch.device("cuda" if torch.cuda.is_available() and not quick else "cpu")
     if quick:
@@ -350,37 +367,9 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def config_of(reps: int = REPS) -> dict:
-    return {"preset": PRESET, "seq_len": SEQ_LEN, "batch": BATCH, "tps": list(TPS),
-            "chunks": list(CHUNKS), "reps": reps, "passes": list(PASSES),
-            "dtype": "bfloat16",
-            "timing": "timing.time_kernels: CUDA-graph replays, CUDA events around each, "
-                      "L2 flushed before each",
-            "memory": "Korthikanti et al. 2022 equations (GPT layer, 16-bit, dropout); "
-                      "measured: one decoder layer's saved tensors, sdpa attention, "
-                      "bf16 parameters",
-            "link": vars(om.link(LINK)),
-            "comm_model": "ring collectives, alpha + bytes/bandwidth, no contention, "
-                          "GEMMs as measured (colossal_lab.benchmarks.sequence_parallel_"
-                          "gemm.comm_rows)"}
-
-
-def main(argv=None) -> None:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU, not saved")
-    p.add_argument("--reps", type=int, default=None, help=f"replays per case (default "
-                                                          f"{REPS})")
-    a = p.parse_args(argv)
-    rows = run(a.quick, reps=a.reps)
-    if not a.quick:
-        from colossal_lab.measure.results import save_results
-
-        command = " ".join([f"python -m colossal_lab bench {NAME}", *argv])
-        path = save_results(NAME, rows, config=config_of(a.reps or REPS), command=command)
-        print(f"saved {path}")
+BENCH = counted(NAME, __doc__, run, config_of, count="reps", default=REPS,
+                what="replays per case", quick_help="tiny shapes on the CPU, not saved")
+main = BENCH.main
 
 
 if __name__ == "__main__":

@@ -1,82 +1,28 @@
-"""Switch 5 measured: a training step of `llama-7b-8l` on t GPUs, tensor parallel
-(TP = t, the world size: 2 or 4), in each of its communication modes, side by side in
-one run.
+"""Switch 5 on 2 or 4 GPUs: a tensor-parallel `llama-7b-8l` step in each mode.
 
-`sequence_parallel_gemm` predicts from one GPU what each scheme leaves exposed; this
-benchmark runs them. On t ranks (``torchrun --nproc-per-node t``, NCCL, NVLink
-multicast off: ``NCCL_NVLS_ENABLE=0``), for sequence lengths `SEQ_LENS` (batch
-`BATCH[seq]`: 8192 tokens a step either way) and each mode of `MODES`:
-
-* "all_reduce": plain TP, an all-reduce after every attention and MLP block;
-* "split_gather": sequence parallelism, ColossalAI's default (all-gather before a
-  column-parallel linear, reduce-scatter after a row-parallel one);
-* "ring": the same collectives cut into t point-to-point steps under the GEMMs;
-* "symm_mem": torch's async TP (fused all-gather-matmul on symmetric memory), or a row
-  that says why it cannot run here (no CUDA/NCCL, a torch without the ops): never
-  another mode in its place (`tensor_parallel.apply` would fall back to "ring").
-
-The model carries the best single-GPU switches in bf16 (`config.SWITCH_SETS["best"]`)
-but the fused cross-entropy, which TP replaces by its vocabulary-parallel loss. Every
-mode starts from the same weights (seed 0, rank 0's broadcast) and the same batches.
-
-**Correctness first.** The first two steps of each mode are its check: the loss of step
-1 (the initial weights) and of step 2 (after one optimizer step) against plain TP's,
-``|loss − loss_tp| <= LOSS_RTOL[precision] · |loss_tp|`` (bf16 reduces in another order
-in each mode; fp32 on the CPU agrees to rounding). The difference is recorded
-(``loss_diff``, the larger of the two) with ``loss_ok``.
-
-**Timing.** `WARMUP` more steps, then `ITERS` timed with CUDA events
-(`timing.time_iterations`); a step's time is the slowest rank's (an all-reduce of MAX
-over the ranks' times of that step), so ``step_ms`` is the median of those, with
-p10 and p90. tokens/s counts the batch once (every rank works on the same tokens):
-``tokens_per_s = batch · seq / step``, ``tokens_per_s_per_gpu`` 1/t of it.
-
-**Memory**, per rank: ``peak_mem_gib`` (`torch.cuda.max_memory_allocated` over the
-timed steps, optimizer step included) and the probes of `memory.memory_probe` on one
-extra forward + backward: ``activation_gib`` its "saved" (what the forward keeps for
-the backward: the quantity sequence parallelism divides by t) and ``act_peak_gib`` its
-"activation" (peak minus what was allocated before the forward: saved activations,
-the backward's transients and the gradients). Both per rank as lists and their max.
-
-**Ratios** against plain TP at the same sequence length, from the same run:
-``vs_tp = step_ms_tp / step_ms`` (> 1: faster than plain TP) and ``act_vs_tp =
-activation_gib / activation_gib_tp``; the plain-TP figures are in the row
-(``step_ms_tp``, ``activation_gib_tp``), so `integrity` recomputes both.
-
-    torchrun --nproc-per-node 2 -m colossal_lab bench sequence_parallel_step   # TP 2
-    torchrun --nproc-per-node 4 -m colossal_lab bench sequence_parallel_step   # TP 4
-    python -m colossal_lab bench sequence_parallel_step --quick   # 2 gloo CPU processes
-    python -m colossal_lab bench sequence_parallel_step --quick --world 4   # TP 4, gloo
-
-**Targets** (issue #20 at TP 2, #21 at TP 4): `targets(rows)` reads them off the rows.
-
-The quick run: the tiny model, fp32, gloo, two (or ``--world``) processes of
-`distributed.spawn`, a few steps; checks and prints, saves nothing. At TP 4 the tiny
-model's two key/value heads are each replicated on two ranks; `llama-7b-8l`'s 32 are
-sharded at either t.
-"""
+TP = t, the world size; the communication modes run side by side in one run."""
 
 from __future__ import annotations
-
-import argparse
-import sys
 
 import torch
 
 from colossal_lab.benchmarks import two_gpu
+from colossal_lab.benchmarks.harness import Benchmark, opt
 from colossal_lab.benchmarks.two_gpu import (
     LOSS_RTOL,
     WORLDS,
     attempt,
     per_rank,
     print_table,
-    refuse_or_init,
     release,
-    save,
     switches_for,
     timed_steps,
 )
-from colossal_lab.parallel import distributed
+from colossal_lab.config import preset
+from colossal_lab.model import build_model
+from colossal_lab.parallel import distributed, tp_ops
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.training import data, memory, train
 
 NAME = "sequence_parallel_step"
 PRESET = "llama-7b-8l"
@@ -92,10 +38,10 @@ WARMUP, ITERS = 3, 25
 QUICK = {"preset": "tiny", "seq_lens": (32,), "batch": 2, "warmup": 1, "iters": 3}
 """The CPU smoke test: tiny model, fp32, gloo, a few steps."""
 RING_VS_TP = {2: 1.08, 4: 1.1}
-"""Issues #20 (TP 2) and #21 (TP 4): ring's ``vs_tp`` at least this, at every sequence
+"""Target (TP 2 and TP 4): ring's ``vs_tp`` at least this, at every sequence
 length measured."""
 ACT_VS_TP = {2: 0.6}
-"""Issue #20 (TP 2): split_gather's and ring's ``act_vs_tp`` at most this."""
+"""Target (TP 2): split_gather's and ring's ``act_vs_tp`` at most this."""
 SP_MODES = ("split_gather", "ring")
 """The sequence-parallel modes held to `ACT_VS_TP` (symm_mem: not part of the target)."""
 
@@ -105,7 +51,6 @@ SP_MODES = ("split_gather", "ring")
 
 def unavailable(mode: str, group) -> str | None:
     """Why `mode` cannot run on `group` here (None: it can)."""
-    from colossal_lab.parallel import tp_ops
 
     if mode == "symm_mem" and not tp_ops.symm_mem_available(group):
         backend = torch.distributed.get_backend(group)
@@ -119,9 +64,6 @@ def measure_mode(mode: str, cfg, sw, mesh, seq_len: int, batch: int, *, warmup: 
                  iters: int, device) -> dict:
     """One mode at one sequence length on this rank: its two checking steps' losses,
     its timing and memory (this rank's figures; `run_ranks` combines them)."""
-    from colossal_lab.model import build_model
-    from colossal_lab.switches.apply import apply_switches
-    from colossal_lab.training import data, memory, train
 
     sp = mode != "all_reduce"
     msw = sw.replace(enable_sequence_parallelism=sp,
@@ -162,7 +104,6 @@ def compare_to_plain(row: dict, base: dict, rtol: float) -> None:
 def run_ranks(quick: bool = False, seq_lens=None, modes=MODES) -> list[dict]:
     """The benchmark on every rank of a group (already initialised), TP over all of it
     (t = its world size); returns the rows (the same on every rank)."""
-    from colossal_lab.config import preset
 
     e = distributed.env()
     q = QUICK if quick else None
@@ -219,7 +160,61 @@ def run_ranks(quick: bool = False, seq_lens=None, modes=MODES) -> list[dict]:
 
 
 def run(quick: bool = False, world: int = two_gpu.WORLD) -> list[dict]:
-    """Rank 0's rows (`two_gpu.run`): with `quick`, `world` gloo CPU processes (t)."""
+    """Rank 0's rows (`two_gpu.run`): with `quick`, `world` gloo CPU processes (t).
+
+    `sequence_parallel_gemm` predicts from one GPU what each scheme leaves exposed; this
+    benchmark runs them. On t ranks (``torchrun --nproc-per-node t``, NCCL, NVLink
+    multicast off: ``NCCL_NVLS_ENABLE=0``), for sequence lengths `SEQ_LENS` (batch
+    `BATCH[seq]`: 8192 tokens a step either way) and each mode of `MODES`:
+
+    * "all_reduce": plain TP, an all-reduce after every attention and MLP block;
+    * "split_gather": sequence parallelism, ColossalAI's default (all-gather before a
+      column-parallel linear, reduce-scatter after a row-parallel one);
+    * "ring": the same collectives cut into t point-to-point steps under the GEMMs;
+    * "symm_mem": torch's async TP (fused all-gather-matmul on symmetric memory), or a row
+      that says why it cannot run here (no CUDA/NCCL, a torch without the ops): never
+      another mode in its place (`tensor_parallel.apply` would fall back to "ring").
+
+    The model carries the best single-GPU switches in bf16 (`config.SWITCH_SETS["best"]`)
+    but the fused cross-entropy, which TP replaces by its vocabulary-parallel loss. Every
+    mode starts from the same weights (seed 0, rank 0's broadcast) and the same batches.
+
+    **Correctness first.** The first two steps of each mode are its check: the loss of step
+    1 (the initial weights) and of step 2 (after one optimizer step) against plain TP's,
+    ``|loss − loss_tp| <= LOSS_RTOL[precision] · |loss_tp|`` (bf16 reduces in another order
+    in each mode; fp32 on the CPU agrees to rounding). The difference is recorded
+    (``loss_diff``, the larger of the two) with ``loss_ok``.
+
+    **Timing.** `WARMUP` more steps, then `ITERS` timed with CUDA events
+    (`timing.time_iterations`); a step's time is the slowest rank's (an all-reduce of MAX
+    over the ranks' times of that step), so ``step_ms`` is the median of those, with
+    p10 and p90. tokens/s counts the batch once (every rank works on the same tokens):
+    ``tokens_per_s = batch · seq / step``, ``tokens_per_s_per_gpu`` 1/t of it.
+
+    **Memory**, per rank: ``peak_mem_gib`` (`torch.cuda.max_memory_allocated` over the
+    timed steps, optimizer step included) and the probes of `memory.memory_probe` on one
+    extra forward + backward: ``activation_gib`` its "saved" (what the forward keeps for
+    the backward: the quantity sequence parallelism divides by t) and ``act_peak_gib`` its
+    "activation" (peak minus what was allocated before the forward: saved activations,
+    the backward's transients and the gradients). Both per rank as lists and their max.
+
+    **Ratios** against plain TP at the same sequence length, from the same run:
+    ``vs_tp = step_ms_tp / step_ms`` (> 1: faster than plain TP) and ``act_vs_tp =
+    activation_gib / activation_gib_tp``; the plain-TP figures are in the row
+    (``step_ms_tp``, ``activation_gib_tp``), so `integrity` recomputes both.
+
+        torchrun --nproc-per-node 2 -m colossal_lab bench sequence_parallel_step   # TP 2
+        torchrun --nproc-per-node 4 -m colossal_lab bench sequence_parallel_step   # TP 4
+        python -m colossal_lab bench sequence_parallel_step --quick   # 2 gloo CPU processes
+        python -m colossal_lab bench sequence_parallel_step --quick --world 4   # TP 4, gloo
+
+    **Targets** (at TP 2 and TP 4): `targets(rows)` reads them off the rows.
+
+    The quick run: the tiny model, fp32, gloo, two (or ``--world``) processes of
+    `distributed.spawn`, a few steps; checks and prints, saves nothing. At TP 4 the tiny
+    model's two key/value heads are each replicated on two ranks; `llama-7b-8l`'s 32 are
+    sharded at either t.
+    """
     return two_gpu.run(run_ranks, quick, world)
 
 
@@ -227,7 +222,7 @@ def run(quick: bool = False, world: int = two_gpu.WORLD) -> list[dict]:
 
 
 def targets(rows: list[dict], world: int | None = None) -> list[dict]:
-    """The issues' targets on these rows at TP = `world` (default: the rows' ``world``),
+    """The targets on these rows at TP = `world` (default: the rows' ``world``),
     each a `two_gpu.threshold` verdict:
 
     1. ring >= `RING_VS_TP` [t] x plain TP (``vs_tp = step_ms_tp / step_ms``) at every
@@ -319,30 +314,24 @@ def config_of(quick: bool = False, world: int = TP) -> dict:
             "vs_tp": "step_ms_tp / step_ms", "nccl_nvls_enable": "0"}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        prog=f"bench {NAME}", description="switch 5 measured: TP modes at t = the world "
-        f"size ({two_gpu._either(WORLDS)}: torchrun's --nproc-per-node, or --world with "
-        "--quick)")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model, fp32, gloo processes on this CPU, not saved")
-    two_gpu.add_world_arg(p)
-    p.add_argument("--seq-lens", type=int, nargs="*")
-    p.add_argument("--modes", nargs="*", choices=MODES)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    a = p.parse_args(argv)
-    world = two_gpu.quick_world(p, a)
-    refuse_or_init(NAME, a.quick, WORLDS)
-    if a.quick:
-        rows = run(True, world)
-        print_table(rows, COLUMNS)
-        return
+def _modes(a) -> list[str]:
+    """The chosen modes, all_reduce always among them: the ratios' baseline."""
     modes = a.modes or MODES
-    if "all_reduce" not in modes:
-        modes = ["all_reduce", *modes]  # the ratios' baseline
-    with distributed.guard(NAME):
-        rows = run_ranks(False, seq_lens=a.seq_lens, modes=modes)
-    if distributed.is_main():
-        print_table(rows, COLUMNS)
-        save(NAME, rows, config_of(world=distributed.world_size()), argv)
-    distributed.destroy()
+    return modes if "all_reduce" in modes else ["all_reduce", *modes]
+
+
+BENCH = Benchmark(
+    NAME, __doc__, prog=f"bench {NAME}",
+    description="switch 5 measured: TP modes at t = the world size "
+    f"({two_gpu._either(WORLDS)}: torchrun's --nproc-per-node, or --world with --quick)",
+    quick_help="tiny model, fp32, gloo processes on this CPU, not saved",
+    options=[two_gpu.world_flag(), opt("--seq-lens", type=int, nargs="*"),
+             opt("--modes", nargs="*", choices=MODES)],
+    check=two_gpu.world_problem,
+    execute=lambda call: two_gpu.on_ranks(
+        call, worlds=WORLDS, show=lambda rows: print_table(rows, COLUMNS),
+        quick_rows=lambda: run(True, two_gpu.quick_world(call)),
+        rank_rows=lambda: run_ranks(False, seq_lens=call.args.seq_lens,
+                                    modes=_modes(call.args)),
+        config=lambda: config_of(world=distributed.world_size())))
+main = BENCH.main

@@ -1,7 +1,7 @@
 """Re-time steps already recorded under `results/<gpu>/` and say whether they moved.
 
-A change that should not change behaviour (the plain model with `apply_switches`, issue
-"The house") is checked where it matters: the same `Setup`s, timed again on the same
+A change that should not change behaviour (a refactor of how switches are applied,
+say) is checked where it matters: the same `Setup`s, timed again on the same
 GPU, against the rows recorded before it. Each row of `spot_check.json` holds the
 recorded median and p10-p90, the new ones, the ratio of the medians and the verdict of
 `compare.versus`: "level" when each median lies inside the other's p10-p90 range.
@@ -17,22 +17,31 @@ SwiGLU (the linears restacked in place).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib
 
+from colossal_lab.benchmarks import (
+    baseline,
+    checkpointing,
+    composed,
+    flash_attention_step,
+    fused_norm_step,
+    fused_qkv,
+    precision,
+)
+from colossal_lab.benchmarks.harness import Benchmark, opt
 from colossal_lab.benchmarks.steps import run_setups
 from colossal_lab.measure import compare
+from colossal_lab.measure.results import load_results
 
 SOURCES = {
-    "baseline": "colossal_lab.benchmarks.baseline",
-    "checkpointing": "colossal_lab.benchmarks.checkpointing",
-    "checkpointing_7b": "colossal_lab.benchmarks.checkpointing",
-    "composed": "colossal_lab.benchmarks.composed",
-    "flash_attention_step": "colossal_lab.benchmarks.flash_attention_step",
-    "fused_norm_step": "colossal_lab.benchmarks.fused_norm_step",
-    "fused_qkv_step": "colossal_lab.benchmarks.fused_qkv",
-    "precision_step": "colossal_lab.benchmarks.precision",
+    "baseline": baseline,
+    "checkpointing": checkpointing,
+    "checkpointing_7b": checkpointing,
+    "composed": composed,
+    "flash_attention_step": flash_attention_step,
+    "fused_norm_step": fused_norm_step,
+    "fused_qkv_step": fused_qkv,
+    "precision_step": precision,
 }
 """Results file -> the module whose `SETUPS` made its rows."""
 
@@ -42,13 +51,12 @@ CHECKS = ("precision_step:fp8-delayed", "precision_step:bf16-pure",
 
 def find(check: str, gpu: str | None = None):
     """("file:setup") -> (the Setup, its recorded row, the recorded file's provenance)."""
-    from colossal_lab.measure.results import load_results
 
     name, _, setup_name = check.partition(":")
     if name not in SOURCES or not setup_name:
         raise ValueError(f"check {check!r}: write FILE:SETUP with FILE one of "
                          f"{sorted(SOURCES)}")
-    setups = {s.name: s for s in importlib.import_module(SOURCES[name]).SETUPS}
+    setups = {s.name: s for s in SOURCES[name].SETUPS}
     recorded = load_results(name, gpu=gpu)
     rows = {r["setup"]: r for r in recorded.rows if "error" not in r}
     if setup_name not in setups or setup_name not in rows:
@@ -110,21 +118,19 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="re-time recorded steps: did they move?")
-    p.add_argument("--quick", action="store_true", help="tiny model on this machine, "
-                   "not saved")
-    p.add_argument("--checks", nargs="*", default=list(CHECKS), help="FILE:SETUP ...")
-    a = p.parse_args(argv)
-    rows = run(a.quick, tuple(a.checks))
+def _run_and_print(quick: bool, checks: tuple[str, ...]) -> list[dict]:
+    rows = run(quick, checks)
     print(summary(rows))
-    if not a.quick:
-        from colossal_lab.measure.results import save_results
+    return rows
 
-        path = save_results("spot_check", rows, config={"checks": a.checks},
-                            command="python -m colossal_lab bench spot_check --checks "
-                                    + " ".join(a.checks))
-        print(f"saved {path}")
+
+BENCH = Benchmark(
+    "spot_check", __doc__, description="re-time recorded steps: did they move?",
+    quick_help="tiny model on this machine, not saved",
+    options=[opt("--checks", nargs="*", default=list(CHECKS), help="FILE:SETUP ...")],
+    run=lambda a: _run_and_print(a.quick, tuple(a.checks)),
+    config=lambda a: {"checks": a.checks})
+main = BENCH.main
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Steps timed with 6-8 iterations showed p90 up to 60% above the median for some s
 (gradient checkpointing, fp8 with dynamic scaling) and not for others. The noisiest
 such setup is timed here for 30 steps twice, in its own process: with Python's automatic
 garbage collection on, and with collection held between steps
-(`train.gc_between_steps`, what every benchmark and `train` now do). Each row keeps
+(`train.gc_between_steps`, what every benchmark and `train` do). Each row keeps
 every step's time (`step_ms_all`) and the collector's pause during it (`gc_ms_all`),
 so a slow step can be matched with a pause.
 

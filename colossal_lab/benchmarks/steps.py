@@ -16,7 +16,6 @@ the first warm-up step: where `torch.compile` compiles (`Setup.compile`,
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -29,9 +28,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from colossal_lab import precision
+from colossal_lab.benchmarks.harness import Benchmark, Invocation, flag, opt
 from colossal_lab.config import Switches, preset
-from colossal_lab.measure import telemetry
+from colossal_lab.measure import results, telemetry
 from colossal_lab.measure.results import error_line, exception_tail
+from colossal_lab.model import build_model
+from colossal_lab.ops.attention import resolve_backend
+from colossal_lab.switches import checkpointing
+from colossal_lab.switches.apply import apply_switches
+from colossal_lab.switches.checkpointing import colossalai_flops, resolve
+from colossal_lab.switches.resolved import backends_in_use
+from colossal_lab.training import data, memory, optimizer, train
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,6 @@ class Setup:
         d.pop("precision", None)  # written by older versions; the switches hold it
         sw = d["switches"]
         if isinstance(sw.get("gradient_checkpoint_config"), dict):
-            from colossal_lab.switches.checkpointing import resolve
 
             sw["gradient_checkpoint_config"] = resolve(sw["gradient_checkpoint_config"])
         d["switches"] = Switches(**sw)
@@ -110,9 +117,6 @@ class Setup:
 def build(setup: Setup, preset_name: str, device: torch.device):
     """The model for `setup` on `device`, its switches applied (`apply_switches`), and
     its loss function."""
-    from colossal_lab.model import build_model
-    from colossal_lab.switches.apply import apply_switches
-    from colossal_lab.training import train
 
     cfg = preset(preset_name)
     if setup.impl == "ours":
@@ -125,10 +129,10 @@ def build(setup: Setup, preset_name: str, device: torch.device):
     if setup.switches.precision not in ("bf16", "fp32"):
         raise ValueError(f"{setup.name}: Hugging Face setups run 'bf16' (autocast) or "
                          f"'fp32', not {setup.switches.precision!r}")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: optional package
 
     if setup.liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        from liger_kernel.transformers import apply_liger_kernel_to_llama  # lazy: optional
 
         apply_liger_kernel_to_llama()  # patches the module's classes: before building
     hf_cfg = cfg.to_hf()
@@ -155,7 +159,10 @@ def convert_torchao_float8(model: torch.nn.Module) -> int:
     """Swap `model`'s linears (`_torchao_takes`) for torchao's `Float8Linear`, in place,
     with tensorwise dynamic scaling (its "tensorwise" recipe); returns how many."""
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import (  # lazy: optional package
+            Float8LinearConfig,
+            convert_to_float8_training,
+        )
     except ImportError as e:
         raise ImportError(f"torchao float8 setups need torchao ({e}): install torchao "
                           "(make wheelhouse carries it)") from e
@@ -167,7 +174,6 @@ def convert_torchao_float8(model: torch.nn.Module) -> int:
 def prepare(setup: Setup, preset_name: str, batch: int):
     """What a measured step starts from, seeded: (device, config, model with its
     switches, loss function, micro-batch, optimizer)."""
-    from colossal_lab.training import train
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -184,8 +190,6 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
     On a GPU the row also carries the memory probes' fields (`memory.memory_probe`)
     and, when the setup asks, the largest batch (`find_largest_batch`) and the ratio
     chosen to fit (`auto_ratio`)."""
-    from colossal_lab import precision
-    from colossal_lab.training import memory, optimizer
 
     preset_name, batch = setup.preset or preset_name, setup.batch or batch
     device, cfg, model, loss_fn, micro, opt = prepare(setup, preset_name, batch)
@@ -224,7 +228,6 @@ def ran_backends(model, setup: Setup) -> dict:
         return {"attention_backend": "hf-sdpa", "norm_backend": "liger" if setup.liger
                 else "hf-eager", **({"fp8_backend": "torchao-tensorwise"}
                                     if setup.torchao_fp8 else {})}
-    from colossal_lab.switches.resolved import backends_in_use
 
     return backends_in_use(getattr(model, "_orig_mod", model))  # under torch.compile too
 
@@ -236,7 +239,6 @@ def time_setup(model, opt, loss_fn, setup: Setup, cfg, preset_name: str, batch: 
     """The timed results row of `setup` (model and optimizer already built) at `batch`,
     in micro-batches of `micro`, on random tokens: `train.measure_step`, with the
     recompute counted in HFU and ColossalAI's 8N figure next to it."""
-    from colossal_lab.training import data, train
 
     micro = micro or batch
     step = FirstCallTimer(train.make_step(model, opt, loss_fn, micro_batches=batch // micro),
@@ -291,8 +293,6 @@ def recompute_accounting(model, setup: Setup, cfg, batch: int, seq_len: int,
                          device) -> dict:
     """What the step recomputes (our model's checkpoint config) and its FLOPs: HFU
     counts them (`train.measure_step(recompute_flops=...)`), MFU does not."""
-    from colossal_lab.ops.attention import resolve_backend
-    from colossal_lab.switches import checkpointing
 
     config = getattr(model, "_orig_mod", model).switches.gradient_checkpoint_config
     if setup.impl != "ours" or config is None:
@@ -310,7 +310,6 @@ def recompute_accounting(model, setup: Setup, cfg, batch: int, seq_len: int,
 def colossalai_fields(row: dict, cfg, recompute: dict) -> dict:
     """What ColossalAI's evaluator would call MFU for this step (8N per token whenever
     checkpointing is on), next to the recompute that our HFU counted."""
-    from colossal_lab.switches.checkpointing import colossalai_flops
 
     t, peak = row["step_ms"] / 1e3, row["peak_tflops"] * 1e12
     tokens = row["batch"] * row["seq_len"]
@@ -375,17 +374,20 @@ def format_row(r: dict) -> str:
             f"+attn {r['mfu_attn']:6.1%}{hfu}  {mem}{big}")
 
 
-def _child(argv=None) -> None:
-    p = argparse.ArgumentParser(description="time one setup (child of measure_isolated)")
-    p.add_argument("--setup-json", required=True)
-    p.add_argument("--preset", required=True)
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--json-out", required=True)
-    a = p.parse_args(argv)
+def _run_child(call: Invocation) -> None:
+    a = call.args
     row = measure_one(Setup.from_json(a.setup_json), a.preset, a.seq_len, a.batch)
     with open(a.json_out, "w") as f:
         json.dump(row, f)
+
+
+CHILD = Benchmark(
+    "steps", __doc__, description="time one setup (child of measure_isolated)",
+    options=[opt("--setup-json", required=True), flag("preset", required=True),
+             flag("seq_len", required=True), flag("batch", required=True),
+             opt("--json-out", required=True)],
+    execute=_run_child)
+"""The child process of `measure_isolated`: one setup, its row written to a file."""
 
 
 def run_chapter(name: str, setups, quick: bool = False, *, preset_name: str = "llama-7b-8l",
@@ -407,15 +409,12 @@ def run_chapter(name: str, setups, quick: bool = False, *, preset_name: str = "l
 def chapter_benchmark(name: str, setups):
     """`(run, main)` of a benchmark module that times `setups` side by side:
     `run(quick=False) -> rows` (`run_chapter`) and `main(argv)`, the command line that
-    saves `results/<gpu>/<name>.json` (`main_for`)."""
+    saves `results/<gpu>/<name>.json` (`chapter_bench`)."""
 
     def run(quick: bool = False) -> list[dict]:
         return run_chapter(name, setups, quick)
 
-    def main(argv=None) -> None:
-        main_for(name, setups, argv)
-
-    return run, main
+    return run, chapter_bench(name, setups).main
 
 
 def step_config(preset_name="llama-7b-8l", seq_len=4096, batch=4) -> dict:
@@ -424,50 +423,50 @@ def step_config(preset_name="llama-7b-8l", seq_len=4096, batch=4) -> dict:
             "attention_flops": "causal, half of 12·L·d·S per token"}
 
 
-def main_for(name: str, setups, argv=None) -> None:
-    """The command line of a chapter's MFU-delta benchmark: time `setups` side by side
-    and save `results/<gpu>/<name>.json` (`--quick`: tiny model on CPU, not saved)."""
-    p = argparse.ArgumentParser(description=f"MFU delta: {name}")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--preset", default="llama-7b-8l")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--setups", nargs="*", choices=[s.name for s in setups])
-    p.add_argument("--resume", action="store_true",
-                   help="finish an interrupted run: keep the rows it saved in "
-                        "results/<gpu>/partial/ and measure only the setups it lacks")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    a = p.parse_args(argv)
-    if a.resume and a.quick:
-        p.error("--resume continues a saved GPU run; --quick runs are not saved")
+def _time_chapter(call: Invocation, setups) -> None:
+    """Time the chosen setups side by side and save them, each setup as it finishes
+    into `results/<gpu>/partial/` (what `--resume` continues), all at the end into
+    `results/<gpu>/<name>.json`."""
+    a, name = call.args, call.bench.name
     chosen = [s for s in setups if a.setups is None or s.name in a.setups]
     config = step_config(a.preset, a.seq_len, a.batch)
-    command = " ".join([f"python -m colossal_lab bench {name}", *argv])
-    from colossal_lab.measure.results import (
-        load_partial,
-        resumed_rows,
-        save_partial,
-        save_results,
-    )
-
     done: list[dict] = []
     if a.resume:
-        done, config = resumed_rows(name, load_partial(name), config, p.error,
-                                    what="interrupted run")
+        done, config = results.resumed_rows(name, results.load_partial(name), config,
+                                            call.error, what="interrupted run")
         have = {r["setup"] for r in done}
         print(f"[{name}] resuming: {len(done)} setups kept ({', '.join(sorted(have))})",
               flush=True)
         chosen = [s for s in chosen if s.name not in have]
 
     def keep(rows):  # an interrupted run keeps the setups it finished
-        save_partial(name, done + rows, config=config, command=command)
+        results.save_partial(name, done + rows, config=config, command=call.command)
 
     rows = run_chapter(name, chosen, a.quick, preset_name=a.preset, seq_len=a.seq_len,
                        batch=a.batch, on_row=None if a.quick else keep)
     if not a.quick:
-        path = save_results(name, done + rows, config=config, command=command)
-        print(f"saved {path}")
+        call.save(done + rows, config=config)
+
+
+def chapter_bench(name: str, setups) -> Benchmark:
+    """The `Benchmark` of a chapter's MFU delta: `setups` timed side by side, saved in
+    `results/<gpu>/<name>.json` (`--quick`: tiny model on CPU, not saved)."""
+    return Benchmark(
+        name, __doc__, description=f"MFU delta: {name}",
+        quick_help="tiny model on the CPU, in-process, not saved",
+        options=[flag("preset"), flag("seq_len"), flag("batch"),
+                 opt("--setups", nargs="*", choices=[s.name for s in setups]),
+                 flag("resume", help="finish an interrupted run: keep the rows it saved "
+                      "in results/<gpu>/partial/ and measure only the setups it lacks")],
+        check=lambda a: "--resume continues a saved GPU run; --quick runs are not saved"
+        if a.resume and a.quick else None,
+        execute=lambda call: _time_chapter(call, setups))
+
+
+def main_for(name: str, setups, argv=None) -> None:
+    """The command line of a chapter's MFU-delta benchmark (`chapter_bench`)."""
+    chapter_bench(name, setups).main(argv)
 
 
 if __name__ == "__main__":
-    _child()
+    CHILD.main()

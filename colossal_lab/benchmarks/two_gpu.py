@@ -1,14 +1,14 @@
-"""What the multi-GPU step benchmarks share (`sequence_parallel_step`,
-`pipeline_measured`, `composed_parallel`): the refusal of a run that cannot measure,
-NCCL start with NVLink multicast off, each step's time on the slower rank, one value
-from every rank, a case's failure turned into its row's error, the timed steps, the
-table, the base switches, and the issues' targets read off the rows (`threshold`, one
-verdict; `format_targets`, the lines a chapter prints).
+"""What the multi-GPU step benchmarks share.
 
-The name is history: the benchmarks were written for two GPUs. A benchmark says which
-world sizes it measures (`refusal`'s ``worlds``): TP and the pipeline run at the
-world size torchrun launched, 2 or 4 (`WORLDS`, issue #21's four H200s);
-`composed_parallel`'s layouts are two-GPU ones (`WORLD`). The quick CPU run spawns as
+`sequence_parallel_step`, `pipeline_measured` and `composed_parallel` share: the
+refusal of a run that cannot measure, NCCL start with NVLink multicast off, each step's
+time on the slower rank, one value from every rank, a case's failure turned into its
+row's error, the timed steps, the table, the base switches, and the targets read off
+the rows (`threshold`, one verdict; `format_targets`, the lines a chapter prints).
+
+The name says two GPUs; a benchmark says which world sizes it measures (`refusal`'s
+``worlds``): TP and the pipeline run at the world size torchrun launched, 2 or 4
+(`WORLDS`); `composed_parallel`'s layouts are two-GPU ones (`WORLD`). The quick CPU run spawns as
 many gloo processes as asked (`run`'s ``world``; ``--quick --world 4`` on the CLIs).
 """
 
@@ -20,7 +20,10 @@ import sys
 
 import torch
 
-from colossal_lab.measure import timing
+from colossal_lab.benchmarks.harness import Invocation, Option, opt
+from colossal_lab.config import SWITCH_SETS
+from colossal_lab.measure import results, timing
+from colossal_lab.measure.results import error_line
 from colossal_lab.parallel import distributed
 
 WORLD = 2
@@ -28,7 +31,7 @@ WORLD = 2
 names no ``worlds`` measures (`composed_parallel`: DP 2, TP 2, PP 2)."""
 WORLDS = (2, 4)
 """The world sizes `sequence_parallel_step` (tp = world) and `pipeline_measured` (p =
-world) measure (issue #21: four H200s): `llama-7b-8l`'s 32 heads and 8 layers split
+world) measure: `llama-7b-8l`'s 32 heads and 8 layers split
 either way (ZB-V's 2p virtual stages: 8 at p = 4, one layer each)."""
 LOSS_RTOL = {"bf16-pure": 5e-3, "bf16": 5e-3, "fp32": 1e-5}
 """Relative tolerance of a case's loss against its baseline's, by precision."""
@@ -142,7 +145,6 @@ def switches_for(quick: bool):
     """The base switches: the best bf16 set without the fused cross-entropy (TP has its
     own loss); on the CPU (`quick`) the same composition in fp32 with the CPU's best
     norm (not Triton under the interpreter)."""
-    from colossal_lab.config import SWITCH_SETS
 
     sw = SWITCH_SETS["best"].replace(enable_fused_cross_entropy=False,
                                      enable_fused_embedding=False)
@@ -160,21 +162,44 @@ def run(run_ranks, quick: bool = False, world: int = WORLD) -> list[dict]:
     return run_ranks(False)
 
 
-def add_world_arg(parser, worlds=WORLDS) -> None:
+def world_flag(worlds=WORLDS) -> Option:
     """``--world N`` on a benchmark's CLI: the gloo processes of ``--quick``."""
-    parser.add_argument("--world", type=int, choices=worlds, default=None,
-                        help=f"with --quick: gloo processes to spawn ({_either(worlds)}; "
-                        f"default {WORLD}); a measured run's world size is torchrun's "
-                        "--nproc-per-node")
+    return opt("--world", type=int, choices=worlds, default=None,
+               help=f"with --quick: gloo processes to spawn ({_either(worlds)}; default "
+               f"{WORLD}); a measured run's world size is torchrun's --nproc-per-node")
 
 
-def quick_world(parser, args) -> int:
-    """The quick run's world size from ``--world`` (`add_world_arg`); a usage error
-    (status 2) when ``--world`` comes without ``--quick``, where torchrun decides."""
-    if args.world is not None and not args.quick:
-        parser.error(f"--world {args.world} is for --quick; a measured run takes "
-                     f"torchrun's world: torchrun --nproc-per-node {args.world}")
-    return args.world or WORLD
+def world_problem(a) -> str | None:
+    """The `check` of `world_flag`: ``--world`` without ``--quick`` is a usage error
+    (status 2), since torchrun decides a measured run's world."""
+    if a.world is not None and not a.quick:
+        return (f"--world {a.world} is for --quick; a measured run takes torchrun's "
+                f"world: torchrun --nproc-per-node {a.world}")
+    return None
+
+
+def quick_world(call: Invocation) -> int:
+    """The quick run's world size, from ``--world`` (`world_flag`)."""
+    return call.args.world or WORLD
+
+
+def on_ranks(call: Invocation, *, quick_rows, rank_rows, show, config,
+             worlds=(WORLD,)) -> None:
+    """The command line's flow of a step benchmark on several GPUs: refuse a run that
+    cannot measure; `--quick`: `show(quick_rows())`; else the NCCL group, the rows of
+    `rank_rows()` on every rank, and on rank 0 `show` them and `save` them with
+    `config()` (called once the group is up)."""
+    name = call.bench.name
+    refuse_or_init(name, call.args.quick, worlds)
+    if call.args.quick:
+        show(quick_rows())
+        return
+    with distributed.guard(name):
+        rows = rank_rows()
+    if distributed.is_main():
+        show(rows)
+        save(name, rows, config(), call.argv)
+    distributed.destroy()
 
 
 def save(name: str, rows: list[dict], config: dict, argv: list[str],
@@ -182,7 +207,6 @@ def save(name: str, rows: list[dict], config: dict, argv: list[str],
     """Rank 0: write the rows into this run's folder (`results.run_slug`, "h200x2" or
     "h200x4") with the torchrun command that made them, at `world` ranks (default: this
     process group's)."""
-    from colossal_lab.measure import results
 
     world = world or distributed.world_size()
     launch = f"torchrun --nproc-per-node {world} -m colossal_lab bench {name}"
@@ -204,7 +228,6 @@ def world_of(rows: list[dict], world: int | None = None) -> int | None:
 
 def gap(row: dict | None) -> str | None:
     """Why `row` holds no measurement ("no row", its error, its skip), or None: it ran."""
-    from colossal_lab.measure.results import error_line
 
     if row is None:
         return "no row"

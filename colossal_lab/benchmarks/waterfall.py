@@ -1,38 +1,4 @@
-"""The finale's waterfall: from every switch off to every switch on, one switch at a time.
-
-One training step of `llama-7b-8l` (seq 4096, batch 4, random tokens, AdamW with
-clipping), each bar in its own process, all in one run, next to Hugging Face's model
-(SDPA; SDPA + torch.compile; SDPA + Liger's kernels; SDPA + torchao's float8 linears +
-torch.compile, the peer of the fp8 bar). Each bar adds one switch to the bar before it,
-so its delta is that switch's, in this order:
-
-    naive-fp32      every switch off, fp32 (PyTorch's default, no TF32)
-    +bf16           bf16 autocast (switch 6)
-    +attention      flash attention, the best backend here (switch 1)
-    +norm           our Triton RMSNorm (switch 2)
-    +projections    fused QKV and gate/up with our SwiGLU (switch 3)
-    +rope           our RoPE kernel
-    +loss           our fused head + cross-entropy
-    +bf16-params    bf16 parameters, fp32 masters in the optimizer (no weight casts)
-    +embedding      our embedding backward
-    +adamw          our one-pass AdamW with the clipping folded in
-    +bf16-moments   its moments in bf16, stochastically rounded: `SWITCH_SETS["best"]`
-    fp8             the same with fp8 linears, delayed scaling: `SWITCH_SETS["best-fp8"]`
-
-and one bar outside the chain, not (yet) in any switch set:
-
-    best+compile    `SWITCH_SETS["best"]` with each decoder layer torch.compiled
-                    (`enable_compile="layers"`); compared with +bf16-moments, and its
-                    `first_step_s` with theirs: what compiling buys and costs
-
-The first two bars materialise the attention scores and run in micro-batches of one
-sequence (the whole batch's scores would not fit), as chapter 00's naive rows do. Every
-row also carries its memory: the peak and the activations of one step
-(`colossal_lab.training.memory`), what each switch costs or saves.
-
-    python -m colossal_lab bench waterfall            # -> results/<gpu>/waterfall.json
-    python -m colossal_lab bench waterfall --quick    # tiny model on the CPU, not saved
-"""
+"""The finale's waterfall: from every switch off to every switch on, one switch at a time."""
 
 from __future__ import annotations
 
@@ -81,6 +47,39 @@ SETUPS = tuple(
     Setup("hf-torchao-fp8", "HF transformers: SDPA, torchao float8 (tensorwise), "
           "torch.compile", "hf", compile=True, torchao_fp8=True),
 )
+"""One training step of `llama-7b-8l` (seq 4096, batch 4, random tokens, AdamW with
+clipping), each bar in its own process, all in one run, next to Hugging Face's model
+(SDPA; SDPA + torch.compile; SDPA + Liger's kernels; SDPA + torchao's float8 linears +
+torch.compile, the peer of the fp8 bar). Each bar adds one switch to the bar before it,
+so its delta is that switch's, in this order:
+
+    naive-fp32      every switch off, fp32 (PyTorch's default, no TF32)
+    +bf16           bf16 autocast (switch 6)
+    +attention      flash attention, the best backend here (switch 1)
+    +norm           our Triton RMSNorm (switch 2)
+    +projections    fused QKV and gate/up with our SwiGLU (switch 3)
+    +rope           our RoPE kernel
+    +loss           our fused head + cross-entropy
+    +bf16-params    bf16 parameters, fp32 masters in the optimizer (no weight casts)
+    +embedding      our embedding backward
+    +adamw          our one-pass AdamW with the clipping folded in
+    +bf16-moments   its moments in bf16, stochastically rounded: `SWITCH_SETS["best"]`
+    fp8             the same with fp8 linears, delayed scaling: `SWITCH_SETS["best-fp8"]`
+
+and one bar outside the chain, in no switch set:
+
+    best+compile    `SWITCH_SETS["best"]` with each decoder layer torch.compiled
+                    (`enable_compile="layers"`); compared with +bf16-moments, and its
+                    `first_step_s` with theirs: what compiling buys and costs
+
+The first two bars materialise the attention scores and run in micro-batches of one
+sequence (the whole batch's scores would not fit), as chapter 00's naive rows do. Every
+row also carries its memory: the peak and the activations of one step
+(`colossal_lab.training.memory`), what each switch costs or saves.
+
+    python -m colossal_lab bench waterfall            # -> results/<gpu>/waterfall.json
+    python -m colossal_lab bench waterfall --quick    # tiny model on the CPU, not saved
+"""
 SETUP_NAMES = tuple(s.name for s in SETUPS)
 OUTSIDE_CHAIN = {"best+compile": "+bf16-moments"}
 """Bars outside the one-switch-per-bar chain, and the bar each is compared with

@@ -29,15 +29,17 @@ So the launch settings aim at one thing, keeping enough bytes in flight:
 The defaults below are the result of reasoning, not of a sweep on every GPU:
 `python -m colossal_lab.benchmarks.fused_norm --tune` times the alternatives on the
 card at hand per hidden bucket and dtype, and `--write-table` stores the winners in
-`norm_table.py`, which `launch_config` consults for the GPU it runs on; `DEFAULTS`
-remain the fallback.
+`norm_table.json` (`TABLES`), which `launch_config` consults for the GPU it runs on;
+`DEFAULTS` remain the fallback.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -108,7 +110,7 @@ class LaunchConfig:
     """Backward (RMSNorm): register double buffer of the row loop (None:
     `DEFAULTS.bwd_prefetch`)."""
     source: str = "heuristic"
-    """"heuristic", "override" or "table:<gpu>" (`norm_table.TABLES`)."""
+    """"heuristic", "override" or "table:<gpu>" (`TABLES`)."""
     pieces: tuple[int, int, int] = (0, 0, 0)
     """The row's power-of-two pieces (`row_pieces`), 0 for an absent one."""
 
@@ -156,10 +158,28 @@ def row_pieces(n_cols: int) -> tuple[int, int, int]:
         rest -= up // 2
 
 
+TABLE_PATH = Path(__file__).with_name("norm_table.json")
+"""Tuned launch settings per GPU, written by `bench fused_norm --write-table`."""
+
+
+def load_tables(path: Path = TABLE_PATH) -> dict[str, dict[str, dict[str, int | bool]]]:
+    """`TABLES` from `norm_table.json`: {GPU name (as `torch.cuda.get_device_name()` and
+    a tune result's provenance say it): {"<block>/<dtype>/<pass>[/small]": {launch
+    field: value}}}, block = next_power_of_2(H), pass "fwd" or "bwd". Keys of an entry:
+    rows, num_warps and, for "bwd", programs_per_sm, num_stages, prefetch (RMSNorm
+    only), min_rows_per_program. A ".../small" entry (whole launches tuned at few
+    tokens) overrides its pass's entry at up to `SMALL_ROWS` rows."""
+    return json.loads(path.read_text())["tables"]
+
+
+TABLES = load_tables()
+"""The tuned launches `table_entry` consults; a GPU or key absent: the heuristic."""
+
+
 @functools.cache
 def _gpu_name() -> str | None:
     """This process's GPU as torch names it ("NVIDIA H200", the `gpu` of a results
-    file's provenance), the key of `norm_table.TABLES`; None without CUDA or under the
+    file's provenance), the key of `TABLES`; None without CUDA or under the
     interpreter. (Kernels import nothing above them, so not `hardware`'s slug.)"""
     if INTERPRET or not torch.cuda.is_available():
         return None
@@ -169,16 +189,14 @@ def _gpu_name() -> str | None:
 def table_entry(block: int, dtype: torch.dtype | None, backward: bool,
                 gpu: str | None = None, small: bool = False) -> dict | None:
     """The tuned launch of (hidden bucket `block`, `dtype`, pass) for `gpu` (default
-    this one) from `colossal_lab.kernels.norm_table`, or None. With `small` (a launch of
+    this one) from `TABLES`, or None. With `small` (a launch of
     at most `SMALL_ROWS` rows) the ".../small" entry, where there is one, overrides the
     fields it sets."""
-    from colossal_lab.kernels import norm_table
-
     gpu = gpu or _gpu_name()
     if gpu is None or dtype is None:
         return None
     key = f"{block}/{str(dtype).replace('torch.', '')}/{'bwd' if backward else 'fwd'}"
-    table = norm_table.TABLES.get(gpu, {})
+    table = TABLES.get(gpu, {})
     entry, few = table.get(key), table.get(f"{key}/small") if small else None
     return {**(entry or {}), **few} if few else entry
 
@@ -188,12 +206,12 @@ def launch_config(n_cols: int, dtype: torch.dtype | None = None, *,
                   backward: bool = False, rows: int | None = None,
                   num_warps: int | None = None, small: bool = False) -> LaunchConfig:
     """Tile and warps for rows of `n_cols` elements of `dtype`, for the forward or the
-    `backward`: the tuned entry for this GPU when `norm_table` has one (its ".../small"
+    `backward`: the tuned entry for this GPU when `TABLES` has one (its ".../small"
     entry too with `small`: at most `SMALL_ROWS` rows), the heuristic otherwise;
     `rows`/`num_warps` override both (the tuning sweep uses them).
 
     Cached per argument tuple: every launch asks, and the answer never changes within
-    a process (call `launch_config.cache_clear()` after editing `norm_table.TABLES`)."""
+    a process (call `launch_config.cache_clear()` after editing `TABLES`)."""
     if n_cols > MAX_HIDDEN:
         raise ValueError(
             f"hidden size {n_cols} > {MAX_HIDDEN}: a fused norm keeps one row in "

@@ -1,5 +1,4 @@
-"""Simulated pipeline rows from recorded per-layer costs: the simulation without the
-measurement.
+"""Simulated pipeline rows from recorded per-layer costs, without measuring again.
 
 A GPU measures what a schedule is built from (the forward F, the input-gradient
 backward B and the weight-gradient backward W of one decoder layer, the same for the
