@@ -183,7 +183,7 @@ def test_executed_notebook_passes_then_tampered_copies_fail(tmp_path, monkeypatc
     monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path / "results"))
     results.save_results("demo", [{"a": 1}], command="pytest", gpu=results.REFERENCE_GPU)
     nb = v4.new_notebook(cells=[v4.new_code_cell(s) for s in (
-        "from colossal_lab import mfu, results\n"
+        "from colossal_lab.measure import mfu, results\n"
         "from colossal_lab.book.notebook import show_source",
         "show_source(mfu.count_params)",
         "show_source(mfu.layer_params, lines=(0, 3))",
