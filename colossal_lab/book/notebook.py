@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import logging
 import os
 import time
 from pathlib import Path
@@ -16,6 +17,12 @@ from pathlib import Path
 from colossal_lab.benchmarks.two_gpu import format_targets
 from colossal_lab.measure import results
 from colossal_lab.measure.results import error_line
+
+# A CPU build of torch cannot load torchao's compiled extensions, and torchao (imported by
+# `transformers` when installed) says so on import, as does torch's pytree registry:
+# noise about the machine in a chapter's output, not a result.
+for _noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
 
 SOURCE_KEY = "colossal_lab"
 """Output metadata key under which `show_source` records what it showed:

@@ -556,7 +556,7 @@ class CorpusStats:
 
     def __str__(self) -> str:
         lines = [
-            f"Python {self.python} standard library ({self.root}), "
+            f"Python {self.python} standard library, "
             f"byte-level BPE with {self.vocab_size:,} tokens",
             f"{'split':<6}{'files':>8}{'MB':>9}{'tokens':>13}{'bytes/token':>13}",
         ]
