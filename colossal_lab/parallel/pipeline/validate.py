@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from colossal_lab.parallel.pipeline.schedules import (
+from colossal_lab.parallel.pipeline.program import (
     COMMS,
     COMPUTE,
     KINDS,
