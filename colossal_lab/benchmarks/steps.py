@@ -106,11 +106,7 @@ class Setup:
     def from_json(cls, text: str) -> Setup:
         d = json.loads(text)
         d.pop("precision", None)  # written by older versions; the switches hold it
-        sw = d["switches"]
-        if isinstance(sw.get("gradient_checkpoint_config"), dict):
-
-            sw["gradient_checkpoint_config"] = resolve(sw["gradient_checkpoint_config"])
-        d["switches"] = Switches(**sw)
+        d["switches"] = Switches.from_dict(d["switches"], checkpoint_config=resolve)
         return cls(**d)
 
 
