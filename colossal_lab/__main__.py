@@ -48,7 +48,17 @@ def cmd_env(a) -> None:
         print("saved", save_results("env", [row], command="python -m colossal_lab env --save"))
 
 
-def cmd_bench(a, rest) -> None:
+def cmd_bench(a, rest, error) -> None:
+    """Run one benchmark; without a name, list them (`bench --help` too)."""
+    names = ", ".join(sorted(benchmarks.BENCHMARKS))
+    if a.name is None:
+        if {"-h", "--help"} & set(rest):
+            print("usage: python -m colossal_lab bench NAME [options]\n\n"
+                  f"benchmarks: {names}\n\n`bench NAME --help` lists one's options.")
+            return
+        error(f"which benchmark? choose one of: {names}")
+    if a.name not in benchmarks.BENCHMARKS:
+        error(f"unknown benchmark {a.name!r}; choose one of: {names}")
     benchmarks.get(a.name).main(rest)
 
 
@@ -67,7 +77,7 @@ def main(argv=None) -> None:
 
     b = sub.add_parser("bench", help="run a GPU benchmark and save its results",
                        add_help=False)
-    b.add_argument("name")
+    b.add_argument("name", nargs="?", metavar="NAME", help="the benchmark to run")
 
     d = sub.add_parser("doctor", help="the seed's tuning checklist, run on a configuration")
     doctor.add_arguments(d)
@@ -79,7 +89,7 @@ def main(argv=None) -> None:
 
     a, rest = p.parse_known_args(argv)
     if a.cmd == "bench":
-        return cmd_bench(a, rest)
+        return cmd_bench(a, rest, b.error)
     if a.cmd == "execute":
         return notebook.main(rest)
     if a.cmd == "wheelhouse":

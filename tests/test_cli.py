@@ -31,6 +31,26 @@ def test_unknown_benchmark():
         benchmarks.get("nope")
 
 
+@pytest.mark.parametrize("argv, says", [(["bench", "nope"], "unknown benchmark 'nope'"),
+                                        (["bench"], "which benchmark?")])
+def test_bench_user_errors_are_one_line_and_exit_2(argv, says, capsys):
+    from colossal_lab.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and "Traceback" not in err
+    assert "composed" in err  # names the benchmarks there are
+
+
+def test_bench_help_lists_the_benchmarks(capsys):
+    from colossal_lab.__main__ import main
+
+    main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in benchmarks.BENCHMARKS)
+
+
 def test_baseline_quick_rows():
     rows = baseline.run(quick=True)
     assert [r["setup"] for r in rows] == ["ours-fp32-naive", "ours-bf16-naive",
