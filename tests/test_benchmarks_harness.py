@@ -78,3 +78,30 @@ def test_every_benchmark_declares_its_command_line_through_the_harness():
     assert parsers == 1
     for name in benchmarks.BENCHMARKS:
         assert callable(benchmarks.get(name).main)
+
+
+def test_spot_check_pairs_old_and_new_code():
+    """A round of `spot_check --old-tree`: the ratio is old/new and the verdict is
+    "level" only when each median lies inside the other's p10-p90."""
+    from colossal_lab.benchmarks import spot_check
+
+    def row(ms, lo, hi):
+        return {"setup": "s", "preset": "tiny", "batch": 2, "seq_len": 64, "step_ms": ms,
+                "step_ms_p10": lo, "step_ms_p90": hi, "steps_timed": 20}
+
+    level = spot_check.pair_row("composed:s", 0, "abc", row(100, 98, 103), row(101, 99, 104))
+    assert level["verdict"] == "level" and abs(level["speedup_new_vs_old"] - 100 / 101) < 1e-9
+    faster = spot_check.pair_row("composed:s", 1, "abc", row(100, 98, 103), row(90, 89, 91))
+    assert faster["verdict"] == "faster" and faster["speedup_new_vs_old"] > 1
+    failed = spot_check.pair_row("composed:s", 0, "abc", {"error": "out of memory"},
+                                 row(90, 89, 91))
+    assert failed["error"] == "old: out of memory" and "verdict" not in failed
+
+
+def test_spot_check_old_tree_must_hold_the_package(tmp_path, capsys):
+    from colossal_lab.benchmarks import spot_check
+
+    with pytest.raises(SystemExit) as e:
+        spot_check.main(["--old-tree", str(tmp_path), "--checks", "composed:ours-bf16"])
+    assert e.value.code == 2
+    assert "no colossal_lab package" in capsys.readouterr().err

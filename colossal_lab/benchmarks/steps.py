@@ -314,14 +314,16 @@ def colossalai_fields(row: dict, cfg, recompute: dict) -> dict:
             **{k: recompute[k] for k in ("ckpt_mode", "ckpt_layers", "ckpt_ratio")}}
 
 
-def in_child(module: str, args: list[str]):
+def in_child(module: str, args: list[str], cwd: str | None = None):
     """Run ``python -m <module> <args> --json-out FILE`` in a fresh process (an
     out-of-memory or a crash stays there, compile caches do not leak) and return
-    (what it wrote to FILE, None), or (None, why it failed) in one line."""
+    (what it wrote to FILE, None), or (None, why it failed) in one line. `cwd`: the
+    source tree the child imports `colossal_lab` from (another checkout's, say)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         proc = subprocess.run([sys.executable, "-m", module, *args, "--json-out", out],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=cwd)
         if proc.returncode == 0 and os.path.exists(out):
             with open(out) as f:
                 return json.load(f), None
