@@ -176,7 +176,9 @@ class Switches:
     Our AdamW: "adamw_moments" ("fp32" default, "bf16": stochastically rounded moments,
     a change of numerics, `kernels.adamw.FusedAdamW`; torch's AdamW keeps fp32 ones),
     "adamw_defer" (bool: each step's update runs during the next forward, on a side
-    stream; exact, `switches.deferred_adamw`)."""
+    stream; exact, `switches.deferred_adamw`). Harmful on purpose, for loss checks:
+    "adamw_moments": "bf16-nearest" (moments rounded to nearest), "adamw_masters": False
+    (bf16 parameters updated in place by torch's AdamW, no fp32 masters)."""
 
     enable_fused_rope: Backend = False
     """Rotary embedding of q and k: False = the element-wise chain; or "compile",

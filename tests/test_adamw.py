@@ -153,6 +153,40 @@ def test_bf16_moments_are_rounded_without_bias():
         assert not torch.equal(v, o[1])
 
 
+def test_nearest_rounded_moments_are_the_nearest_bf16():
+    """`stochastic=False` (the "bf16-nearest" moments of a loss check's harmful control):
+    m and v are the fp32 update rounded to the nearest bf16, every element, whatever the
+    seed; the stochastic rounding of the same update differs from it somewhere."""
+    n = 4099
+    g = torch.Generator().manual_seed(3)
+    grad = torch.randn(n, generator=g).to(DEVICE)
+    outs = {}
+    for stochastic in (False, True):
+        p = torch.zeros(n, device=DEVICE)
+        m, v = (torch.zeros(n, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+        adamw_step([p], [grad], None, [m], [v], [torch.ones((), device=DEVICE)], **HP,
+                   seeds=[7], stochastic=stochastic)
+        outs[stochastic] = (m.cpu(), v.cpu())
+    exact_m = (1 - HP["beta1"]) * grad.cpu()
+    exact_v = (1 - HP["beta2"]) * grad.cpu() ** 2
+    assert torch.equal(outs[False][0], exact_m.to(torch.bfloat16))
+    assert torch.equal(outs[False][1], exact_v.to(torch.bfloat16))
+    assert not torch.equal(outs[True][0], outs[False][0])
+    opt = FusedAdamW([torch.zeros(2, requires_grad=True)], moments="bf16-nearest")
+    assert optimizer.moments_of(opt) == "bf16-nearest"
+
+
+def test_no_masters_control_updates_bf16_parameters_in_place():
+    """`extra={"adamw_masters": False}` on bf16 parameters: torch's AdamW with no fp32
+    master, its moments in bf16 (the harmful control of a loss check)."""
+    model = build_model(tiny())
+    model = apply_switches(model, Switches(precision="bf16-pure",
+                                           extra={"adamw_masters": False}))
+    opt = optimizer.make_optimizer(model)
+    assert type(opt) is torch.optim.AdamW
+    assert optimizer.moments_of(opt) == "bf16"
+
+
 def test_bf16_moments_train_like_fp32_ones_and_resume_exactly():
     """The tiny model, bf16-pure, three steps: bf16 moments give the fp32 moments' losses
     within bf16 noise; a copy of the optimizer's state taken after two steps and loaded

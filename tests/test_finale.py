@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from colossal_lab.benchmarks import composed_curves, steps, waterfall
@@ -60,11 +61,38 @@ def test_waterfall_quick_runs_every_bar():
 
 
 def test_composed_curves_quick():
+    """The loss check's machinery on the tiny model: paired seeds, the spread, the
+    controls' verdicts (6 steps say nothing about learning; the shapes of rows do)."""
     rows = composed_curves.run(quick=True)
-    by = {r["setup"]: r for r in rows}
-    assert set(by) == {"naive", "naive-seed1", "best"}
-    assert by["naive"]["rel_diff_vs_naive"] == 0.0
-    assert by["naive-seed1"]["seed"] == 1 and by["naive-seed1"]["losses"] != by["naive"]["losses"]
-    assert all(len(r["losses"]) == 6 for r in rows)
-    # the same model and batches: bf16 arithmetic moves the loss, slightly
-    assert abs(by["best"]["rel_diff_vs_naive"]) < 0.02
+    curves = {r["setup"]: r for r in rows if r["kind"] == "loss_curve"}
+    assert set(curves) == set(composed_curves.QUICK)
+    assert curves["naive-s1"]["seed"] == 1
+    assert curves["naive-s1"]["losses"] != curves["naive-s0"]["losses"]
+    assert all(len(r["losses"]) == 6 and 0 < r["epochs"] < 1 for r in curves.values())
+    check = rows[-1]
+    assert check["kind"] == "loss_check" and check["naive_seeds"] == [0, 1]
+    spread = abs(curves["naive-s1"]["val_loss"] - curves["naive-s0"]["val_loss"])
+    assert check["spread_val_loss"] == pytest.approx(spread)
+    pair = check["paired"]["ours-bf16-s0"]
+    assert pair["diff"] == pytest.approx(curves["ours-bf16-s0"]["val_loss"]
+                                         - curves["naive-s0"]["val_loss"])
+    assert check["holds"] is None  # seed 2 and its pair have not run
+
+
+def test_loss_check_verdict_flags_the_control_and_needs_every_pair():
+    def row(setup, role, seed, val):
+        return {"kind": "loss_curve", "setup": setup, "role": role, "seed": seed,
+                "val_loss": val}
+
+    rows = [row("naive-s0", "naive", 0, 3.00), row("naive-s1", "naive", 1, 3.02),
+            row("naive-s2", "naive", 2, 2.99),
+            *(row(f"ours-bf16-s{k}", "ours-bf16", k, v)
+              for k, v in ((0, 3.01), (1, 3.00), (2, 3.00))),
+            row("control-nearest-s0", "control", 0, 3.20),
+            {"kind": "loss_curve", "setup": "ours-fp8-s0", "error": "out of memory"}]
+    v = composed_curves.verdict(rows)
+    assert v["spread_val_loss"] == pytest.approx(0.03)
+    assert v["controls_flagged"] == ["control-nearest-s0"] and v["holds"] is True
+    rows[4] = row("ours-bf16-s1", "ours-bf16", 1, 3.10)  # a pair outside the spread
+    assert composed_curves.verdict(rows)["holds"] is False
+    assert composed_curves.verdict(rows[:3] + rows[6:7])["holds"] is None

@@ -1,65 +1,213 @@
-"""The finale's loss curves: the naive model against every switch, on real text.
+"""The finale's loss check: do the switches change what a 300M-parameter LLaMA learns?
 
-The ~55M-parameter LLaMA of chapter 06's curves (`precision.CURVE_CFG`, every width a
-multiple of 16 so that fp8 applies to every linear), trained 300 steps on the corpus
-from the same seed and batches: every switch off in fp32 ("naive"), the naive model
-again from three other seeds ("naive-seed1" .. "naive-seed3": how far equally good runs
-land apart, the noise), switches 1-3 in fp32 ("s123-fp32": the kernels of chapters 01-03
-without a change of precision), every switch in bf16 ("best", AdamW's moments in bf16),
-the same with fp32 moments ("best-m32", `composed.BEST_M32`), and in fp8 ("best-fp8").
-The switches change the arithmetic, not the model: their final losses should differ
-from the naive one's by no more than the naive runs differ from each other.
+A check that can fail needs three things: runs long enough for differences to show
+(2,000 steps of a ~325M-parameter model on real text, under one epoch of the corpus), a
+measure of how far equally good runs land apart (the naive model from three seeds),
+and a change known to be harmful that the check must flag (a positive control).
 
-    python -m colossal_lab bench composed_curves         # -> composed_curves.json
-    python -m colossal_lab bench composed_curves --quick # tiny model, 6 steps
+    naive-sK                bf16 autocast, eager ops, torch's AdamW, seed K = 0, 1, 2
+    ours-bf16-sK            every switch, bf16 parameters, fp32 masters and moments
+                            (the exact optimizer), seed K: paired with naive-sK
+    best-bf16-moments-s0    the same with AdamW's moments in bf16, stochastically rounded
+    ours-fp8-s0             every switch, fp8 linears (delayed scaling), exact optimizer
+    control-nearest-s0      bf16 moments rounded to nearest: biased, the rounding the
+                            stochastic one exists to avoid
+    control-no-masters-s0   bf16 parameters updated in place, no fp32 masters: an update
+                            smaller than half a bf16 ulp of its weight is lost
+
+Seeds set the initialisation and the batch order; every run is evaluated on the same
+validation batches. The verdict (`verdict`) compares validation losses: the spread is
+the range of the naive seeds' losses; a switch "changes nothing we can see" when every
+paired difference lies inside the spread, and the check has power only if the controls
+land outside it.
+
+    python -m colossal_lab bench composed_curves                 # every run, in order
+    python -m colossal_lab bench composed_curves --resume --budget-s 540
+    python -m colossal_lab bench composed_curves --quick         # tiny model, 6 steps
 """
 
 from __future__ import annotations
 
-from colossal_lab.benchmarks.composed import BEST_M32, S123
+import time
+
+from colossal_lab.benchmarks.composed import BEST_M32
 from colossal_lab.benchmarks.curves import FINAL_WINDOW, Curve, run_curves
-from colossal_lab.benchmarks.harness import Benchmark
-from colossal_lab.benchmarks.precision import CURVE_CFG, CURVE_RUN
-from colossal_lab.config import SWITCH_SETS, tiny
+from colossal_lab.benchmarks.harness import Benchmark, Invocation, flag, opt
+from colossal_lab.config import SWITCH_SETS, ModelConfig, tiny
+from colossal_lab.measure import mfu
+from colossal_lab.measure.results import error_line
+from colossal_lab.training import data
 
 NAME = "composed_curves"
-NAIVE_SEEDS = (1, 2, 3)
-"""The naive model's other seeds: the noise is the largest of their distances to naive."""
-CURVES = (Curve("naive", SWITCH_SETS["naive"]),
-          *(Curve(f"naive-seed{s}", SWITCH_SETS["naive"], seed=s) for s in NAIVE_SEEDS),
-          Curve("s123-fp32", S123.replace(precision="fp32")),
-          Curve("best", SWITCH_SETS["best"]),
-          Curve("best-m32", BEST_M32),
-          Curve("best-fp8", SWITCH_SETS["best-fp8"]))
+LOSS_CFG = ModelConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816,
+                       num_hidden_layers=24, num_attention_heads=16,
+                       num_key_value_heads=16, max_position_embeddings=512)
+"""The loss-check model: ~325M parameters (24 layers of width 1024, head dim 64), every
+width a multiple of 16 so that fp8 applies to every linear."""
+LOSS_RUN = dict(batch=7, seq_len=512, steps=2000, lr=3e-4, max_files=None, log_every=100,
+                eval_batches=40)
+"""2,000 steps of 7 x 512 = 3,584 tokens: 7.2M tokens, under one epoch of the corpus's
+~8M training tokens (recorded per run as `epochs`); validation on 40 batches (143k
+tokens, a third of the validation split)."""
+SEEDS = (0, 1, 2)
+
+NAIVE = SWITCH_SETS["bf16"]
+EXACT = BEST_M32
+BF16_MOMENTS = SWITCH_SETS["best"]
+FP8_EXACT = SWITCH_SETS["best-fp8"].replace(extra={"fp8_scaling": "delayed"})
+NEAREST = SWITCH_SETS["best"].replace(extra={"adamw_moments": "bf16-nearest"})
+NO_MASTERS = BEST_M32.replace(enable_fused_optimizer=False,
+                              extra={"adamw_masters": False})
+
+CURVES = (
+    Curve("naive-s0", NAIVE, seed=0, fields={"role": "naive"}),
+    Curve("ours-bf16-s0", EXACT, seed=0, fields={"role": "ours-bf16"}),
+    Curve("control-no-masters-s0", NO_MASTERS, seed=0, fields={"role": "control"}),
+    Curve("control-nearest-s0", NEAREST, seed=0, fields={"role": "control"}),
+    Curve("naive-s1", NAIVE, seed=1, fields={"role": "naive"}),
+    Curve("ours-bf16-s1", EXACT, seed=1, fields={"role": "ours-bf16"}),
+    Curve("naive-s2", NAIVE, seed=2, fields={"role": "naive"}),
+    Curve("ours-bf16-s2", EXACT, seed=2, fields={"role": "ours-bf16"}),
+    Curve("best-bf16-moments-s0", BF16_MOMENTS, seed=0, fields={"role": "variant"}),
+    Curve("ours-fp8-s0", FP8_EXACT, seed=0, fields={"role": "variant"}),
+)
+"""In the order they run: seed pairs first, then the controls' and variants' seed 0."""
+QUICK = ("naive-s0", "ours-bf16-s0", "naive-s1", "control-nearest-s0")
 
 
-QUICK = ("naive", "naive-seed1", "best")
+def verdict(rows: list[dict]) -> dict:
+    """The check's outcome from the curve rows present: the naive seeds' spread (range
+    of validation losses), each run's difference from the naive run of its seed, and
+    whether it lies inside the spread. `holds`: every ours-bf16 pair inside and every
+    control outside (None while a part is missing)."""
+    curves = [r for r in rows if r.get("kind") == "loss_curve" and "val_loss" in r]
+    naive = {r["seed"]: r["val_loss"] for r in curves if r.get("role") == "naive"}
+    out: dict = {"kind": "loss_check", "naive_seeds": sorted(naive)}
+    if len(naive) < 2:
+        return {**out, "holds": None, "why": "fewer than two naive seeds: no spread"}
+    spread = max(naive.values()) - min(naive.values())
+    out["spread_val_loss"] = spread
+    pairs = {}
+    for r in curves:
+        if r.get("role") == "naive" or r["seed"] not in naive:
+            continue
+        diff = r["val_loss"] - naive[r["seed"]]
+        pairs[r["setup"]] = {"role": r.get("role"), "seed": r["seed"], "diff": diff,
+                             "inside_spread": abs(diff) <= spread}
+    out["paired"] = pairs
+    ours = [p for p in pairs.values() if p["role"] == "ours-bf16"]
+    controls = [p for p in pairs.values() if p["role"] == "control"]
+    if ours:
+        out["ours_bf16_mean_diff"] = sum(p["diff"] for p in ours) / len(ours)
+    out["controls_flagged"] = [name for name, p in pairs.items()
+                               if p["role"] == "control" and not p["inside_spread"]]
+    complete = len(naive) == len(SEEDS) and len(ours) == len(SEEDS) and controls
+    out["holds"] = (all(p["inside_spread"] for p in ours)
+                    and any(not p["inside_spread"] for p in controls)) if complete else None
+    if not complete:
+        out["why"] = "not every seed pair and control has run yet"
+    return out
 
 
-def run(quick: bool = False) -> list[dict]:
-    if quick:  # the CPU: no fp8 tensor cores, and torch's AdamW (fp32 moments, as
-        # best-m32's), so the fp8 and fp32-moment curves are left out, and one other
-        # seed is enough to exercise the noise
+def summary(rows: list[dict]) -> str:
+    v = next((r for r in rows if r.get("kind") == "loss_check"), verdict(rows))
+    lines = [f"{'run':<24} {'val loss':>9} {'vs naive (same seed)':>21}  inside spread"]
+    for r in rows:
+        if r.get("kind") != "loss_curve":
+            continue
+        if "error" in r:
+            lines.append(f"{r['setup']:<24} failed: {r['error'][:60]}")
+            continue
+        p = v.get("paired", {}).get(r["setup"])
+        cmp = f"{p['diff']:+.4f}" if p else ""
+        inside = ("yes" if p["inside_spread"] else "NO") if p else ""
+        lines.append(f"{r['setup']:<24} {r['val_loss']:>9.4f} {cmp:>21}  {inside}")
+    if "spread_val_loss" in v:
+        lines.append(f"naive seeds' spread (range): {v['spread_val_loss']:.4f}; "
+                     f"controls flagged: {v['controls_flagged']}; holds: {v['holds']}")
+    return "\n".join(lines)
+
+
+def run(quick: bool = False, names=None) -> list[dict]:
+    """The curves named (default all) on the loss-check model, one row each, and the
+    verdict row. `quick`: the tiny model for 6 steps on the CPU."""
+    if quick:
+        curves = [c for c in CURVES if c.name in (names or QUICK)]
+        cfg = tiny().replace(intermediate_size=176)
         run_args = dict(batch=4, seq_len=32, steps=6, lr=3e-3, max_files=20, log_every=3,
                         eval_batches=1)
-        return run_curves([c for c in CURVES if c.name in QUICK],
-                          tiny().replace(intermediate_size=176), run_args,
-                          reference="naive")
-    return run_curves(CURVES, CURVE_CFG, CURVE_RUN, reference="naive")
+        rows = [_annotated(r, cfg, run_args)
+                for r in run_curves(curves, cfg, run_args, reference=curves[0].name)]
+        return rows + [verdict(rows)]
+    curves = [c for c in CURVES if names is None or c.name in names]
+    rows = [_annotated(r, LOSS_CFG, LOSS_RUN)
+            for r in run_curves(curves, LOSS_CFG, LOSS_RUN, reference=curves[0].name)]
+    return rows + [verdict(rows)]
+
+
+def _annotated(row: dict, cfg: ModelConfig, run_args: dict) -> dict:
+    """A curve row with its role and the share of an epoch of the corpus it trained on."""
+    role = next(c.fields.get("role") for c in CURVES if c.name == row["setup"])
+    seqs = data.packed_sequences("train", run_args["seq_len"], cfg.vocab_size,
+                                 max_files=run_args["max_files"])
+    epochs = run_args["steps"] * run_args["batch"] / len(seqs)
+    row = {k: v for k, v in row.items() if not k.startswith("rel_diff_vs_")}
+    return {**row, "role": role, "epochs": epochs, "train_sequences": len(seqs)}
 
 
 def config_of() -> dict:
-    return {"model": {k: getattr(CURVE_CFG, k) for k in
+    return {"model": {k: getattr(LOSS_CFG, k) for k in
                       ("vocab_size", "hidden_size", "intermediate_size",
                        "num_hidden_layers", "num_attention_heads")},
-            "run": CURVE_RUN, "data": "corpus (Python standard library source)",
-            "final_window": FINAL_WINDOW,
-            "curves": {c.name: {"switches": repr(c.switches), "seed": c.seed}
-                       for c in CURVES}}
+            "n_params": mfu.count_params(LOSS_CFG),
+            "run": LOSS_RUN, "data": "corpus (Python standard library source)",
+            "final_window": FINAL_WINDOW, "seeds": list(SEEDS),
+            "curves": {c.name: {"switches": repr(c.switches), "seed": c.seed,
+                                **c.fields} for c in CURVES}}
 
 
-BENCH = Benchmark(NAME, __doc__, quick_help="tiny model, 6 steps, not saved",
-                  run=lambda a: run(a.quick), config=lambda a: config_of())
+def _execute(call: Invocation) -> None:
+    """Run the curves not yet saved (`--resume` keeps the saved ones), saving after
+    each, and start none that the time left (`--budget-s`) would not fit, judged by the
+    slowest run so far."""
+    a = call.args
+    names = a.curves or [c.name for c in CURVES]
+    if a.quick:
+        print(summary(run(True, names)))
+        return
+    config = config_of()
+    kept, config = call.resume(config, missing_ok=True) if a.resume else ([], config)
+    rows = [r for r in kept if r.get("kind") == "loss_curve"]
+    t0, slowest = time.perf_counter(), 0.0
+    for c in CURVES:
+        if c.name not in names or any(r["setup"] == c.name for r in rows):
+            continue
+        left = a.budget_s - (time.perf_counter() - t0) if a.budget_s else None
+        if left is not None and slowest and slowest * 1.1 > left:
+            print(f"[{NAME}] {c.name}: left for a later invocation ({left:.0f} s left, "
+                  f"a run takes about {slowest:.0f} s)", flush=True)
+            continue
+        started = time.perf_counter()
+        try:
+            rows += run(False, (c.name,))[:-1]
+        except Exception as e:  # noqa: BLE001 - the row says why; --resume runs it again
+            rows.append({"kind": "loss_curve", "setup": c.name, "seed": c.seed,
+                         **c.fields, "error": error_line(f"{type(e).__name__}: {e}")})
+            print(f"[{NAME}] {c.name} failed: {rows[-1]['error'][:200]}", flush=True)
+        slowest = max(slowest, time.perf_counter() - started)
+        call.save(rows + [verdict(rows)], config=config, quiet=True)
+    print(summary(rows + [verdict(rows)]))
+
+
+BENCH = Benchmark(
+    NAME, __doc__, quick_help="tiny model, 6 steps, not saved",
+    options=[opt("--curves", nargs="*", choices=[c.name for c in CURVES],
+                 help="only these runs (default all)"),
+             flag("resume", help="keep the runs saved in results/<gpu>/composed_curves"
+                  ".json and run the others"),
+             opt("--budget-s", type=float, default=None,
+                 help="start no run that would end after this many seconds")],
+    config=lambda a: config_of(), summary=summary, execute=_execute)
 main = BENCH.main
 
 

@@ -99,7 +99,8 @@ def _adamw_kernel(
     seed,  # this parameter's stream of random bits for the moments' rounding
     HAS_MASTER: tl.constexpr,
     MASTER_LO: tl.constexpr,  # the master split: bf16 parameter (high) + int16 (low)
-    MOMENTS_BF16: tl.constexpr,  # moments held in bf16, stochastically rounded
+    MOMENTS_BF16: tl.constexpr,  # moments held in bf16
+    STOCHASTIC: tl.constexpr,  # bf16 moments rounded stochastically (else to nearest)
     HAS_COEF: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -142,8 +143,13 @@ def _adamw_kernel(
         key = _hash32(seed.to(tl.uint32) * 0x9E3779B9 + t.to(tl.uint32))
         bits = _hash32((offs & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1
                        + (offs >> 32).to(tl.uint32) + key)
-        tl.store(M + offs, _round_stochastic(m, (bits & 0xFFFF).to(tl.int32)), mask=mask)
-        tl.store(V + offs, _round_stochastic(v, (bits >> 16).to(tl.int32)), mask=mask)
+        r_m = (bits & 0xFFFF).to(tl.int32)
+        r_v = (bits >> 16).to(tl.int32)
+        if not STOCHASTIC:  # half an ulp added, then cut: nearest, ties away from zero
+            r_m = r_m * 0 + 0x8000
+            r_v = r_v * 0 + 0x8000
+        tl.store(M + offs, _round_stochastic(m, r_m), mask=mask)
+        tl.store(V + offs, _round_stochastic(v, r_v), mask=mask)
     else:
         tl.store(M + offs, m, mask=mask)
         tl.store(V + offs, v, mask=mask)
@@ -164,7 +170,7 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
                beta1: float, beta2: float, eps: float, weight_decay: float,
                coef: torch.Tensor | None = None,
                found_inf: torch.Tensor | None = None,
-               seeds: list[int] | None = None) -> None:
+               seeds: list[int] | None = None, stochastic: bool = True) -> None:
     """One AdamW update of every parameter in place, one launch each.
 
     params: the model's parameters (any shape, contiguous), fp32 or bf16/fp16.
@@ -180,6 +186,8 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
     found_inf: 0-dim fp32 tensor, nonzero = leave everything as it is, or None.
     seeds: one integer per parameter keying its random bits (bf16 moments; with the
         step count, so a rerun or a resumed run rounds the same way); default its index.
+    stochastic: bf16 moments rounded stochastically (the default); False rounds them to
+        the nearest bf16, the biased rounding the stochastic one exists to avoid.
     """
     if not 0.0 < beta1 < 1.0 or not 0.0 < beta2 < 1.0:
         raise ValueError(f"betas=({beta1}, {beta2}) must lie strictly between 0 and 1")
@@ -218,7 +226,7 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
                 n, lr, beta1, beta2, eps, weight_decay, math.log2(beta1),
                 math.log2(beta2), i if seeds is None else seeds[i]),
                {"HAS_MASTER": master is not None, "MASTER_LO": lo, "MOMENTS_BF16": half,
-                "HAS_COEF": coef is not None,
+                "STOCHASTIC": stochastic, "HAS_COEF": coef is not None,
                 "HAS_FOUND_INF": found_inf is not None, "BLOCK": BLOCK},
                num_warps=NUM_WARPS)
 
@@ -351,7 +359,10 @@ class FusedAdamW(torch.optim.Optimizer):
     (0.2%), so v could neither grow nor decay.
     """
 
-    MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16,
+               "bf16-nearest": torch.bfloat16}
+    """Moment dtypes by name. "bf16-nearest" rounds them to the nearest bf16 instead:
+    not an option to train with, the harmful change a loss check must be able to see."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, moments: str = "fp32"):
@@ -454,7 +465,8 @@ class FusedAdamW(torch.optim.Optimizer):
             weight_decay=group["weight_decay"],
             coef=None if coef is None else coef.to(params[0].device),
             found_inf=None if found_inf is None else found_inf.to(params[0].device),
-            seeds=[self._seeds.get(p, 0) for p in params])
+            seeds=[self._seeds.get(p, 0) for p in params],
+            stochastic=self.moments != "bf16-nearest")
 
     def state_dict(self) -> dict:
         """`Optimizer.state_dict` with every master in fp32 under `master` (split ones

@@ -15,8 +15,14 @@ from colossal_lab.precision import (
 
 
 def moments_of(optimizer) -> str:
-    """The dtype AdamW's moments are held in by `optimizer`: "bf16" or "fp32"."""
-    return getattr(optimizer, "moments", "fp32")
+    """The dtype AdamW's moments are held in by `optimizer`: "fp32", "bf16" (or our
+    AdamW's "bf16-nearest"). Torch's AdamW keeps them in its parameters' dtype."""
+    if hasattr(optimizer, "moments"):
+        return optimizer.moments
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if isinstance(optimizer, torch.optim.AdamW) and is_low_precision(params):
+        return "bf16"
+    return "fp32"
 
 
 def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.1):
@@ -36,6 +42,10 @@ def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float
     kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     if fused:
         return FusedAdamW(params, **kw, moments=adamw_moments(switches))
+    if switches is not None and (switches.extra or {}).get("adamw_masters") is False:
+        # low-precision parameters updated in place, moments in their dtype: the
+        # rounding fp32 masters exist to avoid (a loss check's harmful control)
+        return torch.optim.AdamW(params, **kw, fused=params[0].is_cuda or None)
     if policy(of(model)).master_weights or is_low_precision(params):
         return MasterAdamW(params, **kw)
     return torch.optim.AdamW(params, **kw, fused=params[0].is_cuda or None)
