@@ -21,7 +21,8 @@ def test_waterfall_adds_one_switch_per_bar():
     assert ours[0].switches == SWITCH_SETS["naive"]
     for before, after in zip(ours[:-2], ours[1:-1]):
         assert len(_changed(before.switches, after.switches)) == 1, after.name
-    assert ours[-2].switches == SWITCH_SETS["best"]
+    assert ours[-3].switches == SWITCH_SETS["best"]  # +adamw: the exact optimizer
+    assert ours[-2].switches == SWITCH_SETS["best-bf16-moments"]
     assert ours[-1].switches == SWITCH_SETS["best-fp8"]
     # the bars that materialise the scores run one sequence at a time
     assert [s.name for s in ours if s.micro_batch == 1] == ["naive-fp32", "+bf16"]
@@ -96,3 +97,43 @@ def test_loss_check_verdict_flags_the_control_and_needs_every_pair():
     rows[4] = row("ours-bf16-s1", "ours-bf16", 1, 3.10)  # a pair outside the spread
     assert composed_curves.verdict(rows)["holds"] is False
     assert composed_curves.verdict(rows[:3] + rows[6:7])["holds"] is None
+
+
+def test_composed_pairs_time_the_headline_in_turns(tmp_path, monkeypatch):
+    """`bench composed --pairs 3`: hf-liger and ours-bf16 timed three times each, the
+    order swapped every pair, each row tagged with its pair; `pair_ratios` gives
+    hf-liger's time over ours' per pair. The timing itself is faked: the order is the
+    point."""
+    from colossal_lab.benchmarks import composed
+    from colossal_lab.measure import results
+
+    monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
+    order = []
+
+    def fake(setup, preset_name, seq_len, batch):
+        order.append(setup.name)
+        ms = 350.0 if setup.name == "hf-liger" else 300.0 + len(order)
+        return {"setup": setup.name, "preset": preset_name, "seq_len": seq_len,
+                "batch": batch, "step_ms": ms, "tokens_per_s": batch * seq_len / ms,
+                "mfu": 0.5, "mfu_attn": 0.55}
+
+    monkeypatch.setattr(steps, "measure_isolated", fake)
+    composed.main(["--setups", "hf-liger", "ours-bf16", "ours-fp8", "--pairs", "3"])
+    assert order == ["ours-fp8", "hf-liger", "ours-bf16", "ours-bf16", "hf-liger",
+                     "hf-liger", "ours-bf16"]
+    (path,) = list(tmp_path.glob("*/composed.json"))
+    saved = results.load_results("composed", gpu=path.parent.name)
+    assert [r.get("pair") for r in saved.rows] == [None, 0, 0, 1, 1, 2, 2]
+    assert saved.config["pairs"] == {"setups": ["hf-liger", "ours-bf16"], "count": 3}
+    assert composed.pair_ratios(saved.rows) == pytest.approx([350 / 303, 350 / 304,
+                                                              350 / 307])
+
+
+@pytest.mark.parametrize("argv", [["--pairs", "2", "--quick"],
+                                  ["--pairs", "2", "--setups", "ours-bf16"]])
+def test_composed_pairs_refuse_what_cannot_pair(argv, capsys):
+    from colossal_lab.benchmarks import composed
+
+    with pytest.raises(SystemExit) as e:
+        composed.main(argv)
+    assert e.value.code == 2 and "--pairs" in capsys.readouterr().err

@@ -12,10 +12,6 @@ backward, in bf16 autocast."""
 S123 = ALL_BF16.replace(enable_fused_rope=False, enable_fused_cross_entropy=False,
                         enable_fused_embedding=False)
 """Switches 1-3 in bf16: what the chapters before the finale composed."""
-BEST_M32 = SWITCH_SETS["best"].replace(extra={})
-"""The best bf16 set with AdamW's moments in fp32: the exact optimizer, 8 bytes a
-parameter more than "best"'s bf16 moments (a change of numerics `composed_curves`
-checks)."""
 
 SETUPS = (
     Setup("hf-liger", "HF transformers: bf16, SDPA, Liger kernels", "hf", liger=True),
@@ -23,8 +19,8 @@ SETUPS = (
     Setup("ours-bf16-autocast", "ours: + RoPE, fused loss, embedding backward; bf16 "
           "autocast",
           switches=ALL_BF16),
-    Setup("ours-bf16", "ours: every switch, bf16 params + fp32 masters, our AdamW with "
-          "bf16 moments", switches=SWITCH_SETS["best"]),
+    Setup("ours-bf16", "ours: every switch, bf16 params + fp32 masters, our AdamW "
+          "(fp32 moments: the exact optimizer)", switches=SWITCH_SETS["best"]),
     Setup("ours-bf16-compile", "ours: every switch, bf16 params, each layer "
           "torch.compiled", switches=SWITCH_SETS["best"].replace(enable_compile="layers")),
     Setup("ours-bf16-graph", "ours: every switch, bf16 params, the step replayed as a "
@@ -32,8 +28,8 @@ SETUPS = (
     Setup("ours-bf16-defer", "ours: every switch, bf16 params, AdamW's update overlapped "
           "with the next forward", switches=SWITCH_SETS["best"].replace(
               extra={**SWITCH_SETS["best"].extra, "adamw_defer": True})),
-    Setup("ours-bf16-m32", "ours: every switch, bf16 params + fp32 masters, our AdamW "
-          "with fp32 moments", switches=BEST_M32),
+    Setup("best-bf16-moments", "ours: every switch, bf16 params + fp32 masters, our "
+          "AdamW with bf16 moments", switches=SWITCH_SETS["best-bf16-moments"]),
     Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling)",
           switches=SWITCH_SETS["best-fp8"]),
     Setup("hf-torchao-fp8", "HF transformers: SDPA, torchao float8 (tensorwise), "
@@ -59,8 +55,8 @@ def run(quick: bool = False) -> list[dict]:
                             cast every step)
         ours-bf16           the same with bf16 parameters and fp32 master weights in our
                             one-pass AdamW: no per-step weight casts, the clipping folded
-                            into the update, the moments in bf16 with stochastic rounding
-                            (the best bf16 composition, `SWITCH_SETS["best"]`)
+                            into the update, fp32 moments: the update torch's AdamW
+                            computes (the best bf16 composition, `SWITCH_SETS["best"]`)
         ours-bf16-compile   ours-bf16 with each decoder layer torch.compiled around our
                             kernels (`enable_compile="layers"`; not in "best" until measured);
                             its row's `first_step_s` is the compile time
@@ -69,8 +65,9 @@ def run(quick: bool = False) -> list[dict]:
         ours-bf16-defer     ours-bf16 with each step's AdamW update run during the next
                             step's forward, on a side stream (`extra["adamw_defer"]`; not
                             in "best" until measured)
-        ours-bf16-m32       ours-bf16 with AdamW's moments in fp32: the optimizer's exact
-                            numerics, 8 bytes a parameter more
+        best-bf16-moments   ours-bf16 with AdamW's moments in bf16, stochastically
+                            rounded: 8 bytes a parameter less, a change of numerics
+                            (`composed_curves` checks what it costs)
         ours-fp8            the same switches with fp8 linears, delayed scaling
         hf-torchao-fp8      Hugging Face's model, SDPA, torchao's float8 linears (tensorwise
                             dynamic scaling), torch.compile: the peer of ours-fp8
@@ -80,13 +77,30 @@ def run(quick: bool = False) -> list[dict]:
 
         python -m colossal_lab bench composed                      # results/<gpu>/composed.json
         python -m colossal_lab bench composed --setups hf-liger ours-bf16
+        python -m colossal_lab bench composed --pairs 3            # the headline pair
+                                                                   # timed 3 times in turns
         python -m colossal_lab bench composed --quick              # tiny model, no Liger,
                                                                    # nothing compiled
     """
     return run_chapter("composed", SETUPS, quick)
 
 
-main = chapter_bench("composed", SETUPS).main
+PAIRED = ("hf-liger", "ours-bf16")
+"""The headline's two setups: `--pairs N` times them N times in turns."""
+
+
+def pair_ratios(rows: list[dict]) -> list[float]:
+    """Per pair of `--pairs` (rows with a `pair`), hf-liger's step time over ours-bf16's:
+    how many times faster ours ran in that pair, in pair order."""
+    by: dict[int, dict] = {}
+    for r in rows:
+        if r.get("pair") is not None and "error" not in r:
+            by.setdefault(r["pair"], {})[r["setup"]] = r["step_ms"]
+    return [p[PAIRED[0]] / p[PAIRED[1]] for _, p in sorted(by.items()) if len(p) == 2]
+
+
+BENCH = chapter_bench("composed", SETUPS, paired=PAIRED)
+main = BENCH.main
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import time
 
-from colossal_lab.benchmarks.composed import BEST_M32
 from colossal_lab.benchmarks.curves import FINAL_WINDOW, Curve, run_curves
 from colossal_lab.benchmarks.harness import Benchmark, Invocation, flag, opt
 from colossal_lab.config import SWITCH_SETS, ModelConfig, tiny
@@ -52,12 +51,12 @@ tokens, a third of the validation split)."""
 SEEDS = (0, 1, 2)
 
 NAIVE = SWITCH_SETS["bf16"]
-EXACT = BEST_M32
-BF16_MOMENTS = SWITCH_SETS["best"]
-FP8_EXACT = SWITCH_SETS["best-fp8"].replace(extra={"fp8_scaling": "delayed"})
+EXACT = SWITCH_SETS["best"]
+BF16_MOMENTS = SWITCH_SETS["best-bf16-moments"]
+FP8_EXACT = SWITCH_SETS["best-fp8"]
 NEAREST = SWITCH_SETS["best"].replace(extra={"adamw_moments": "bf16-nearest"})
-NO_MASTERS = BEST_M32.replace(enable_fused_optimizer=False,
-                              extra={"adamw_masters": False})
+NO_MASTERS = SWITCH_SETS["best"].replace(enable_fused_optimizer=False,
+                                         extra={"adamw_masters": False})
 
 CURVES = (
     Curve("naive-s0", NAIVE, seed=0, fields={"role": "naive"}),

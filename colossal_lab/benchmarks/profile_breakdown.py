@@ -22,6 +22,8 @@ SETUPS = (
     Setup("naive-bf16", "ours: bf16 autocast, every switch off",
           switches=SWITCH_SETS["bf16"], micro_batch=1),
     Setup("best", "ours: every switch, bf16 params (best)", switches=SWITCH_SETS["best"]),
+    Setup("best-fp8", "ours: every switch, fp8 linears (best-fp8)",
+          switches=SWITCH_SETS["best-fp8"]),
     Setup("hf-liger", "HF transformers: bf16, SDPA, Liger kernels", "hf", liger=True),
 )
 SETUP_NAMES = tuple(s.name for s in SETUPS)

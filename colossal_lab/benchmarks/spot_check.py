@@ -8,7 +8,7 @@ recorded median and p10-p90, the new ones, the ratio of the medians and the verd
 
     python -m colossal_lab bench spot_check                       # the default CHECKS
     python -m colossal_lab bench spot_check --checks precision_step:fp8-delayed
-    python -m colossal_lab bench spot_check --old-tree ../old --old-commit 0f8a7cd \
+    python -m colossal_lab bench spot_check --old-tree ../old --old-commit OLD_SHA \
         --rounds 2 --checks composed:hf-liger composed:ours-bf16
 
 With `--old-tree`, the recorded rows are not used: each setup is timed with the code of

@@ -421,13 +421,28 @@ def step_config(preset_name="llama-7b-8l", seq_len=4096, batch=4) -> dict:
             "attention_flops": "causal, half of 12·L·d·S per token"}
 
 
-def _time_chapter(call: Invocation, setups) -> None:
+def _time_chapter(call: Invocation, setups, paired: tuple[str, str] | None = None
+                  ) -> None:
     """Time the chosen setups side by side and save them, each setup as it finishes
     into `results/<gpu>/partial/` (what `--resume` continues), all at the end into
-    `results/<gpu>/<name>.json`."""
+    `results/<gpu>/<name>.json`. With `--pairs N`, the two `paired` setups are timed N
+    times instead of once, in turns (the order swapped every pair), after the others:
+    a drift of the card's clock or power then falls on both sides of each ratio."""
     a, name = call.args, call.bench.name
     chosen = [s for s in setups if a.setups is None or s.name in a.setups]
+    pairs = getattr(a, "pairs", 0) or 0
+    tags: list[int | None] = []
+    if pairs:
+        by = {s.name: s for s in setups}
+        chosen = [s for s in chosen if s.name not in paired]
+        tags = [None] * len(chosen)
+        for i in range(pairs):
+            for n in (paired if i % 2 == 0 else paired[::-1]):
+                chosen.append(by[n])
+                tags.append(i)
     config = step_config(a.preset, a.seq_len, a.batch)
+    if pairs:
+        config["pairs"] = {"setups": list(paired), "count": pairs}
     done: list[dict] = []
     if a.resume:
         done, config = results.resumed_rows(name, results.load_partial(name), config,
@@ -440,25 +455,45 @@ def _time_chapter(call: Invocation, setups) -> None:
     def keep(rows):  # an interrupted run keeps the setups it finished
         results.save_partial(name, done + rows, config=config, command=call.command)
 
+    def tagged(rows):  # the pair each paired row belongs to
+        return [dict(r, pair=t) if t is not None else r for r, t in zip(rows, tags)] \
+            if tags else rows
+
     rows = run_chapter(name, chosen, a.quick, preset_name=a.preset, seq_len=a.seq_len,
-                       batch=a.batch, on_row=None if a.quick else keep)
+                       batch=a.batch,
+                       on_row=None if a.quick else (lambda rows: keep(tagged(rows))))
     if not a.quick:
-        call.save(done + rows, config=config)
+        call.save(done + tagged(rows), config=config)
 
 
-def chapter_bench(name: str, setups) -> Benchmark:
+def chapter_bench(name: str, setups, paired: tuple[str, str] | None = None
+                  ) -> Benchmark:
     """The `Benchmark` of a chapter's MFU delta: `setups` timed side by side, saved in
-    `results/<gpu>/<name>.json` (`--quick`: tiny model on CPU, not saved)."""
+    `results/<gpu>/<name>.json` (`--quick`: tiny model on CPU, not saved). `paired`:
+    two setups that `--pairs N` times N times in turns (`_time_chapter`)."""
+    pair_opt = [opt("--pairs", type=int, default=0,
+                    help=f"time {' and '.join(paired)} this many times, in turns")
+                ] if paired else []
+
+    def check(a):
+        if a.resume and a.quick:
+            return "--resume continues a saved GPU run; --quick runs are not saved"
+        pairs = getattr(a, "pairs", 0)
+        if pairs and (a.quick or a.resume or pairs < 0):
+            return "--pairs N (N >= 1) goes with a GPU run, without --quick or --resume"
+        if pairs and a.setups is not None and not set(paired) <= set(a.setups):
+            return f"--pairs needs {' and '.join(paired)} among --setups"
+        return None
+
     return Benchmark(
         name, __doc__, description=f"MFU delta: {name}",
         quick_help="tiny model on the CPU, in-process, not saved",
         options=[flag("preset"), flag("seq_len"), flag("batch"),
                  opt("--setups", nargs="*", choices=[s.name for s in setups]),
                  flag("resume", help="finish an interrupted run: keep the rows it saved "
-                      "in results/<gpu>/partial/ and measure only the setups it lacks")],
-        check=lambda a: "--resume continues a saved GPU run; --quick runs are not saved"
-        if a.resume and a.quick else None,
-        execute=lambda call: _time_chapter(call, setups))
+                      "in results/<gpu>/partial/ and measure only the setups it lacks"),
+                 *pair_opt],
+        check=check, execute=lambda call: _time_chapter(call, setups, paired))
 
 
 def main_for(name: str, setups, argv=None) -> None:

@@ -128,6 +128,16 @@ def expected(row: dict) -> dict:
         q = timing.quantile_10_90(times)  # as timing._summary computes it
         want.update(step_ms=statistics.median(times), step_ms_p10=q[0], step_ms_p90=q[1],
                     steps_timed=len(times))
+    for tag in ("old", "new"):  # `spot_check --old-tree`: one round of two checkouts
+        times = row.get(f"{tag}_step_ms_all")
+        if isinstance(times, list) and len(times) >= 2:
+            q = timing.quantile_10_90(times)
+            want.update({f"{tag}_step_ms": statistics.median(times),
+                         f"{tag}_step_ms_p10": q[0], f"{tag}_step_ms_p90": q[1],
+                         f"{tag}_steps_timed": len(times)})
+    if _num(row.get("old_step_ms")) and _num(row.get("new_step_ms")) \
+            and "speedup_new_vs_old" in row:
+        want["speedup_new_vs_old"] = row["old_step_ms"] / row["new_step_ms"]
     if row.get("kind") == "loss_curve" and isinstance(row.get("losses"), list):
         window = row["losses"][-min(FINAL_WINDOW, len(row["losses"])):]
         want["final_loss"] = sum(window) / len(window)
