@@ -34,6 +34,7 @@ BENCHMARKS = {
     "sequence_parallel_gemm": "colossal_lab.benchmarks.sequence_parallel_gemm",
     "sequence_parallel_step": "colossal_lab.benchmarks.sequence_parallel_step",
     "spot_check": "colossal_lab.benchmarks.spot_check",
+    "step_floor": "colossal_lab.benchmarks.step_floor",
     "step_noise": "colossal_lab.benchmarks.step_noise",
     "waterfall": "colossal_lab.benchmarks.waterfall",
 }
