@@ -74,6 +74,7 @@ gpu-results:
 	$(PYTHON) -m colossal_lab bench pipeline_sim
 	$(PYTHON) -m colossal_lab bench sequence_parallel_gemm
 	$(PYTHON) -m colossal_lab bench profile_breakdown
+	$(PYTHON) -m colossal_lab bench step_floor
 	$(PYTHON) -m colossal_lab bench spot_check
 
 ## gpu-results-2: the multi-GPU benchmarks on a node with 2 GPUs (`make gpu-results-2`);
