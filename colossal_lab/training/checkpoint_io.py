@@ -204,6 +204,17 @@ def _latest_name(directory: Path) -> str | None:
         raise CheckpointError(f"{pointer} cannot be read: {e}") from None
 
 
+def set_aside_newer(directory: Path, good: Path) -> None:
+    """Rename the checkpoints newer than `good` (the one a resume fell back to: they
+    failed to verify) to ``corrupt-step_N``: kept for a look, never resumed or counted
+    by `prune`, and their step numbers free for the run that continues."""
+    for p in step_folders(directory):
+        if step_of(p) > step_of(good):
+            aside = directory / f"corrupt-{p.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(p, aside)
+
+
 def verify(folder: Path, required: tuple[str, ...]) -> str | None:
     """Why `folder` cannot be resumed (a file missing, a size or checksum that differs
     from its manifest), or None when it is whole."""

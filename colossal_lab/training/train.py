@@ -343,6 +343,8 @@ def _train(cfg: ModelConfig, switches: Switches | None, *, batch, seq_len, steps
     run = _run_of(batch, seq_len, data, seed, vocab, max_files, lr, micro, world)
     if resume:  # everything checked before building anything
         resume_from = _resume_point(save_dir, made_with, run, steps)
+        if env.is_main:  # what a fallback skipped is set aside, not resumed or kept
+            checkpoint_io.set_aside_newer(save_dir, resume_from)
 
     torch.manual_seed(seed)  # every rank builds the same weights
     model = apply_switches(build_model(cfg, device), switches)  # DDP: the wrapper
