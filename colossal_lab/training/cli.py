@@ -211,8 +211,8 @@ def _check_device(text: str | None) -> None:
         return
     try:
         dev = torch.device(text)
-    except RuntimeError as e:
-        raise UsageError(f"--device {text!r}: {str(e).splitlines()[0]}") from None
+    except RuntimeError:
+        raise UsageError(f"--device {text}: choose cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(f"--device {text}: no CUDA GPU here; use --device cpu")

@@ -38,15 +38,15 @@ def check_run(cfg: ModelConfig, *, batch: int, micro: int, seq_len: int, steps: 
         _whole(name, value)
     if steps > MAX_STEPS:
         raise UsageError(f"steps={steps} is more than {MAX_STEPS:,}: a typo?")
+    if seq_len > cfg.max_position_embeddings:
+        raise UsageError(f"seq_len={seq_len} > max_position_embeddings="
+                         f"{cfg.max_position_embeddings}; use a shorter --seq-len or "
+                         "a preset made for longer sequences")
     if batch * seq_len > MAX_TOKENS_PER_STEP:
         raise UsageError(f"batch={batch} x seq_len={seq_len} tokens per step is more "
                          f"than {MAX_TOKENS_PER_STEP:,}")
     if batch % micro:
         raise UsageError(f"micro_batch={micro} must divide batch={batch}")
-    if seq_len > cfg.max_position_embeddings:
-        raise UsageError(f"seq_len={seq_len} > max_position_embeddings="
-                         f"{cfg.max_position_embeddings}; use a shorter --seq-len or "
-                         "a preset made for longer sequences")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 \
             or not math.isfinite(lr):
         raise UsageError(f"lr={lr} must be a positive number")
