@@ -280,3 +280,20 @@ def test_fsdp2_evaluates_and_follows_one_process(tmp_path):
     assert sorted(p.name for p in (tmp_path / "step_5").glob("rng_*")) == ["rng_0.pt",
                                                                            "rng_1.pt"]
     assert torch.isfinite(torch.tensor(ranks[0][0])).all()
+
+
+def test_damaged_data_caches_are_rebuilt_with_a_warning(tmp_path):
+    """A truncated token cache or a garbled tokenizer cache is named and rebuilt, the
+    same ids come back."""
+    from colossal_lab.training import data
+
+    ids = data.load_tokens("val", 300, max_files=4, cache_dir=tmp_path)
+    (npy,) = tmp_path.rglob("tokens-val-*.npy")
+    npy.write_bytes(npy.read_bytes()[:90])
+    with pytest.warns(UserWarning, match=f"token cache {npy} damaged"):
+        assert torch.equal(data.load_tokens("val", 300, max_files=4, cache_dir=tmp_path),
+                           ids)
+    (tok,) = tmp_path.rglob("tokenizer-*.json")
+    tok.write_text("{garbled")
+    with pytest.warns(UserWarning, match="tokenizer cache .* damaged"):
+        data.train_tokenizer(300, max_files=4, cache_dir=tmp_path)
