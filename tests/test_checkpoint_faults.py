@@ -297,3 +297,13 @@ def test_damaged_data_caches_are_rebuilt_with_a_warning(tmp_path):
     tok.write_text("{garbled")
     with pytest.warns(UserWarning, match="tokenizer cache .* damaged"):
         data.train_tokenizer(300, max_files=4, cache_dir=tmp_path)
+
+
+def test_a_bf16_pure_export_writes_the_fp32_masters(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    sw = Switches(False, "torch", "eager", "bf16-pure")
+    train.train(CFG, sw, steps=2, export_hf=tmp_path / "hf", **RUN)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    w = hf.model.layers[0].mlp.down_proj.weight
+    assert w.dtype == torch.float32
+    assert not torch.equal(w, w.bfloat16().float())  # not bf16 values in fp32 clothes

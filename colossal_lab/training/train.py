@@ -439,10 +439,29 @@ def _train(cfg: ModelConfig, switches: Switches | None, *, batch, seq_len, steps
     val = evaluate(inner, val_seqs, batch, eval_batches) \
         if val_seqs is not None and stopped_by is None else None  # on every rank: FSDP2
     if export_hf is not None and stopped_by is None:
-        inner.to_hf().save_pretrained(export_hf)
+        export(inner, opt, export_hf)
     return TrainResult(losses, val, stats, timing.peak_memory_gib(),
                        time.perf_counter() - t_start, type(opt).__name__,
                        moments_of(opt), saved_to, stopped_by)
+
+
+@torch.no_grad()
+def export(model, optimizer, path: Path) -> None:
+    """Write `model` as a `transformers` checkpoint at `path`. Parameters kept in bf16
+    or fp16 with fp32 masters in the optimizer (`MasterAdamW`, our AdamW) are exported
+    as the masters: the weights the run really holds, not their rounded copies."""
+    master = getattr(optimizer, "master", None)
+    swapped = []
+    for p in model.parameters() if master is not None else ():
+        m = master(p)
+        if m is not None and m.dtype != p.dtype:
+            swapped.append((p, p.data))
+            p.data = m
+    try:
+        model.to_hf().save_pretrained(path)
+    finally:
+        for p, data in swapped:
+            p.data = data
 
 
 @torch.no_grad()
