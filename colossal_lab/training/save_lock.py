@@ -4,8 +4,10 @@ Two runs writing checkpoints into one folder would prune and overwrite each othe
 steps. `SaveDirLock` takes ``<dir>/.lock`` with ``flock`` (non-blocking) for the whole
 run and writes ``host pid`` into it; a second run finds the lock taken and stops with
 an error naming the holder. The kernel drops a ``flock`` when its process dies, however
-it dies, so a killed run never leaves a stale lock behind. On a filesystem without
-``flock`` (some network mounts) the run goes on unlocked, with a warning.
+it dies, so a killed run never leaves a stale lock behind (only an unlocked file, which
+the next run takes). A clean exit deletes the file; a run that locked a file just
+deleted (its inode no longer the path's) tries again. On a filesystem without ``flock``
+(some network mounts) the run goes on unlocked, with a warning.
 """
 
 from __future__ import annotations
@@ -29,19 +31,26 @@ class SaveDirLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                holder = self.holder() or "another process"
-                raise CheckpointError(
-                    f"{self.path.parent} is in use by another run ({holder}): wait for "
-                    "it to finish, or choose another --save-dir") from None
-            print(f"warning: cannot lock {self.path} ({e.strerror}); make sure no other "
-                  "run writes there", file=sys.stderr)
-            return
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    holder = self.holder() or "another process"
+                    raise CheckpointError(
+                        f"{self.path.parent} is in use by another run ({holder}): wait "
+                        "for it to finish, or choose another --save-dir") from None
+                print(f"warning: cannot lock {self.path} ({e.strerror}); make sure no "
+                      "other run writes there", file=sys.stderr)
+                return
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break  # the file is still the path's: the lock is ours
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # its holder deleted it as we opened it: take the new one
         os.ftruncate(fd, 0)
         os.write(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode())
         self.fd = fd
@@ -55,7 +64,7 @@ class SaveDirLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            os.ftruncate(self.fd, 0)
+            self.path.unlink(missing_ok=True)  # before unlocking: nobody locks a ghost
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
