@@ -286,7 +286,7 @@ class Switches:
 
 EXTRA_KEYS = ("fp8_scaling", "fp8_history", "fp8_skip", "fp8_fast_accum_backward",
               "fp8_backend", "compile_backend", "compile_mode", "adamw_moments",
-              "adamw_defer", "dp_bucket_elems", "dp_reduce_dtype")
+              "adamw_defer", "adamw_masters", "dp_bucket_elems", "dp_reduce_dtype")
 """The keys `Switches.extra` may hold (its docstring says what each does)."""
 
 
