@@ -132,8 +132,9 @@ def save(directory: str | Path, step: int, model, optimizer, *, train_state: dic
     error = None
     if rank == 0:
         try:
+            directory.mkdir(parents=True, exist_ok=True)
             checkpoint_io.check_free_space(directory, need)
-        except CheckpointError as e:
+        except (CheckpointError, OSError) as e:
             error = str(e)
     _agree(error)
     tmp = directory / f"{checkpoint_io.PARTIAL}step_{step}"
