@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
 from colossal_lab import benchmarks, doctor, wheelhouse
 from colossal_lab.book import notebook
+from colossal_lab.errors import UsageError
+from colossal_lab.fallback import BackendUnavailable
 from colossal_lab.measure import hardware
 from colossal_lab.measure.results import save_results
 from colossal_lab.training import cli as cli_train
@@ -62,7 +66,28 @@ def cmd_bench(a, rest, error) -> None:
     benchmarks.get(a.name).main(rest)
 
 
+def check_notebooks(rest: list[str]) -> None:
+    """`execute`'s paths exist and are notebooks (JSON with cells), before any runs."""
+    skip = False
+    for arg in rest:
+        if skip or arg.startswith("-"):
+            skip = arg == "--timeout"
+            continue
+        path = Path(arg)
+        if not path.is_file():
+            raise UsageError(f"{arg}: no such notebook")
+        try:
+            cells = json.loads(path.read_text()).get("cells")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            cells = None
+        if path.suffix != ".ipynb" or not isinstance(cells, list):
+            raise UsageError(f"{arg} is not a Jupyter notebook (.ipynb)")
+
+
 def main(argv=None) -> None:
+    """Parse `argv` and run the command. A `UsageError` (or a backend that cannot run
+    here) from any command ends as one line on stderr and exit status 2; every other
+    exception is a bug and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m colossal_lab", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -82,25 +107,39 @@ def main(argv=None) -> None:
     d = sub.add_parser("doctor", help="the seed's tuning checklist, run on a configuration")
     doctor.add_arguments(d)
 
-    sub.add_parser("execute", help="execute notebooks in place (refresh their outputs)",
-                   add_help=False)
+    x = sub.add_parser("execute", help="execute notebooks in place (refresh their outputs)",
+                       add_help=False)
     w = sub.add_parser("wheelhouse", help="download wheels for an offline GPU node",
                        add_help=False)
 
     a, rest = p.parse_known_args(argv)
+    parser = {"env": e, "train": t, "bench": b, "doctor": d, "execute": x,
+              "wheelhouse": w}[a.cmd]
+    try:
+        dispatch(a, rest, p, parser, argv)
+    except (UsageError, BackendUnavailable) as exc:  # one line, not the usage again
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def dispatch(a, rest: list[str], p, parser, argv: list[str]) -> None:
+    """Run command `a.cmd` (`parser` its subparser, for its `error`)."""
     if a.cmd == "bench":
-        return cmd_bench(a, rest, b.error)
+        return cmd_bench(a, rest, parser.error)
     if a.cmd == "execute":
+        if not {"-h", "--help"} & set(rest):
+            check_notebooks(rest)
         return notebook.main(rest)
     if a.cmd == "wheelhouse":
         return wheelhouse.main(rest)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
-    del w
     if a.cmd == "train":
-        return cli_train.run(a, t.error, argv)
+        return cli_train.run(a, argv)
     if a.cmd == "doctor":
-        return doctor.run(a, d.error)
+        return doctor.run(a, parser.error)
+    if a.save and a.no_measure:
+        raise UsageError("--save records the measured ceilings: drop --no-measure")
     cmd_env(a)
 
 

@@ -268,6 +268,7 @@ class Switches:
             raise ValueError(f"{prefix}unknown fields {unknown}; Switches has "
                              f"{sorted(known)}")
         fields = dict(fields)
+        check_extra(fields.get("extra", {}), where)
         ckpt = fields.get("gradient_checkpoint_config")
         if checkpoint_config is not None and ckpt is not None:
             try:
@@ -283,6 +284,24 @@ class Switches:
     def naive(cls, precision: str = "fp32") -> Switches:
         """Every switch off: what the seed chapter starts from."""
         return cls(precision=precision)
+
+
+EXTRA_KEYS = ("fp8_scaling", "fp8_history", "fp8_skip", "fp8_fast_accum_backward",
+              "fp8_backend", "compile_backend", "compile_mode", "adamw_moments",
+              "adamw_defer", "adamw_masters", "dp_bucket_elems", "dp_reduce_dtype")
+"""The keys `Switches.extra` may hold (its docstring says what each does)."""
+
+
+def check_extra(extra, where: str = "") -> None:
+    """`extra` is a dict of known keys (`EXTRA_KEYS`): a misspelt knob (``fp8_scalng``)
+    would otherwise be ignored without a word. ValueError names the known keys."""
+    prefix = f"{where}: " if where else ""
+    if not isinstance(extra, dict):
+        raise ValueError(f"{prefix}extra={extra!r} must be a JSON object of knobs "
+                         f"({', '.join(EXTRA_KEYS)})")
+    if unknown := sorted(set(extra) - set(EXTRA_KEYS)):
+        raise ValueError(f"{prefix}unknown extra keys {unknown}; known: "
+                         f"{', '.join(EXTRA_KEYS)}")
 
 
 def _every_switch(precision: str, **extra) -> Switches:

@@ -228,10 +228,25 @@ def plan_of(a: argparse.Namespace) -> Plan:
                          f"{cfg.num_key_value_heads}; choose one of {ok}")
     if a.pp > cfg.num_hidden_layers:
         raise ValueError(f"--pp {a.pp} > {cfg.num_hidden_layers} layers of {a.preset}")
+    if a.microbatches and a.batch % a.microbatches:
+        raise ValueError(f"--microbatches {a.microbatches} must divide --batch {a.batch} "
+                         "(each pipeline micro-batch holds the same number of sequences)")
     return Plan(preset=a.preset, switches=sw, switches_name=name, batch=a.batch,
                 seq_len=a.seq, micro_batch=a.micro_batch, tp_size=a.tp, pp_size=a.pp,
                 num_microbatches=a.microbatches, gemini=a.gemini, compile=a.compile,
                 cuda_graphs=a.cuda_graphs)
+
+
+def check_trace_path(path: Path) -> None:
+    """The trace can be written at `path`: checked before the profile runs."""
+    if path.is_dir():
+        raise ValueError(f"--trace {path} is a folder; name a file (e.g. trace.json)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--trace {path} cannot be written: {e.strerror or e}") from None
 
 
 def run(a: argparse.Namespace, error) -> None:
@@ -242,6 +257,8 @@ def run(a: argparse.Namespace, error) -> None:
         if a.profile and not torch.cuda.is_available() and plan.preset != "tiny":
             raise ValueError("--profile without a GPU profiles only --preset tiny (a CPU "
                              f"step of {plan.preset} takes minutes)")
+        if a.profile:
+            check_trace_path(Path(a.trace))
     except ValueError as e:
         error(str(e).splitlines()[0])
         return

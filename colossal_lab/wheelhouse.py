@@ -26,9 +26,13 @@ torch, triton and the CUDA libraries are never downloaded: the node's image has 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+from colossal_lab.errors import UsageError
 
 # Executing notebooks (nbclient + a kernel), with their whole dependency trees.
 NOTEBOOK_PACKAGES = ["nbclient", "nbformat", "ipykernel", "ipywidgets"]
@@ -55,7 +59,9 @@ def _pip_download(dest: Path, python: str, packages: list[str], no_deps: bool) -
         cmd += ["--platform", plat]
     if no_deps:
         cmd.append("--no-deps")
-    subprocess.run(cmd + packages, check=True)
+    if subprocess.run(cmd + packages).returncode:  # pip has said why, above
+        raise UsageError(f"pip download failed for {' '.join(packages)} (is the index "
+                         f"reachable, and do wheels exist for Python {python}?)")
 
 
 def skipped(wheel_name: str) -> bool:
@@ -69,7 +75,14 @@ def build(dest: str | Path = ".whl", python: str = "3.12", extra: list[str] | No
           ) -> list[Path]:
     """Download the wheels into `dest`; returns the wheels kept."""
     dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
+    if not re.fullmatch(r"3\.\d+", python):
+        raise UsageError(f"--python {python!r}: give the node's version as 3.N (e.g. 3.12)")
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--dest {dest} cannot be created: {e.strerror or e}") from None
+    if not os.access(dest, os.W_OK):
+        raise UsageError(f"--dest {dest} cannot be written")
     _pip_download(dest, python, NOTEBOOK_PACKAGES + ANALYSIS_PACKAGES, no_deps=False)
     _pip_download(dest, python, NO_DEPS_PACKAGES + list(extra or []), no_deps=True)
     kept = []

@@ -322,6 +322,13 @@ def all_mean(values: list[float], group=None) -> list[float]:
             / world_size(group)).tolist()
 
 
+def all_sum(values: list[float], group=None) -> list[float]:
+    """The sum over the ranks of each of `values`; unchanged on one process."""
+    if world_size(group) == 1:
+        return list(values)
+    return _reduced(values, dist.ReduceOp.SUM, "all_sum", group).tolist()
+
+
 def all_max(values: list[float], group=None) -> list[float]:
     """The largest over the ranks of each of `values`: every step's time on the slowest
     rank, which is the step's time for all of them; unchanged on one process."""

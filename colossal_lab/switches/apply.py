@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from colossal_lab import precision
-from colossal_lab.config import Switches
+from colossal_lab.config import Switches, check_extra
 from colossal_lab.ops import attention, cross_entropy, embedding, fp8, norm, rope, swiglu
 from colossal_lab.parallel import data_parallel, tensor_parallel
 from colossal_lab.switches import attention as attention_switch
@@ -85,6 +85,7 @@ def check(switches: Switches, device: torch.device | str | None = None) -> None:
     kernels under the CPU's interpreter)."""
     if not isinstance(switches, Switches):
         raise TypeError(f"expected a Switches, not {type(switches).__name__}")
+    check_extra(switches.extra)
     checkpointing.resolve(switches.gradient_checkpoint_config)
     swiglu.is_fused(switches.enable_fused_projections)
     for value, names, field in ((switches.enable_flash_attention, attention.BACKENDS,

@@ -7,33 +7,33 @@ A checkpoint is a folder `<dir>/step_<N>/` holding everything the next step depe
     fp8            the amax histories of fp8 linears (delayed scaling reads them; where
                    each writes next is in train.json)
     train.json     step, the losses so far, the data position, the loss scale, the
-                   switches and model config it was made with
-    rng.pt         CPU and CUDA generator states
+                   switches, model config and run (batch, lr, ranks, ...) it was made with
+    rng_<rank>.pt  each rank's CPU and CUDA generator states
+    manifest.json  every file's size and SHA-256 (`checkpoint_io`)
 
-Tensors go through `torch.distributed.checkpoint` (DCP): one process writes one shard
-today, and the same format is what sharded multi-GPU runs save and load (each rank its
-part), so nothing changes when data and tensor parallelism arrive. `<dir>/latest` names
-the newest complete checkpoint; it is written last, so an interrupted save leaves the
-previous one in charge. Resuming needs the same switches and model config: a checkpoint
-made with others is refused, with what differs.
+Tensors go through `torch.distributed.checkpoint` (DCP): under data parallelism each
+rank writes its part (FSDP2's shards; a replicated tensor once) and loads its part back.
+How a checkpoint reaches the disk (a folder written aside, then renamed; `<dir>/latest`
+moved last; the newest `keep` kept; checksums verified on resume) is `checkpoint_io`'s
+job. Resuming needs the same switches and model config: a checkpoint made with others
+is refused, with what differs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import warnings
 from pathlib import Path
 
 import torch
 
-LATEST = "latest"
+from colossal_lab.parallel import distributed
+from colossal_lab.training import checkpoint_io
+from colossal_lab.training.checkpoint_io import LATEST, CheckpointError
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed from: missing, incomplete, corrupt, or made
-    with other switches or another model."""
+__all__ = ["LATEST", "REQUIRED", "CheckpointError", "check_made_with", "describe", "find",
+           "load", "read", "save"]
 
 
 def _dcp():
@@ -83,65 +83,134 @@ def describe(switches, cfg) -> dict:
             "model": dataclasses.asdict(cfg)}
 
 
+def _bytes(state: dict) -> int:
+    """Bytes the checkpoint of `state` takes, summed over the ranks: a sharded tensor
+    (`DTensor`) counts its local shard on every rank, a replicated one counts once."""
+    total = 0
+    for t in _tensors(state):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if hasattr(t, "to_local") or distributed.rank() == 0:
+            total += local.numel() * local.element_size()
+    return int(distributed.all_sum([float(total)])[0])
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _rng_name(rank: int) -> str:
+    return f"rng_{rank}.pt"
+
+
+def _agree(error: str | None) -> None:
+    """Raise `error` on every rank if any rank has one (a rank that raised alone would
+    leave the others waiting in the save's collectives)."""
+    failed = distributed.all_max([1.0 if error else 0.0])[0]
+    if failed:
+        raise CheckpointError(error or "another rank could not save its checkpoint")
+
+
 def save(directory: str | Path, step: int, model, optimizer, *, train_state: dict,
-         scaler=None) -> Path:
-    """Write `<directory>/step_<step>/` and point `<directory>/latest` at it."""
+         scaler=None, keep: int = 2) -> Path:
+    """Write ``<directory>/step_<step>/`` beside the others and point ``latest`` at it
+    (`checkpoint_io`: a new folder, fsync, rename, then `latest`), keeping the newest
+    `keep`. Every rank calls it: each writes its shards and its RNG state, rank 0 the
+    train state and the manifest, and renames after a barrier."""
     dcp, get_optim, _ = _dcp()
     directory = Path(directory)
-    path = directory / f"step_{step}"
+    rank = distributed.rank()
     state = {"model": _model_state(model), "optimizer": get_optim(model, optimizer),
              "fp8": _fp8_state(model)}
-    _quiet(dcp.save, state, checkpoint_id=str(path))
-    extra = {**train_state, "step": step, "fp8_scaling": _fp8_scaling(model),
-             "scaler": scaler.state_dict() if scaler is not None else None}
-    (path / "train.json").write_text(json.dumps(extra, indent=1))
+    need = int(_bytes(state) * 1.05) + (1 << 20)
+    error = None
+    if rank == 0:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            checkpoint_io.check_free_space(directory, need)
+        except (CheckpointError, OSError) as e:
+            error = str(e)
+    _agree(error)
+    tmp = directory / f"{checkpoint_io.PARTIAL}step_{step}"
+    if rank == 0:
+        checkpoint_io.begin(directory, step)
+        checkpoint_io.phase("before_shards", tmp)
+    distributed.barrier()
+    _quiet(dcp.save, state, checkpoint_id=str(tmp))
+    checkpoint_io.phase("mid_shard", tmp)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, path / "rng.pt")
-    tmp = directory / (LATEST + ".tmp")
-    tmp.write_text(path.name)
-    os.replace(tmp, directory / LATEST)  # atomic: the old one stays until this lands
+    torch.save(rng, tmp / _rng_name(rank))
+    extra = {**train_state, "step": step, "fp8_scaling": _fp8_scaling(model),
+             "scaler": scaler.state_dict() if scaler is not None else None,
+             "world_size": distributed.world_size()}
+    distributed.barrier()
+    path = directory / f"step_{step}"
+    if rank == 0:
+        (tmp / "train.json").write_text(json.dumps(extra, indent=1))
+        config = {k: train_state.get(k) for k in ("made_with", "run")}
+        path = checkpoint_io.commit(directory, tmp, step, config, keep)
+    distributed.barrier()
     return path
+
+
+REQUIRED = ("train.json", ".metadata")
+"""The parts every checkpoint has (besides its shards and each rank's RNG state)."""
 
 
 def find(directory: str | Path) -> Path:
-    """The newest complete checkpoint under `directory` (what `latest` names)."""
-    directory = Path(directory)
-    pointer = directory / LATEST
-    if not pointer.exists():
-        raise CheckpointError(f"no checkpoint to resume in {directory} "
-                              f"({LATEST} is missing): train with --save-dir first")
-    path = directory / pointer.read_text().strip()
-    for part in ("train.json", "rng.pt", ".metadata"):
-        if not (path / part).exists():
-            raise CheckpointError(f"checkpoint {path} is incomplete: {part} is missing")
-    return path
+    """The checkpoint to resume under `directory`: the one `latest` names if it
+    verifies against its manifest, else the newest older one that does (a warning
+    says why); `CheckpointError` when none does."""
+    return checkpoint_io.find_good(Path(directory), REQUIRED)
 
 
-def load(directory: str | Path, model, optimizer, *, expect: dict, scaler=None) -> dict:
-    """Restore model, optimizer, fp8 histories, loss scale and RNG from the newest
-    checkpoint under `directory`; returns its train state (step, losses, data
-    position). `expect` (`describe`) must match what the checkpoint was made with."""
-    dcp, get_optim, set_optim = _dcp()
-    path = find(directory)
+def read(path: Path) -> dict:
+    """The train state of the checkpoint at `path` (train.json)."""
     try:
         extra = json.loads((path / "train.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path} is corrupt: train.json: {e}") from None
+    if not isinstance(extra, dict) or not isinstance(extra.get("step"), int):
+        raise CheckpointError(f"checkpoint {path} is corrupt: train.json holds no step")
+    return extra
+
+
+def check_made_with(path: Path, extra: dict, expect: dict) -> None:
+    """Refuse a checkpoint made with other switches or another model config."""
     made = extra.get("made_with")
     if made != expect:
         diff = sorted(k for k in set(made or {}) | set(expect)
                       if (made or {}).get(k) != expect.get(k))
         raise CheckpointError(f"checkpoint {path} was made with other {', '.join(diff)}: "
                               "resume with the same switches and preset")
+
+
+def load(path: str | Path, model, optimizer, *, expect: dict, scaler=None) -> dict:
+    """Restore model, optimizer, fp8 histories, loss scale and this rank's RNG from the
+    checkpoint at `path` (`find`); returns its train state (step, losses, data
+    position). `expect` (`describe`) must match what the checkpoint was made with."""
+    dcp, get_optim, set_optim = _dcp()
+    path = Path(path)
+    extra = read(path)
+    check_made_with(path, extra, expect)
     state = {"model": _model_state(model), "optimizer": get_optim(model, optimizer),
              "fp8": _fp8_state(model)}
-    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.api import CheckpointException  # lazy: DCP is heavy
 
+    rng_file = path / _rng_name(distributed.rank())
+    if not rng_file.exists() and distributed.world_size() == 1:
+        rng_file = path / "rng.pt"  # saved before each rank kept its own
     try:
         _quiet(dcp.load, state, checkpoint_id=str(path))
-        rng = torch.load(path / "rng.pt", weights_only=True)
+        rng = torch.load(rng_file, weights_only=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 -- one clear message
         raise CheckpointError(f"checkpoint {path} is corrupt: {type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200]}") from None

@@ -22,7 +22,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from colossal_lab.config import PRESETS, SWITCH_SETS, Switches, preset
+from colossal_lab.errors import UsageError
 from colossal_lab.fallback import BackendUnavailable
 from colossal_lab.ops import attention, cross_entropy, embedding, norm, rope, swiglu
 from colossal_lab.parallel import data_parallel, distributed
@@ -31,7 +34,6 @@ from colossal_lab.switches import checkpointing
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 from colossal_lab.switches.compile import MODES as COMPILE_MODES
 from colossal_lab.training import train
-from colossal_lab.training.checkpoint import CheckpointError
 
 CKPT_MODES = ("none", "full", "selective", "elementwise")
 
@@ -137,7 +139,12 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
                     "checkpoints (0: only at the end)")
     ck.add_argument("--resume", action="store_true", help="continue from --save-dir's "
                     "newest checkpoint")
-    ck.add_argument("--export-hf", help="write a transformers checkpoint here at the end")
+    ck.add_argument("--overwrite", action="store_true", help="start afresh in a --save-dir "
+                    "that holds checkpoints, deleting them (without it, such a run refuses)")
+    ck.add_argument("--keep", type=whole(1), default=2, help="checkpoints to keep, newest "
+                    "first (default 2: the previous good one stays)")
+    ck.add_argument("--export-hf", help="write a transformers checkpoint (a folder) here "
+                    "at the end")
 
 
 def load_switches(spec: str) -> Switches:
@@ -150,7 +157,7 @@ def load_switches(spec: str) -> Switches:
                          "nor a file")
     try:
         fields = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"--switches {spec}: not valid JSON ({e})") from None
     return Switches.from_dict(fields, checkpoint_config=checkpointing.resolve,
                               where=f"--switches {spec}")
@@ -199,43 +206,81 @@ def relaunch(argv: list[str], nproc: int) -> int:
     return subprocess.call(cmd)
 
 
-def run(a: argparse.Namespace, error, argv: list[str] | None = None) -> None:
-    """Train as `a` says; `error(message)` ends the program with status 2. With
-    `--nproc N` outside torchrun, re-launch `argv` through it; under torchrun, this is
-    one rank (`colossal_lab.parallel.distributed`), and rank 0 prints."""
+def _check_device(text: str | None) -> None:
+    if text is None:
+        return
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"--device {text}: choose cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {text}: no CUDA GPU here; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {text}: there are {torch.cuda.device_count()} "
+                             "GPUs (cuda:0 ...)")
+    elif dev.type != "cpu":
+        raise UsageError(f"--device {text}: choose cpu, cuda or cuda:N")
+
+
+def setup_of(a: argparse.Namespace) -> tuple:
+    """(ModelConfig, Switches, train keyword arguments) for `a`, checked for what
+    argparse cannot see (`UsageError`)."""
+    if a.save_dir is not None and not a.save_dir.strip():
+        raise UsageError("--save-dir is empty: name a folder for the checkpoints")
+    if a.export_hf is not None and not a.export_hf.strip():
+        raise UsageError("--export-hf is empty: name a folder for the export")
+    _check_device(a.device)
+    sw = switches_from(a)
+    if a.fp8_scaling is not None and sw.precision != "fp8":
+        raise UsageError(f"--fp8-scaling {a.fp8_scaling} needs --precision fp8 (the "
+                         f"switches say {sw.precision})")
+    cfg = preset(a.preset)
+    if a.vocab_size and a.vocab_size != cfg.vocab_size:
+        cfg = cfg.replace(vocab_size=a.vocab_size)
+    kw = dict(batch=a.batch, seq_len=a.seq_len, steps=a.steps, lr=a.lr,
+              micro_batch=a.micro_batch, data=a.data, max_files=a.max_files, seed=a.seed,
+              save_dir=a.save_dir, save_every=a.save_every, resume=a.resume,
+              export_hf=a.export_hf, overwrite=a.overwrite, keep=a.keep)
+    return cfg, sw, kw
+
+
+def run(a: argparse.Namespace, argv: list[str] | None = None) -> None:
+    """Train as `a` says; bad input raises `UsageError` (one line and exit status 2 at
+    the dispatch). With `--nproc N` outside torchrun, check what can be checked here,
+    then re-launch `argv` through it; under torchrun, this is one rank
+    (`colossal_lab.parallel.distributed`), and rank 0 prints."""
     if a.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        try:
+            cfg, sw, kw = setup_of(a)
+            train.check(cfg, sw, world=a.nproc, **kw)
+        except (ValueError, BackendUnavailable) as e:
+            raise UsageError(str(e).splitlines()[0]) from None
         sys.exit(relaunch(argv if argv is not None else sys.argv[1:], a.nproc))
     env = distributed.init(timeout_s=a.dist_timeout)
     try:
-        sw = switches_from(a)
-        cfg = preset(a.preset)
-        if a.seq_len > cfg.max_position_embeddings:
-            cfg = cfg.replace(max_position_embeddings=a.seq_len)
-        if a.vocab_size and a.vocab_size != cfg.vocab_size:
-            cfg = cfg.replace(vocab_size=a.vocab_size)
+        cfg, sw, kw = setup_of(a)
         with distributed.guard("train") if env.world_size > 1 else contextlib.nullcontext():
-            r = train.train(cfg, sw, batch=a.batch, seq_len=a.seq_len, steps=a.steps,
-                            lr=a.lr, micro_batch=a.micro_batch, data=a.data,
-                            max_files=a.max_files, seed=a.seed, device=a.device,
-                            log_every=a.log_every, save_dir=a.save_dir,
-                            save_every=a.save_every, resume=a.resume,
-                            export_hf=a.export_hf)
-    except (ValueError, CheckpointError, BackendUnavailable) as e:
-        error(str(e).splitlines()[0])
-        return
+            r = train.train(cfg, sw, device=a.device, log_every=a.log_every, **kw)
+    except (ValueError, BackendUnavailable) as e:
+        raise UsageError(str(e).splitlines()[0]) from None
     distributed.destroy()
     if not env.is_main:
         return
     if env.world_size > 1:
         print(f"{env.world_size} ranks ({env.backend}), gradient reduction "
               f"{sw.overlap_communication or 'naive'}")
-    print(f"final loss {r.losses[-1]:.4f}" + (f", validation {r.val_loss:.4f}"
-                                               if r.val_loss is not None else ""))
+    if r.stopped_by:
+        print(f"stopped by {r.stopped_by} after step {len(r.losses)}"
+              + (f": resume with --resume from {r.checkpoint}" if r.checkpoint else ""))
+    if r.losses:
+        print(f"final loss {r.losses[-1]:.4f}" + (f", validation {r.val_loss:.4f}"
+                                                   if r.val_loss is not None else ""))
     if r.stats:
         print(r.stats)
     if r.peak_mem_gib:
         print(f"peak memory {r.peak_mem_gib:.1f} GiB")
-    if a.save_dir:
-        print(f"checkpoint: {a.save_dir}/step_{a.steps}")
-    if a.export_hf:
+    if r.checkpoint:
+        print(f"checkpoint: {r.checkpoint}")
+    if a.export_hf and not r.stopped_by:
         print(f"transformers checkpoint: {a.export_hf}")

@@ -40,6 +40,7 @@ import hashlib
 import os
 import sys
 import sysconfig
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -284,8 +285,11 @@ def train_tokenizer(
     cached file.
     """
     path, max_files = _tokenizer_path(vocab_size, max_files, cache_dir)
-    if path.exists():
-        return Tokenizer.from_file(str(path))
+    try:
+        if path.exists():
+            return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises bare Exceptions
+        warnings.warn(f"tokenizer cache {path} damaged ({e}): retrained", stacklevel=2)
     files = _split_files("train", max_files)
     tokenizer = _train_bpe((_read_text(p) for p in files), vocab_size, length=len(files))
     _atomic_write(path, lambda tmp: tokenizer.save(str(tmp)))
@@ -342,9 +346,12 @@ def load_tokens(
     path = tok_path.with_name(
         f"tokens-{split}-v{vocab_size}-{_files_tag(max_files)}-{tok_hash}.npy"
     )
-    if path.exists():
-        array = np.load(path)
-    else:
+    try:
+        array = np.load(path) if path.exists() else None
+    except (OSError, ValueError, EOFError) as e:  # a damaged cache: encoded again
+        warnings.warn(f"token cache {path} damaged ({e}): encoded again", stacklevel=2)
+        array = None
+    if array is None:
         array = _encode_files(tokenizer, _split_files(split, max_files))
         _atomic_write(path, _save_npy(array))
     return torch.from_numpy(array.astype(np.int32))

@@ -14,11 +14,13 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from colossal_lab import precision as precision_mod
 from colossal_lab.config import ModelConfig, Switches
+from colossal_lab.errors import UsageError
 from colossal_lab.measure import hardware, mfu, timing
 from colossal_lab.measure.progress import Progress
 from colossal_lab.model import build_model
@@ -27,9 +29,11 @@ from colossal_lab.switches import checkpointing
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.apply import check as check_switches
 from colossal_lab.switches.resolved import backends_in_use
-from colossal_lab.training import checkpoint
+from colossal_lab.training import checkpoint, checkpoint_io, run_checks
 from colossal_lab.training import data as data_mod
 from colossal_lab.training.optimizer import make_optimizer, moments_of
+from colossal_lab.training.save_lock import SaveDirLock
+from colossal_lab.training.signals import StopRequest
 from colossal_lab.training.step import (  # noqa: F401  (re-exported: `train.make_step`)
     LossFn,
     Step,
@@ -205,29 +209,56 @@ class TrainResult:
     seconds: float
     optimizer: str | None = None  # the optimizer's class, and the dtype of its moments
     optimizer_moments: str | None = None
+    checkpoint: Path | None = None
+    """The newest checkpoint this run wrote (None: it wrote none)."""
+    stopped_by: str | None = None
+    """"SIGTERM" or "SIGINT" when a signal stopped the run early (after a save)."""
 
 
-def _check_run(cfg: ModelConfig, *, batch: int, micro: int, seq_len: int, steps: int,
-               lr: float, data: str, vocab: int, save_every: int) -> None:
-    """Refuse a run that cannot work, before any data is read or memory allocated."""
-    for name, value in (("steps", steps), ("batch", batch), ("micro_batch", micro),
-                        ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a whole number >= 1")
-    if batch % micro:
-        raise ValueError(f"micro_batch={micro} must divide batch={batch}")
-    if seq_len > cfg.max_position_embeddings:
-        raise ValueError(f"seq_len={seq_len} > max_position_embeddings="
-                         f"{cfg.max_position_embeddings}; raise it in the config")
-    if not lr > 0 or not math.isfinite(lr):
-        raise ValueError(f"lr={lr} must be a positive number")
-    if vocab > cfg.vocab_size or vocab < 2:
-        raise ValueError(f"tokenizer vocab {vocab} must be in [2, model vocab "
-                         f"{cfg.vocab_size}]")
-    if data not in ("corpus", "random"):
-        raise ValueError(f"data={data!r}; choose 'corpus' or 'random'")
-    if save_every < 0:
-        raise ValueError(f"save_every={save_every} must be >= 0")
+class NonFiniteLoss(UsageError):
+    """The loss became NaN or infinite: the run stops before saving anything of it."""
+
+
+def check(cfg: ModelConfig, switches: Switches | None = None, *, world: int = 1,
+          batch: int = 8, seq_len: int = 256, steps: int = 100, lr: float = 3e-4,
+          micro_batch: int | None = None, data: str = "corpus",
+          vocab_size: int | None = None, max_files: int | None = None, seed: int = 0,
+          save_every: int = 0, save_dir=None, resume: bool = False, export_hf=None,
+          overwrite: bool = False, keep: int = 2) -> None:
+    """What `train` refuses before building anything, for a run on `world` ranks: a
+    parent process checks it before it launches them (`train --nproc`), so bad input
+    ends in one line there instead of one traceback per rank."""
+    if batch % world:
+        raise UsageError(f"batch={batch} must divide over {world} data-parallel ranks")
+    local = batch // world
+    run_checks.check_run(cfg, batch=local, micro=micro_batch or local, seq_len=seq_len,
+                         steps=steps, lr=lr, data=data, vocab=vocab_size or cfg.vocab_size,
+                         save_every=save_every, keep=keep)
+    save_dir = Path(save_dir) if save_dir is not None else None
+    export_hf = Path(export_hf) if export_hf is not None else None
+    if world > 1 and export_hf is not None:
+        raise UsageError("the Hugging Face export of a run on several ranks is not built "
+                         "yet: train on one process to export")
+    run_checks.check_paths(save_dir, export_hf, resume=resume, overwrite=overwrite)
+    if resume:
+        _resume_point(save_dir, checkpoint.describe(switches or Switches(), cfg),
+                      _run_of(batch, seq_len, data, seed, vocab_size or cfg.vocab_size,
+                              max_files, lr, micro_batch or local, world), steps)
+
+
+def _run_of(batch, seq_len, data, seed, vocab, max_files, lr, micro, world) -> dict:
+    """What a resume must match besides switches and model: the trajectory's shape."""
+    return {"batch": batch, "seq_len": seq_len, "data": data, "seed": seed, "vocab": vocab,
+            "max_files": max_files, "lr": lr, "micro_batch": micro, "world_size": world}
+
+
+def _resume_point(save_dir: Path, made_with: dict, run: dict, steps: int) -> Path:
+    """The checkpoint to continue from, checked against this run."""
+    path = checkpoint.find(save_dir)
+    saved = checkpoint.read(path)
+    checkpoint.check_made_with(path, saved, made_with)
+    run_checks.check_resume(path, saved, run, steps)
+    return path
 
 
 def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
@@ -235,62 +266,97 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
           data: str = "corpus", vocab_size: int | None = None, max_files: int | None = None,
           seed: int = 0, device=None, progress: bool = True, log_every: int = 10,
           eval_batches: int = 4, gc_every: int = 100, save_dir=None, save_every: int = 0,
-          resume: bool = False, export_hf=None) -> TrainResult:
+          resume: bool = False, export_hf=None, overwrite: bool = False,
+          keep: int = 2) -> TrainResult:
     """Train `cfg` on the real-text corpus (`data="corpus"`) or random tokens
     (`data="random"`), with a progress bar showing loss, tokens/s, MFU and memory.
 
     Checkpoints (`colossal_lab.training.checkpoint`): with `save_dir`, every `save_every` steps
-    and at the end; `resume=True` continues from the newest one there exactly (same
-    batches, same optimizer and loss-scale state: the loss trajectory of an
-    uninterrupted run). `export_hf` writes a `transformers` checkpoint at the end.
+    and at the end, the newest `keep` kept; `resume=True` continues from the newest good
+    one there exactly (same batches, same optimizer and loss-scale state: the loss
+    trajectory of an uninterrupted run). A fresh run refuses a save-dir that holds
+    checkpoints unless `overwrite=True` (which deletes them); the save-dir is locked
+    for the run (`save_lock`). SIGTERM or SIGINT stops the run at the next step
+    boundary, after a save (`signals`). A NaN or infinite loss stops it with
+    `NonFiniteLoss` before anything of it is saved. `export_hf` writes a `transformers`
+    checkpoint at the end. Paths are checked for writing before anything is built.
     Python's garbage collector is held out of the steps (`gc_between_steps`) and runs a
     young collection every `gc_every` steps, between two of them.
 
     Under torchrun (`colossal_lab.parallel.distributed.init()` called first) this is one rank of
     a data-parallel run (switch 8, `switches.overlap_communication`): every rank draws
     the same global batch of `batch` sequences and trains on its 1/world share, so the
-    run follows the single-process one; rank 0 prints and exports; MFU counts the
-    global tokens against world x the peak."""
+    run follows the single-process one; every rank saves its part of each checkpoint
+    and evaluates (FSDP2's forward needs them all); rank 0 prints; the loss shown is
+    the global batch's. MFU counts the global tokens against world x the peak."""
+    args = dict(locals())
+    world = distributed.world_size()
+    if batch % world:
+        raise UsageError(f"batch={batch} must divide over {world} data-parallel ranks")
+    local = batch // world  # this rank's sequences of each global batch
+    run_checks.check_run(cfg, batch=local, micro=micro_batch or local, seq_len=seq_len,
+                         steps=steps, lr=lr, data=data, vocab=vocab_size or cfg.vocab_size,
+                         save_every=save_every, keep=keep)
+    save_dir = args["save_dir"] = Path(save_dir) if save_dir is not None else None
+    export_hf = args["export_hf"] = Path(export_hf) if export_hf is not None else None
+    if world > 1 and export_hf is not None:
+        raise UsageError("the Hugging Face export of a run on several ranks is not built "
+                         "yet: train on one process to export")
+    error = None
+    lock = SaveDirLock(save_dir) if save_dir is not None and distributed.is_main() else None
+    try:
+        if distributed.is_main():
+            try:
+                run_checks.check_paths(save_dir, export_hf, resume=resume,
+                                       overwrite=overwrite)
+                if lock is not None:
+                    lock.acquire()
+                if overwrite and save_dir is not None:
+                    checkpoint_io.clear(save_dir)
+            except UsageError as e:
+                error = e
+        if distributed.all_max([1.0 if error else 0.0])[0]:  # every rank stops, or none
+            raise error or UsageError("rank 0 refused the run's paths")
+        return _train(**args)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: ModelConfig, switches: Switches | None, *, batch, seq_len, steps, lr,
+           micro_batch, data, vocab_size, max_files, seed, device, progress, log_every,
+           eval_batches, gc_every, save_dir, save_every, resume, export_hf, overwrite,
+           keep) -> TrainResult:
+    """`train` once its arguments and paths are checked (and the save-dir locked)."""
     switches = switches or Switches()
     env = distributed.env()
     world, rank = env.world_size, env.rank
-    if batch % world:
-        raise ValueError(f"batch={batch} must divide over {world} data-parallel ranks")
-    local = batch // world  # this rank's sequences of each global batch
+    local = batch // world
     micro = micro_batch or local
     vocab = vocab_size or cfg.vocab_size
-    _check_run(cfg, batch=local, micro=micro, seq_len=seq_len, steps=steps, lr=lr,
-               data=data, vocab=vocab, save_every=save_every)
-    if resume and save_dir is None:
-        raise ValueError("resume needs save_dir: the folder the checkpoints are in")
-    if world > 1 and (save_dir is not None or export_hf is not None):
-        raise ValueError("checkpoints and exports of a run on several ranks are not built "
-                         "yet: train on one process to save or export")
     torch.manual_seed(seed)
     device = torch.device(device) if device else (
         env.device if world > 1 else hardware.default_device())
     progress = progress and env.is_main
     check_switches(switches, device)  # before loading data or allocating a model
     made_with = checkpoint.describe(switches, cfg)
-    if resume:
-        checkpoint.find(save_dir)  # fail before building anything
+    run = _run_of(batch, seq_len, data, seed, vocab, max_files, lr, micro, world)
+    if resume:  # everything checked before building anything
+        resume_from = _resume_point(save_dir, made_with, run, steps)
+        if env.is_main:  # what a fallback skipped is set aside, not resumed or kept
+            checkpoint_io.set_aside_newer(save_dir, resume_from)
 
     torch.manual_seed(seed)  # every rank builds the same weights
     model = apply_switches(build_model(cfg, device), switches)  # DDP: the wrapper
     inner = data_parallel.unwrap(model)
     opt = make_optimizer(inner, lr)
     step = make_step(model, opt, micro_batches=local // micro)
-    losses, start = [], 0
+    losses: list[float] = []  # the global batch's loss of every step so far
+    start = 0
     if resume:
-        state = checkpoint.load(save_dir, inner, opt, expect=made_with, scaler=step.scaler)
+        state = checkpoint.load(resume_from, inner, opt, expect=made_with,
+                                scaler=step.scaler)
         losses, start = list(state["losses"]), state["step"]
-        if state.get("run") != {"batch": batch, "seq_len": seq_len, "data": data,
-                                "seed": seed, "vocab": vocab, "max_files": max_files}:
-            raise checkpoint.CheckpointError(
-                f"the checkpoint in {save_dir} was made with {state.get('run')}: resume "
-                "with the same batch, seq_len, data, seed, vocab and max_files")
-    run = {"batch": batch, "seq_len": seq_len, "data": data, "seed": seed, "vocab": vocab,
-           "max_files": max_files}
     if data == "corpus":
         train_seqs = data_mod.packed_sequences("train", seq_len, vocab, max_files=max_files)
         val_seqs = data_mod.packed_sequences("val", seq_len, vocab, max_files=max_files)
@@ -299,12 +365,29 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
         val_seqs = None
         batches = data_mod.random_batches(vocab, batch, seq_len, seed=seed, device=device,
                                           start=start)
+    pending: list[torch.Tensor] = []  # this rank's losses of the steps not yet checked
 
-    def save(done: int) -> None:
+    def settle() -> float | None:
+        """Move the pending losses into `losses` as the global batch's (the mean over
+        the ranks), stopping the run at the first one that is not finite."""
+        if not pending:
+            return None
+        values = distributed.all_mean(torch.stack(pending).float().tolist())
+        for k, v in enumerate(values):
+            if not math.isfinite(v):
+                raise NonFiniteLoss(f"the loss is {v} at step {len(losses) + k + 1}: "
+                                    "stopping before anything of it is saved (lower --lr, "
+                                    "or another precision)")
+        losses.extend(values)
+        pending.clear()
+        return values[-1]
+
+    def save(done: int) -> Path:
+        settle()  # nothing non-finite is ever saved
         step.flush()  # a deferred update belongs to the steps saved
-        checkpoint.save(save_dir, done, inner, opt, scaler=step.scaler, train_state={
-            "losses": [x if isinstance(x, float) else x.item() for x in losses],
-            "made_with": made_with, "run": run})
+        return checkpoint.save(save_dir, done, inner, opt, scaler=step.scaler, keep=keep,
+                               train_state={"losses": list(losses), "made_with": made_with,
+                                            "run": run})
 
     dev = hardware.detect()
     peak = dev.peak_tflops("bf16") or hardware.measure_matmul_tflops(dtype=torch.float32)
@@ -314,47 +397,71 @@ def train(cfg: ModelConfig, switches: Switches | None = None, *, batch: int = 8,
         cfg, batch, seq_len, switches.gradient_checkpoint_config,
         attention_backend=backends_in_use(inner)["attention_backend"])
     timing.reset_peak_memory()
-    stats = None
+    stats, saved_to, stopped_by, done = None, None, None, start
     t_start = time.perf_counter()
     bar = Progress(range(start, steps), desc=f"train {cfg.num_hidden_layers}L",
                    enabled=progress, mininterval=5.0)
     window_t, window_steps = time.perf_counter(), 0
-    with gc_between_steps():  # no automatic collection inside a step
+    with gc_between_steps(), StopRequest() as stop:  # no automatic collection in a step
         for i in bar:
             ids, labels = next(batches)  # the global batch: this rank keeps its share
             if world > 1:
                 ids, labels = ids.chunk(world)[rank], labels.chunk(world)[rank]
-            loss = step(ids, labels)
-            window_steps += 1
-            if (i + 1) % log_every == 0 or i + 1 == steps:
-                losses_now = loss.item()  # syncs: the window's time is complete
+            pending.append(step(ids, labels))
+            done, window_steps = i + 1, window_steps + 1
+            boundary = done % log_every == 0 or done == steps
+            if boundary:
+                loss_now = settle()  # syncs: the window's time is complete
                 dt = (time.perf_counter() - window_t) / window_steps
                 stats = mfu.step_stats(cfg, batch=batch, seq_len=seq_len, step_time_s=dt,
                                        peak_tflops=peak, recompute_flops=recompute)
                 mem = timing.peak_memory_gib()
-                bar.set_postfix(loss=f"{losses_now:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
+                bar.set_postfix(loss=f"{loss_now:.3f}", tok_s=f"{stats.tokens_per_s:,.0f}",
                                 mfu=f"{stats.mfu:.1%}", mfu_attn=f"{stats.mfu_attn:.1%}",
                                 mem=f"{mem:.1f}G" if mem else "-", refresh=False)
                 window_t, window_steps = time.perf_counter(), 0
-            losses.append(loss)
-            if save_dir is not None and save_every and (i + 1) % save_every == 0 \
-                    and i + 1 < steps:
-                save(i + 1)
-            if gc_every and (i + 1) % gc_every == 0:
+            # one rank alone cannot stop: the ranks agree at each log boundary
+            if world == 1 and stop.requested or world > 1 and boundary and \
+                    distributed.all_max([float(stop.requested)])[0]:
+                stopped_by = stop.name or "a signal on another rank"
+                break
+            if save_dir is not None and save_every and done % save_every == 0 \
+                    and done < steps:
+                saved_to = save(done)
+            if gc_every and done % gc_every == 0:
                 collect_now()
-    losses = [x if isinstance(x, float) else x.item() for x in losses]
-    if world > 1:  # the global batch's loss: the mean of the ranks' shares
-        losses = distributed.all_mean(losses)
+    bar.close()
+    settle()
     step.flush()
-    if save_dir is not None and start < steps:
-        save(steps)
+    if save_dir is not None and done > start and (saved_to is None
+                                                  or saved_to.name != f"step_{done}"):
+        saved_to = save(done)
     val = evaluate(inner, val_seqs, batch, eval_batches) \
-        if val_seqs is not None and env.is_main else None
-    if export_hf is not None:
-        inner.to_hf().save_pretrained(export_hf)
+        if val_seqs is not None and stopped_by is None else None  # on every rank: FSDP2
+    if export_hf is not None and stopped_by is None:
+        export(inner, opt, export_hf)
     return TrainResult(losses, val, stats, timing.peak_memory_gib(),
                        time.perf_counter() - t_start, type(opt).__name__,
-                       moments_of(opt))
+                       moments_of(opt), saved_to, stopped_by)
+
+
+@torch.no_grad()
+def export(model, optimizer, path: Path) -> None:
+    """Write `model` as a `transformers` checkpoint at `path`. Parameters kept in bf16
+    or fp16 with fp32 masters in the optimizer (`MasterAdamW`, our AdamW) are exported
+    as the masters: the weights the run really holds, not their rounded copies."""
+    master = getattr(optimizer, "master", None)
+    swapped = []
+    for p in model.parameters() if master is not None else ():
+        m = master(p)
+        if m is not None and m.dtype != p.dtype:
+            swapped.append((p, p.data))
+            p.data = m
+    try:
+        model.to_hf().save_pretrained(path)
+    finally:
+        for p, data in swapped:
+            p.data = data
 
 
 @torch.no_grad()
