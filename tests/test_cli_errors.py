@@ -94,6 +94,12 @@ CASES = [
     ([*T, "--keep", "0"], "--keep: 0 must be >= 1"),
     # the other commands
     (["bench", "nosuchbench"], "unknown benchmark 'nosuchbench'"),
+    (["bench", "spot_check", "--checks", "nosuch:x"], "write FILE:SETUP"),
+    (["bench", "spot_check", "--old-tree", "{d}"], "no colossal_lab package"),
+    (["bench", "pipeline_sim", "--reps", "3"], "time at least 20"),
+    (["bench", "composed", "--pairs", "2", "--quick"], "--pairs N (N >= 1)"),
+    (["bench", "composed", "--setups", "nosuch"], "invalid choice: 'nosuch'"),
+    (["bench", "composed_curves", "--budget-s", "soon"], "invalid float value"),
     (["execute", "{d}/missing.ipynb"], "no such notebook"),
     (["execute", "{d}/notes.txt"], "is not a Jupyter notebook"),
     (["execute", "{d}/fake.ipynb"], "is not a Jupyter notebook"),

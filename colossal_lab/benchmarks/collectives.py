@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from colossal_lab.benchmarks import two_gpu
 from colossal_lab.benchmarks.harness import Benchmark, Invocation, Option, flag, opt
+from colossal_lab.errors import UsageError
 from colossal_lab.measure import results, timing
 from colossal_lab.parallel import distributed
 
@@ -198,7 +199,7 @@ def run(quick: bool = False, *, link: str = "nvlink", reps: int | None = None,
                                  reps or QUICK_REPS, timeout_s=120)[0]
     reps = reps or REPS
     if reps < 20:
-        raise ValueError(f"reps={reps}: time at least 20 reps, or the p10-p90 spread "
+        raise UsageError(f"reps={reps}: time at least 20 reps, or the p10-p90 spread "
                          "means nothing")
     return measure(link, sizes=sizes or SIZES, reps=reps, progress=progress)
 

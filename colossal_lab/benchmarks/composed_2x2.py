@@ -15,6 +15,7 @@ from colossal_lab.benchmarks import pipeline_measured as pm
 from colossal_lab.benchmarks import two_gpu as two
 from colossal_lab.benchmarks.harness import Benchmark, at_least, flag, opt, share, whole_at_least
 from colossal_lab.config import preset
+from colossal_lab.errors import UsageError
 from colossal_lab.measure import hardware
 from colossal_lab.model import build_model
 from colossal_lab.parallel import data_parallel, distributed, grad_norm, tensor_parallel
@@ -234,7 +235,7 @@ def run_ranks(quick: bool = False, setups=SETUPS, iters: int | None = None,
     choice; returns the rows (the same on every rank)."""
     world = distributed.world_size()
     if world != WORLD:
-        raise ValueError(f"{NAME} runs on exactly {WORLD} ranks, not {world}")
+        raise UsageError(f"{NAME} runs on exactly {WORLD} ranks, not {world}")
     ctx = _context(quick, iters, dp_batch, pp_m, ckpt_ratio)
     best = cp.single_gpu_best(cp.single_gpu_path(), ctx["preset"], ctx["seq_len"],
                               setup=SINGLE_GPU_SETUP)

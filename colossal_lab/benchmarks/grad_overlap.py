@@ -16,6 +16,7 @@ from colossal_lab import precision
 from colossal_lab.benchmarks import steps
 from colossal_lab.benchmarks.harness import counted
 from colossal_lab.config import SWITCH_SETS, preset
+from colossal_lab.errors import UsageError
 from colossal_lab.measure import timing
 from colossal_lab.parallel import overlap_model as om
 from colossal_lab.parallel.data_parallel import unwrap
@@ -353,7 +354,7 @@ def run(quick: bool = False, *, iters: int | None = None, progress: bool = True
     else:
         iters = iters or ITERS
         if iters < 20:
-            raise ValueError(f"iters={iters}: time at least 20 steps, or the p10-p90 "
+            raise UsageError(f"iters={iters}: time at least 20 steps, or the p10-p90 "
                              "spread means nothing")
         rows = measure_timeline(iters=iters, progress=progress)
     grads, bwd, step = grads_of(rows)

@@ -13,6 +13,7 @@ from colossal_lab.benchmarks import collectives, two_gpu
 from colossal_lab.benchmarks import grad_overlap as go
 from colossal_lab.benchmarks.harness import Benchmark, flag, opt
 from colossal_lab.config import SWITCH_SETS, Switches, preset
+from colossal_lab.errors import UsageError
 from colossal_lab.measure import hardware, mfu, timing
 from colossal_lab.model import build_model
 from colossal_lab.parallel import data_parallel, distributed
@@ -397,7 +398,7 @@ def run(quick: bool = False, *, link: str = "nvlink", presets: Sequence[str] = P
                                  timeout_s=240, collective_timeout_s=60)[0]
     iters = iters or ITERS
     if iters < 20:
-        raise ValueError(f"iters={iters}: time at least 20 steps, or the p10-p90 spread "
+        raise UsageError(f"iters={iters}: time at least 20 steps, or the p10-p90 spread "
                          "means nothing")
     return measure(link, presets=presets, iters=iters, progress=progress)
 

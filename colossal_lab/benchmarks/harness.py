@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from colossal_lab.errors import UsageError
 from colossal_lab.measure import hardware, results
 
 SUPPRESS = argparse.SUPPRESS
@@ -104,7 +105,7 @@ class Benchmark:
     """The usage line's text (default the docstring's first line)."""
 
     def parser(self) -> argparse.ArgumentParser:
-        p = argparse.ArgumentParser(prog=self.prog,
+        p = _Parser(prog=self.prog,
                                     description=self.description
                                     or self.doc.strip().splitlines()[0])
         p.add_argument("--quick", action="store_true", help=self.quick_help)
@@ -126,8 +127,8 @@ class Invocation:
     parser: argparse.ArgumentParser = field(repr=False)
 
     def error(self, message: str):
-        """A usage error (exit status 2), as argparse reports one."""
-        self.parser.error(message)
+        """A usage error: one line and exit status 2 (`main`)."""
+        raise UsageError(message)
 
     @property
     def command(self) -> str:
@@ -180,9 +181,27 @@ def parse(bench: Benchmark, argv: Sequence[str] | None = None) -> Invocation:
     return call
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose errors are `UsageError`s: one line, not the usage again."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
 def main(bench: Benchmark, argv: Sequence[str] | None = None) -> None:
     """Run `bench` from the command line `argv`: its own flow (`execute`), or run and,
-    unless `--quick`, save with provenance and print the summary."""
+    unless `--quick`, save with provenance and print the summary. Bad input (a
+    `UsageError`, from the flags or from the benchmark) ends in one line on stderr and
+    exit status 2; anything else is a bug and keeps its traceback."""
+    try:
+        _main(bench, argv)
+    except UsageError as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"python -m colossal_lab bench: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _main(bench: Benchmark, argv: Sequence[str] | None = None) -> None:
     call = parse(bench, argv)
     if bench.execute is not None:
         bench.execute(call)

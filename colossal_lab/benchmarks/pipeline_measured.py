@@ -15,6 +15,7 @@ from colossal_lab.benchmarks import pipeline_sim
 from colossal_lab.benchmarks import two_gpu as two
 from colossal_lab.benchmarks.harness import Benchmark, opt
 from colossal_lab.config import preset
+from colossal_lab.errors import UsageError
 from colossal_lab.model import build_model
 from colossal_lab.parallel import distributed
 from colossal_lab.parallel.pipeline import schedules as sch
@@ -212,7 +213,7 @@ def run_ranks(quick: bool = False, ms=None, schedules=SCHEDULES) -> list[dict]:
     preset_name = q["preset"] if quick else PRESET
     seq_len = q["seq_len"] if quick else SEQ_LEN
     if ms is None and not quick and p not in MS:
-        raise ValueError(f"p={p} has no default m (MS has p in {sorted(MS)}): pass --ms")
+        raise UsageError(f"p={p} has no default m (MS has p in {sorted(MS)}): pass --ms")
     ms = ms or (quick_sizes(p)[1] if quick else MS[p])
     warmup, iters = (q["warmup"], q["iters"]) if quick else (WARMUP, ITERS)
     cfg = preset(preset_name)

@@ -13,6 +13,7 @@ import torch
 from colossal_lab import precision
 from colossal_lab.benchmarks.harness import counted
 from colossal_lab.config import SWITCH_SETS, preset
+from colossal_lab.errors import UsageError
 from colossal_lab.measure import timing
 from colossal_lab.model import build_model
 from colossal_lab.parallel import overlap_model as om
@@ -230,7 +231,7 @@ def run(quick: bool = False, *, reps: int | None = None, progress: bool = True
     else:
         reps = reps or REPS
         if reps < 20:
-            raise ValueError(f"reps={reps}: time at least 20 repetitions, or the p10-p90 "
+            raise UsageError(f"reps={reps}: time at least 20 repetitions, or the p10-p90 "
                              "spread means nothing")
         rows = measure(reps=reps)
         rows += simulate_rows(rows)

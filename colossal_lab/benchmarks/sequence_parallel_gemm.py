@@ -11,6 +11,7 @@ import torch
 
 from colossal_lab.benchmarks.harness import counted
 from colossal_lab.config import Switches, preset
+from colossal_lab.errors import UsageError
 from colossal_lab.measure import timing
 from colossal_lab.model import build_model
 from colossal_lab.parallel import overlap_model as om
@@ -340,7 +341,7 @@ def run(quick: bool = False, *, progress: bool = True, reps: int | None = None) 
             torch.bfloat16
         reps = reps or REPS
         if reps < 20:
-            raise ValueError(f"reps={reps}: time at least 20, or p10-p90 means nothing")
+            raise UsageError(f"reps={reps}: time at least 20, or p10-p90 means nothing")
     tokens = seq * batch
     rows = gemm_rows(cfg, tokens, tps, chunks, reps, device, dtype, progress=progress)
     sw = Switches(enable_flash_attention="sdpa", precision="bf16-pure")

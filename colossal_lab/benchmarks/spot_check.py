@@ -42,6 +42,7 @@ from colossal_lab.benchmarks import (
 )
 from colossal_lab.benchmarks.harness import Benchmark, flag, opt
 from colossal_lab.benchmarks.steps import format_row, in_child, run_setups
+from colossal_lab.errors import UsageError
 from colossal_lab.measure import compare
 from colossal_lab.measure.results import load_results
 
@@ -66,13 +67,13 @@ def find(check: str, gpu: str | None = None):
 
     name, _, setup_name = check.partition(":")
     if name not in SOURCES or not setup_name:
-        raise ValueError(f"check {check!r}: write FILE:SETUP with FILE one of "
+        raise UsageError(f"check {check!r}: write FILE:SETUP with FILE one of "
                          f"{sorted(SOURCES)}")
     setups = {s.name: s for s in SOURCES[name].SETUPS}
     recorded = load_results(name, gpu=gpu)
     rows = {r["setup"]: r for r in recorded.rows if "error" not in r}
     if setup_name not in setups or setup_name not in rows:
-        raise ValueError(f"check {check!r}: {name} has setups {sorted(setups)} and "
+        raise UsageError(f"check {check!r}: {name} has setups {sorted(setups)} and "
                          f"recorded rows {sorted(rows)}")
     return setups[setup_name], rows[setup_name], recorded.provenance
 
@@ -120,12 +121,12 @@ def setup_in_tree(check: str, tree: str | None) -> str:
     (None: this code), so that each checkout times its own definition."""
     name, _, setup_name = check.partition(":")
     if name not in SOURCES or not setup_name:
-        raise ValueError(f"check {check!r}: write FILE:SETUP with FILE one of "
+        raise UsageError(f"check {check!r}: write FILE:SETUP with FILE one of "
                          f"{sorted(SOURCES)}")
     if tree is None:
         setups = {s.name: s for s in SOURCES[name].SETUPS}
         if setup_name not in setups:
-            raise ValueError(f"check {check!r}: {name} has setups {sorted(setups)}")
+            raise UsageError(f"check {check!r}: {name} has setups {sorted(setups)}")
         return setups[setup_name].to_json()
     module = SOURCES[name].__name__
     code = (f"import {module} as m; print({{s.name: s for s in m.SETUPS}}"
@@ -133,7 +134,7 @@ def setup_in_tree(check: str, tree: str | None) -> str:
     proc = subprocess.run([sys.executable, "-c", code], cwd=tree, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        raise ValueError(f"check {check!r} in {tree}: "
+        raise UsageError(f"check {check!r} in {tree}: "
                          f"{proc.stdout.strip().splitlines()[-1:]}")
     return proc.stdout.strip().splitlines()[-1]
 
