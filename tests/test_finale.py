@@ -137,3 +137,20 @@ def test_composed_pairs_refuse_what_cannot_pair(argv, capsys):
     with pytest.raises(SystemExit) as e:
         composed.main(argv)
     assert e.value.code == 2 and "--pairs" in capsys.readouterr().err
+
+
+def test_loss_check_batch_fits_one_epoch(monkeypatch):
+    """The loss check's batch is the most sequences a step that keep its steps inside
+    98% of one epoch of the corpus found where it runs; too small a corpus is refused."""
+    from colossal_lab.errors import UsageError
+
+    run_args = {**composed_curves.LOSS_RUN}
+    for n, want in ((10_300, 5), (2_000, 0)):
+        monkeypatch.setattr(composed_curves.data, "packed_sequences",
+                            lambda *a, n=n, **k: torch.zeros(n, 257, dtype=torch.int32))
+        if want:
+            batch = composed_curves.fit_batch(composed_curves.LOSS_CFG, run_args)
+            assert batch == want and batch * run_args["steps"] <= 0.98 * n
+        else:
+            with pytest.raises(UsageError, match="too few for 2000 steps"):
+                composed_curves.fit_batch(composed_curves.LOSS_CFG, run_args)

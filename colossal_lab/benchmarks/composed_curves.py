@@ -33,6 +33,7 @@ import time
 from colossal_lab.benchmarks.curves import FINAL_WINDOW, Curve, run_curves
 from colossal_lab.benchmarks.harness import Benchmark, Invocation, flag, opt
 from colossal_lab.config import SWITCH_SETS, ModelConfig, tiny
+from colossal_lab.errors import UsageError
 from colossal_lab.measure import mfu
 from colossal_lab.measure.results import error_line
 from colossal_lab.training import data
@@ -43,11 +44,13 @@ LOSS_CFG = ModelConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816
                        num_key_value_heads=16, max_position_embeddings=512)
 """The loss-check model: ~325M parameters (24 layers of width 1024, head dim 64), every
 width a multiple of 16 so that fp8 applies to every linear."""
-LOSS_RUN = dict(batch=7, seq_len=512, steps=2000, lr=3e-4, max_files=None, log_every=100,
+LOSS_RUN = dict(seq_len=256, steps=2000, lr=3e-4, max_files=None, log_every=100,
                 eval_batches=40)
-"""2,000 steps of 7 x 512 = 3,584 tokens: 7.2M tokens, under one epoch of the corpus's
-~8M training tokens (recorded per run as `epochs`); validation on 40 batches (143k
-tokens, a third of the validation split)."""
+"""2,000 steps of sequences of 256 tokens, as many a step as one epoch of the corpus
+allows (`fit_batch`: the standard library's size depends on the Python installed, so
+the batch is chosen where the run happens and recorded); validation on 40 batches."""
+EPOCH_SHARE = 0.98
+"""The share of one epoch of training sequences the run may use."""
 SEEDS = (0, 1, 2)
 
 NAIVE = SWITCH_SETS["bf16"]
@@ -139,9 +142,23 @@ def run(quick: bool = False, names=None) -> list[dict]:
                 for r in run_curves(curves, cfg, run_args, reference=curves[0].name)]
         return rows + [verdict(rows)]
     curves = [c for c in CURVES if names is None or c.name in names]
-    rows = [_annotated(r, LOSS_CFG, LOSS_RUN)
-            for r in run_curves(curves, LOSS_CFG, LOSS_RUN, reference=curves[0].name)]
+    run_args = {**LOSS_RUN, "batch": fit_batch(LOSS_CFG, LOSS_RUN)}
+    rows = [_annotated(r, LOSS_CFG, run_args)
+            for r in run_curves(curves, LOSS_CFG, run_args, reference=curves[0].name)]
     return rows + [verdict(rows)]
+
+
+def fit_batch(cfg: ModelConfig, run_args: dict) -> int:
+    """Sequences a step such that `steps` steps stay inside `EPOCH_SHARE` of one epoch
+    of the training split; a corpus too small for one sequence a step is an error."""
+    seqs = len(data.packed_sequences("train", run_args["seq_len"], cfg.vocab_size,
+                                     max_files=run_args["max_files"]))
+    batch = int(EPOCH_SHARE * seqs) // run_args["steps"]
+    if batch < 1:
+        raise UsageError(f"the corpus has {seqs} training sequences of "
+                         f"{run_args['seq_len']} tokens: too few for "
+                         f"{run_args['steps']} steps inside one epoch")
+    return batch
 
 
 def _annotated(row: dict, cfg: ModelConfig, run_args: dict) -> dict:
@@ -159,7 +176,9 @@ def config_of() -> dict:
                       ("vocab_size", "hidden_size", "intermediate_size",
                        "num_hidden_layers", "num_attention_heads")},
             "n_params": mfu.count_params(LOSS_CFG),
-            "run": LOSS_RUN, "data": "corpus (Python standard library source)",
+            "run": {**LOSS_RUN, "batch": "fit_batch: the most sequences a step that "
+                    f"keep the steps inside {EPOCH_SHARE:.0%} of one epoch"},
+            "data": "corpus (Python standard library source)",
             "final_window": FINAL_WINDOW, "seeds": list(SEEDS),
             "curves": {c.name: {"switches": repr(c.switches), "seed": c.seed,
                                 **c.fields} for c in CURVES}}
