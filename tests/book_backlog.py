@@ -1,0 +1,42 @@
+"""The book's pages that do not yet pass every reader check: one list, read by
+`test_book_browser.py` (the built pages) and `test_book_prose.py` (the sources).
+
+A page named here with a check's name has that check reported as an expected failure
+(xfail, with what it found), not as a pass and not as a failure: the branch stays green
+and the remaining work stays visible in every run (`pytest -rx`). Remove an entry as
+soon as its page is converted; a listed check that passes is reported as XPASS.
+
+Check names (browser): "raw_pipe_lines", "tables_fit", "error_text", "project_refs",
+"code_share", "page_height"; (sources): "typed_numbers".
+"""
+
+PAGES_NOT_YET_CONVERTED: dict[str, set[str]] = {
+    'intro': {'project_refs'},
+    '00_mfu': {'code_share', 'project_refs', 'typed_numbers'},
+    '01_flash_attention': {'code_share',
+        'error_text',
+        'page_height',
+        'project_refs',
+        'typed_numbers'},
+    '02_fused_norm': {'code_share', 'error_text', 'project_refs', 'typed_numbers'},
+    '03_fused_projections': {'code_share', 'project_refs'},
+    '04_gradient_checkpointing': {'code_share',
+        'error_text',
+        'project_refs',
+        'raw_pipe_lines',
+        'typed_numbers'},
+    '05_sequence_parallel': {'code_share',
+        'project_refs',
+        'raw_pipe_lines',
+        'typed_numbers'},
+    '06_precision': {'code_share', 'project_refs', 'typed_numbers'},
+    '07_pipeline': {'code_share', 'project_refs', 'raw_pipe_lines', 'typed_numbers'},
+    '08_overlap_allreduce': {'code_share', 'project_refs', 'raw_pipe_lines'},
+    '09_profiling': {'code_share', 'project_refs', 'typed_numbers'},
+    '10_composed': {'code_share',
+        'error_text',
+        'page_height',
+        'project_refs',
+        'typed_numbers'},
+    'references': {'project_refs'},
+}
