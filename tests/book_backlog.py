@@ -11,7 +11,6 @@ Check names (browser): "raw_pipe_lines", "tables_fit", "error_text", "project_re
 """
 
 PAGES_NOT_YET_CONVERTED: dict[str, set[str]] = {
-    'intro': {'project_refs'},
     '00_mfu': {'code_share', 'project_refs', 'typed_numbers'},
     '01_flash_attention': {'code_share',
         'error_text',
@@ -38,5 +37,4 @@ PAGES_NOT_YET_CONVERTED: dict[str, set[str]] = {
         'page_height',
         'project_refs',
         'typed_numbers'},
-    'references': {'project_refs'},
 }

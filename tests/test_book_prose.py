@@ -80,7 +80,7 @@ def _strings(source: str) -> list[str]:
                 node.func, "attr", None)) == "glue" and len(node.args) >= 2:
             value = node.args[1]
             if isinstance(value, ast.Constant) and isinstance(value.value, (int, float)):
-                out.append(f"glue literal {value.value} ×")  # always an offender
+                out.append(f"glue literal {value.value}×")  # always an offender
     return out
 
 
@@ -207,3 +207,12 @@ def test_references_cover_what_chapters_name(name):
 def test_references_page_has_no_stale_pointers():
     refs = (BOOK / "references.md").read_text()
     assert "later work" not in refs and "the seed" not in refs.lower()
+
+
+def test_measurements_page_is_current():
+    """`book/measurements.md` is what `provenance.page()` makes of the results files."""
+    from colossal_lab.book import provenance
+
+    page = (BOOK / "measurements.md").read_text()
+    assert page == provenance.page(), ("book/measurements.md is stale: python -m "
+                                       "colossal_lab.book.provenance --write")

@@ -10,8 +10,8 @@ from matplotlib.colors import CenteredNorm
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
+from colossal_lab.book.notebook import failure_note
 from colossal_lab.measure import compare
-from colossal_lab.measure.results import error_line
 from colossal_lab.palette import BLUE, GREY, ORANGE  # noqa: F401  (the book's colours)
 
 _ERR = {"ecolor": "#333333", "elinewidth": 1.0, "capsize": 2.5}
@@ -35,7 +35,7 @@ def mfu_spread(row: dict, key: str = "mfu"):
 def mfu_delta(rows: list[dict], *, baseline: str | None = None, key: str = "setup",
               label: str = "label", title: str | None = None, peak_note: str | None = None,
               ax=None):
-    """Horizontal bars of MFU per setup — the seed's 6N formula and the attention-aware
+    """Horizontal bars of MFU per setup — the tutorial's 6N formula and the attention-aware
     one side by side — with tokens/s and the speed-up over `baseline` written on each,
     and the p10-p90 spread of the step time as error bars (`mfu_spread`).
 
@@ -52,7 +52,7 @@ def mfu_delta(rows: list[dict], *, baseline: str | None = None, key: str = "setu
     xmax = max([r.get("mfu_attn", 0) for r in rows if "error" not in r] + [0.05])
     for yi, r in zip(y, rows):
         if "error" in r:
-            ax.text(0.002, yi, f"failed: {error_line(r['error'])[:60]}", va="center", color=GREY,
+            ax.text(0.002, yi, f"— {failure_note(r)}"[:70], va="center", color=GREY,
                     fontsize=9)
             continue
         first = yi == n - 1
@@ -218,7 +218,7 @@ def waterfall(rows: list[dict], *, peers=None, key: str = "setup", label: str = 
     for y, r in placed:
         peer = is_peer(r)
         if "error" in r:
-            ax.text(xmax * 0.01, y, f"failed: {error_line(r['error'])[:50]}", va="center",
+            ax.text(xmax * 0.01, y, f"— {failure_note(r)}"[:60], va="center",
                     color=GREY, fontsize=8)
             continue
         ax.barh(y, r["tokens_per_s"], 0.7, color=GREY if peer else BLUE,
