@@ -300,6 +300,8 @@ _LAYOUT_JS = r"""() => {
   const cells = [];
   for (const el of article.querySelectorAll('div.cell_input')) {
     if (!el.getClientRects().length) continue;
+    const folded = el.closest('details');  // hide-input: inside a closed <details>
+    if (folded && !folded.open && !el.closest('summary')) continue;
     const h = el.getBoundingClientRect().height;
     code += h;
     cells.push({h: Math.round(h), text: el.innerText.trim().split('\n')[0].slice(0, 70)});

@@ -73,8 +73,11 @@ def _strings(source: str) -> list[str]:
     except SyntaxError:
         return []
     out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+    specs = {id(c) for node in ast.walk(tree) if isinstance(node, ast.FormattedValue)
+             and node.format_spec is not None for c in ast.walk(node.format_spec)}
+    for node in ast.walk(tree):  # (a format spec such as "8.1%" is not prose)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in specs:
             out.append(node.value)
         if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(
                 node.func, "attr", None)) == "glue" and len(node.args) >= 2:
@@ -131,6 +134,7 @@ def test_the_detector_finds_typed_numbers():
     assert not MEASURED.search("a 4096 × 4096 GEMM") and not MEASURED.search("{.1%}")
     assert not MEASURED.search("2 × hidden") and not MEASURED.search("4096×4096")
     assert " ms, was 3.5 ms" in _strings('say(f"saves {x:.1f} ms, was 3.5 ms")')
+    assert _strings('print(f"{v:8.1%}  {what}")') == ["  "]
     assert MEASURED.search(_strings("glue('t', 3.5)")[0])
 
 

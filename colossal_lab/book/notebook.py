@@ -144,6 +144,16 @@ def table(rows: list[dict], columns: dict[str, str | None], *, headers: dict | N
     return Markdown("\n".join(out))
 
 
+def glue_values(**values) -> None:
+    """Glue each measured value under its name for the chapter's prose, where
+    ``{glue:text}`name:.1%``` prints it: prose numbers are computed, never typed. Shown
+    nowhere else (myst-nb `glue`, ``display=False``)."""
+    from myst_nb import glue
+
+    for name, value in values.items():
+        glue(name, value, display=False)
+
+
 # ------------------------------------------------------------------ captions
 
 
