@@ -108,6 +108,24 @@ def grouped_bars(categories: list[str], series: dict[str, list[float]], *, ylabe
     return ax
 
 
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+           "#7f7f7f", "#bcbd22", "#17becf")
+LINESTYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def series_style(i: int) -> dict:
+    """The i-th series' colour, line style and marker: no two of the first 28 series
+    share all three, and the first ten differ in colour *and* line style."""
+    return {"color": COLOURS[i % len(COLOURS)], "ls": LINESTYLES[i % len(LINESTYLES)],
+            "marker": MARKERS[i % len(MARKERS)]}
+
+
+def tick_label(v: int) -> str:
+    """A sequence length as a tick: 512, 1k, 1.5k, 16k."""
+    return f"{v / 1024:g}k" if v >= 1024 else str(v)
+
+
 def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: str,
            xlabel: str | None = None, title: str | None = None, logx: bool = True,
            ceiling: float | None = None, ceiling_label: str = "measured ceiling",
@@ -116,8 +134,8 @@ def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: st
     TFLOP/s over sequence length per attention backend."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7.5, 4))
-    names = list(dict.fromkeys(r[by] for r in rows))  # colour by name: stable across axes
-    colours = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    names = list(dict.fromkeys(r[by] for r in rows))  # style by name: stable across axes
+    styles = {name: series_style(i) for i, name in enumerate(names)}
     groups: dict = {}
     for r in rows:
         if r.get(y) is not None:
@@ -125,8 +143,8 @@ def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: st
     for name, pts in groups.items():
         pts.sort()
         lw, z = (2.6, 3) if name == highlight else (1.4, 2)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3.5, lw=lw,
-                zorder=z, label=name, color=colours[name])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ms=4, lw=lw, zorder=z,
+                label=name, **styles[name])
     if ceiling:
         ax.axhline(ceiling, color=GREY, ls="--", lw=1)
         ax.text(0.99, ceiling, ceiling_label, transform=ax.get_yaxis_transform(),
@@ -135,12 +153,16 @@ def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: st
         ax.set_xscale("log", base=2)
         xs = sorted({r[x] for r in rows if r.get(y) is not None})
         ax.set_xticks(xs)
-        ax.set_xticklabels([f"{v // 1024}k" if v >= 1024 else str(v) for v in xs])
+        step = 1 if len(xs) <= 8 else 2  # never two labels run together
+        ax.set_xticklabels([tick_label(v) if i % step == 0 else ""
+                            for i, v in enumerate(xs)])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel(xlabel or x)
     ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title, fontsize=11)
-    ax.legend(fontsize=9, frameon=False)
+    # outside the data, right of the axes: a long legend never covers a line
+    ax.legend(fontsize=8.5, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.spines[["top", "right"]].set_visible(False)
     plt.tight_layout()
     return ax
