@@ -213,8 +213,8 @@ def test_table_shows_failures_as_a_dash_and_a_footnote():
     lines = md.splitlines()
     assert lines[0] == "| setup | \\|g − g_ref\\| ms |"
     assert lines[2] == "| b3 | —¹ |" and lines[3] == "| fa | 1.5 |" and lines[4] == "| fa2 | —² |"
-    assert "¹ B3: out of memory at batch 3 on this GPU." in md
-    assert "² Flash_attn is not installed on this node." in md
+    assert "¹ b3: out of memory at batch 3 on this GPU." in md
+    assert "² flash_attn is not installed on this node." in md
     assert "Error" not in md and "Tried" not in md
 
 

@@ -139,8 +139,7 @@ def table(rows: list[dict], columns: dict[str, str | None], *, headers: dict | N
             cells[-1] = f"{cells[-1]} {mark}" if cells[-1] != MISSING else MISSING + mark
         out.append("| " + " | ".join(cells) + " |")
     if notes:
-        out += [""] + [f"{mark} {note[:1].upper()}{note[1:]}.  " for note, mark in
-                       notes.items()]
+        out += [""] + [f"{mark} {note}.  " for note, mark in notes.items()]
     return Markdown("\n".join(out))
 
 
@@ -152,6 +151,17 @@ def glue_values(**values) -> None:
 
     for name, value in values.items():
         glue(name, value, display=False)
+
+
+def timing_words(timing: str | None) -> str | None:
+    """A row's `timing` field in words for a table: "graph replay", "events", or
+    "events (graph capture failed)"; None stays None."""
+    if timing is None:
+        return None
+    t = str(timing)
+    if "capture failed" in t or "/events" in t:
+        return "events (graph capture failed)"
+    return {"cuda_graph": "graph replay", "events": "events"}.get(t, t.split(":")[0])
 
 
 # ------------------------------------------------------------------ captions
