@@ -65,7 +65,9 @@ def mfu_delta(rows: list[dict], *, baseline: str | None = None, key: str = "setu
             note += "  " + (compare.verdict(r, base).replace("x", "×", 1)
                             if "step_ms_p10" in r and r["batch"] == base["batch"]
                             else f"×{r['tokens_per_s'] / base['tokens_per_s']:.2f}")
-        ax.text(r["mfu_attn"] + xmax * 0.02, yi - h / 2, note, va="center", fontsize=9)
+        spread = mfu_spread(r, "mfu_attn")  # the label starts past the whisker
+        end = r["mfu_attn"] + (spread[1][0] if spread else 0.0)
+        ax.text(end + xmax * 0.02, yi - h / 2, note, va="center", fontsize=9)
     ax.set_yticks(list(y))
     ax.set_yticklabels(names, fontsize=10)
     ax.set_xlim(0, xmax * 1.45)
