@@ -46,6 +46,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("*", "1.8×"): "tutorial §10.2: flash attention '1.8× at >= 4K'",
     ("*", "2×"): "tutorial §10.3, §10.7: fused norm '2× faster', bf16 'about 2× fp32'",
     ("*", "8%"): "tutorial §10.3: fused norm 'cuts step time by 5–8%'",
+    ("*", "80 %"): "tutorial §10.5: checkpointing 'saves 60–80 % of activation memory'",
+    ("*", "30 %"): "tutorial §10.5: checkpointing costs '20–30 % of speed'",
     # Datasheet constants (dense bf16 tensor-core peaks):
     ("*", "312 TFLOP/s"): "NVIDIA A100 datasheet, dense bf16 (also quoted by the tutorial)",
     ("*", "989 TFLOP/s"): "NVIDIA H100/H200 SXM datasheet, dense bf16",
