@@ -204,7 +204,7 @@ _PIPE_LINES_JS = r"""() => {
   for (const el of document.querySelectorAll(prose)) {
     if (el.closest('pre, code, script, style, textarea, .math, mjx-container')) continue;
     if (!el.getClientRects().length) continue;
-    const cell = /^t[dh]$/i.test(el.tagName);
+    const cell = !!el.closest('td, th');  // |x| in a cell is a value, not a lost row
     for (const line of el.textContent.split('\n')) {
       const starts = !cell && /^\s*\|/.test(line);
       const rule = /\|\s*:?[-—–]{1,}\s*:?\s*\|/.test(line);
