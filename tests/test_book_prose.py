@@ -48,6 +48,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("*", "8%"): "tutorial §10.3: fused norm 'cuts step time by 5–8%'",
     ("*", "80 %"): "tutorial §10.5: checkpointing 'saves 60–80 % of activation memory'",
     ("*", "30 %"): "tutorial §10.5: checkpointing costs '20–30 % of speed'",
+    ("07_pipeline", "37.5%"): "tutorial §10.8: 'at pp=4 and 8 micro-batches about 37.5%'",
     # Datasheet constants (dense bf16 tensor-core peaks):
     ("*", "312 TFLOP/s"): "NVIDIA A100 datasheet, dense bf16 (also quoted by the tutorial)",
     ("*", "989 TFLOP/s"): "NVIDIA H100/H200 SXM datasheet, dense bf16",
