@@ -11,7 +11,6 @@ Check names (browser): "raw_pipe_lines", "tables_fit", "error_text", "project_re
 """
 
 PAGES_NOT_YET_CONVERTED: dict[str, set[str]] = {
-    '09_profiling': {'code_share', 'project_refs', 'typed_numbers'},
     '10_composed': {'code_share',
         'error_text',
         'page_height',

@@ -49,6 +49,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("*", "80 %"): "tutorial §10.5: checkpointing 'saves 60–80 % of activation memory'",
     ("*", "30 %"): "tutorial §10.5: checkpointing costs '20–30 % of speed'",
     ("07_pipeline", "37.5%"): "tutorial §10.8: 'at pp=4 and 8 micro-batches about 37.5%'",
+    # Definitions: the doctor's thresholds (colossal_lab/doctor_checks.py), in its table:
+    ("09_profiling", "5%"): "doctor: data-loader and memory-headroom thresholds",
+    ("09_profiling", "10%"): "doctor: the host-bound threshold",
+    ("09_profiling", "75%"): "doctor: MFU against the measured matmul ceiling",
     # Datasheet constants (dense bf16 tensor-core peaks):
     ("*", "312 TFLOP/s"): "NVIDIA A100 datasheet, dense bf16 (also quoted by the tutorial)",
     ("*", "989 TFLOP/s"): "NVIDIA H100/H200 SXM datasheet, dense bf16",
