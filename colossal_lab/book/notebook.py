@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from colossal_lab.benchmarks.two_gpu import format_targets
+from colossal_lab.book.provenance import anchor
 from colossal_lab.measure import results
 
 # A CPU build of torch cannot load torchao's compiled extensions, and torchao (imported by
@@ -191,8 +192,6 @@ class Caption:
         return self.text
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        from colossal_lab.book.provenance import anchor
-
         href = f"measurements.html#{anchor(self.file)}"
         html = (f'<p class="results-caption">{self.how} {self.gpu} · '
                 f'<a href="{href}">{self.file}</a></p>')
@@ -216,8 +215,6 @@ class Captions:
         return self.text
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        from colossal_lab.book.provenance import anchor
-
         gpus = " / ".join(dict.fromkeys(c.gpu for c in self.items))
         files = ", ".join(f'<a href="measurements.html#{anchor(c.file)}">{c.file}</a>'
                           for c in self.items)
