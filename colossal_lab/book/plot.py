@@ -124,8 +124,9 @@ def series_style(i: int) -> dict:
 
 
 def tick_label(v: int) -> str:
-    """A sequence length as a tick: 512, 1k, 1.5k, 16k."""
-    return f"{v / 1024:g}k" if v >= 1024 else str(v)
+    """A size as a tick: a multiple of 1024 as "4k" (1k, 5k, 16k), anything else as
+    itself (512, 2560, 3000), so that no two ticks read alike."""
+    return f"{v // 1024}k" if v >= 1024 and v % 1024 == 0 else str(v)
 
 
 def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: str,
