@@ -282,7 +282,7 @@ class Switches:
 
     @classmethod
     def naive(cls, precision: str = "fp32") -> Switches:
-        """Every switch off: what the seed chapter starts from."""
+        """Every switch off: what the tutorial starts from."""
         return cls(precision=precision)
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from colossal_lab.book import integrity
+from colossal_lab.book import integrity, notebook
 from colossal_lab.book.notebook import SOURCE_KEY, show_source, source_text
 from colossal_lab.kernels import rms_norm
 from colossal_lab.measure import mfu, results
@@ -171,6 +171,53 @@ def test_banner_naming_a_missing_or_no_file_fails(tmp_path):
     assert "cell 0" in problems[0] and "cell 1" in problems[1] and "old format" in problems[2]
 
 
+# ------------------------------------------------------------------ captions
+
+
+def caption_output(res):
+    data, meta = notebook.Caption(res)._repr_mimebundle_()
+    return v4.new_output("display_data", data=data, metadata=meta)
+
+
+def test_caption_shows_gpu_and_file_and_no_commit(tmp_path):
+    _, res = demo_results(tmp_path)
+    data, meta = notebook.Caption(res)._repr_mimebundle_()
+    assert data["text/plain"] == f"Measured on NVIDIA H200 · {res._file_label()}"
+    assert 'href="measurements.html#' in data["text/html"] and "aaaaaaa" not in str(data)
+    assert meta[SOURCE_KEY]["git_sha"] == "a" * 40
+
+
+def test_caption_of_current_file_passes_and_stale_one_fails(tmp_path):
+    path, res = demo_results(tmp_path)
+    res.path = path
+    out = caption_output(res)
+    out["metadata"][SOURCE_KEY]["results"] = "results/h200/demo.json"
+    nb = write_nb(tmp_path / "c.ipynb", [("res = results.measure_or_load('demo', run)",
+                                          [out])])
+    assert integrity.check_notebook(nb, repo_root=tmp_path) == []
+    set_provenance(path, date="2026-12-01T01:00:00+00:00")
+    problems = integrity.check_notebook(nb, repo_root=tmp_path)
+    assert len(problems) == 1 and "dates" in problems[0], problems
+    set_provenance(path, git_sha="b" * 40)
+    problems = integrity.check_notebook(nb, repo_root=tmp_path)
+    assert len(problems) == 1 and "bbbbbbbbbb" in problems[0], problems
+
+
+def test_table_shows_failures_as_a_dash_and_a_footnote():
+    md = notebook.table([{"setup": "b3", "batch": 3, "error": "OutOfMemoryError: CUDA "
+                          "out of memory. Tried to allocate 7.83 GiB"},
+                         {"setup": "fa", "ms": 1.5},
+                         {"setup": "fa2", "error": "ImportError: No module named "
+                          "'flash_attn'"}],
+                        {"setup": None, "ms": ".1f"}, headers={"ms": "|g − g_ref| ms"}).data
+    lines = md.splitlines()
+    assert lines[0] == "| setup | \\|g − g_ref\\| ms |"
+    assert lines[2] == "| b3 | —¹ |" and lines[3] == "| fa | 1.5 |" and lines[4] == "| fa2 | —² |"
+    assert "¹ b3: out of memory at batch 3 on this GPU." in md
+    assert "² flash_attn is not installed on this node." in md
+    assert "Error" not in md and "Tried" not in md
+
+
 # ------------------------------------------------------------------ executed for real
 
 
@@ -194,8 +241,11 @@ def test_executed_notebook_passes_then_tampered_copies_fail(tmp_path, monkeypatc
     path = tmp_path / "run.ipynb"
     nbformat.write(nb, path)
     assert integrity.check_notebook(path, repo_root=tmp_path) == []
-    banner = nb.cells[3].outputs[0]["text"]
-    assert banner.startswith(results.BANNER_PREFIX), banner
+    shown = nb.cells[3].outputs[0]  # in a notebook: a caption, its run in its metadata
+    assert "data" in shown, nb.cells[3].outputs
+    assert shown["data"]["text/plain"].startswith("Measured on "), shown
+    assert "/demo.json" in shown["data"]["text/html"] and "commit" not in str(shown["data"])
+    assert shown["metadata"][SOURCE_KEY]["results"].endswith("/demo.json")
 
     out = nb.cells[1].outputs[0]
     assert out["metadata"][SOURCE_KEY]["source_of"] == "colossal_lab.measure.mfu:count_params"

@@ -93,13 +93,22 @@ def test_banners_name_each_file_and_its_commit(entries):
     assert "/work/" not in text and str(REPO_ROOT) not in text
 
 
+def test_captions_name_each_file_once_without_a_commit(entries):
+    data, meta = overview.captions(entries)._repr_mimebundle_()
+    files = {e.file for e in entries if e.results is not None}
+    assert [c["results"] for c in meta["colossal_lab"]["captions"]] == sorted(
+        files, key=[e.file for e in entries].index)
+    assert all(f in data["text/plain"] for f in files)
+    assert not any(e.commit in data["text/html"] for e in entries)
+
+
 def test_table_links_every_chapter(entries):
     lines = overview.table(entries).data.splitlines()
     assert len(lines) == 2 + len(entries)
-    assert f"results file in results/{GPU}/, commit" in lines[0]
+    assert f"results file in results/{GPU}/ |" in lines[0]
     for e, line in zip(entries, lines[2:]):
         assert f"[{e.chapter.number} · {e.chapter.title}]({e.chapter.page})" in line
-        assert f"{e.chapter.results}.json, {e.commit}" in line
+        assert f"| {e.chapter.results}.json |" in line and e.commit not in line
         assert f"{e.off.mfu:.1%} → {e.on.mfu:.1%}; {e.verdict}" in line
         assert ("peak memory" in line) is e.chapter.trades_memory
 

@@ -185,7 +185,7 @@ def test_multi_gpu_results_have_their_own_folder(tmp_results):
 
 def test_every_multi_gpu_run_is_shown(tmp_results, capsys):
     """`load_multi_gpu` returns each multi-GPU folder's file, two GPUs then four;
-    `show_multi_gpu` prints each run's banner, its selected rows and its targets, or
+    `show_multi_gpu` shows each run's caption, its selected rows and its targets, or
     one line saying nothing is on record."""
     from colossal_lab.book import notebook
 
@@ -211,7 +211,7 @@ def test_every_multi_gpu_run_is_shown(tmp_results, capsys):
     notebook.show_multi_gpu("dp", "The step", {"a": "d"}, select=lambda r: "keep" in r,
                             targets=targets, plot=lambda rows: shown.append(rows))
     out = capsys.readouterr().out
-    assert out.count(results.BANNER_PREFIX) == 2
+    assert out.count("Measured on ") == 2 and out.count("/dp.json") == 2
     assert seen == [1, 2]  # every row of each file to its targets
     assert shown == [[{"a": 2, "keep": True}], [{"a": 4, "keep": True}]]
     assert "NOT met: a >= 3 (1 rows)" in out and "met: a >= 3 (2 rows)" in out

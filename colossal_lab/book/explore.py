@@ -5,7 +5,7 @@ when the notebook runs in Jupyter, and a static figure of the same calculation, 
 is what the rendered book shows (a widget needs a live kernel).
 
 `mfu_calculator` (chapter 00): MFU from the model's parameter count, the tokens of one
-step, the step time and the GPU's dense datasheet peak, the seed's formula
+step, the step time and the GPU's dense datasheet peak, the tutorial's formula
 MFU = 6 · N · tokens / (step time · peak).
 """
 
@@ -15,11 +15,11 @@ from colossal_lab.measure import hardware
 from colossal_lab.palette import GREY
 
 SEED_GOOD, SEED_EXCELLENT = 0.50, 0.55
-"""The seed chapter's verdicts for LLaMA-7B: above 50% MFU is good, above 55% excellent."""
+"""The tutorial's verdicts for LLaMA-7B: above 50% MFU is good, above 55% excellent."""
 
 
 def mfu_6n(n_params: float, tokens: int, step_ms: float, peak_tflops: float) -> float:
-    """The seed's MFU: 6 · N · tokens of model FLOPs per step over what the peak
+    """The tutorial's MFU: 6 · N · tokens of model FLOPs per step over what the peak
     could do in the step time."""
     if step_ms <= 0 or peak_tflops <= 0:
         raise ValueError(f"step_ms={step_ms} and peak_tflops={peak_tflops} must be > 0")
@@ -32,14 +32,14 @@ def gpu_peaks(dtype: str = "bf16") -> dict[str, float]:
 
 
 def verdict(mfu: float) -> str:
-    """What the seed would call it."""
+    """What the tutorial would call it."""
     if mfu > 1:
         return "impossible: above the datasheet peak (count or time is wrong)"
     if mfu > SEED_EXCELLENT:
-        return "excellent by the seed's bar (> 55%)"
+        return "excellent by the tutorial's bar (> 55%)"
     if mfu > SEED_GOOD:
-        return "good by the seed's bar (> 50%)"
-    return "below the seed's 50% bar"
+        return "good by the tutorial's bar (> 50%)"
+    return "below the tutorial's 50% bar"
 
 
 def mfu_calculator(n_params_b: float = 1.88, tokens: int = 16384, step_ms: float = 380.0,
@@ -74,7 +74,7 @@ def plot_mfu_vs_step_time(n_params: float, tokens: int, *, gpus: list[str] | Non
                           measured: list[tuple[str, float, float]] = (), title: str = "",
                           ax=None):
     """The calculator as a figure: MFU (6N) against step time for each GPU's bf16 peak,
-    with the seed's 50% and 55% bars and `measured` points (label, step ms, MFU)."""
+    with the tutorial's 50% and 55% bars and `measured` points (label, step ms, MFU)."""
     import matplotlib.pyplot as plt
     import matplotlib.ticker
     import numpy as np

@@ -12,7 +12,7 @@
   equals the provenance of the newest commit that changed the rows, so a hand edit of
   the provenance alone shows up.
 * `check_notebook`: every `show_source` output still equals the library's source, and
-  every results banner names the commit the results file now records.
+  every results banner or caption names the commit the results file now records.
 
 Each returns a list of problems (strings); empty means clean. The tests and
 ``python -m colossal_lab.book.integrity`` share them.
@@ -444,6 +444,25 @@ def _check_banners(where: str, text: str, repo_root: Path) -> list[str]:
     return problems
 
 
+def _check_caption(where: str, meta: dict, repo_root: Path) -> list[str]:
+    """A caption (`notebook.Caption`) records its results file's commit and date in its
+    metadata: both must still be the file's."""
+    rel = meta.get("results", "?")
+    try:
+        prov = json.loads((repo_root / rel).read_text())["provenance"]
+    except (OSError, ValueError, KeyError) as e:
+        return [f"{where}: caption names {rel}, unreadable: {e}"]
+    problems = []
+    now, then = str(prov.get("git_sha") or "?"), str(meta.get("git_sha") or "?")
+    if now[:10] != then[:10]:
+        problems.append(f"{where}: caption says {rel} is from commit {then[:10]}, the "
+                        f"file now says {now[:10]}: re-execute the notebook")
+    elif str(prov.get("date") or "?") != str(meta.get("date") or "?"):
+        problems.append(f"{where}: caption dates {rel} {meta.get('date')}, the file "
+                        f"{prov.get('date')}: re-execute the notebook")
+    return problems
+
+
 def check_notebook(path, repo_root=REPO_ROOT) -> list[str]:
     """Stale outputs of one notebook: a `show_source` output that differs from the
     source today (or a `show_source` call whose output records nothing, i.e. from
@@ -460,6 +479,10 @@ def check_notebook(path, repo_root=REPO_ROOT) -> list[str]:
             if isinstance(meta, dict) and "source_of" in meta:
                 recorded += 1
                 problems += _check_source(where, out, meta)
+            if isinstance(meta, dict) and "results" in meta:
+                problems += _check_caption(where, meta, Path(repo_root))
+            for one in (meta or {}).get("captions", []) if isinstance(meta, dict) else []:
+                problems += _check_caption(where, one, Path(repo_root))
             text = _text(out.get("text")) or _text(out.get("data", {}).get("text/plain"))
             problems += _check_banners(where, text, Path(repo_root))
         if _CALL.search(_text(cell.get("source"))) and not recorded:

@@ -109,10 +109,26 @@ PAPERS: dict[str, tuple[str, str]] = {
                     _arxiv("2401.10241")),
     "megatron2019": ("Shoeybi et al. 2019, Megatron-LM: Training Multi-Billion Parameter "
                      "Language Models Using Model Parallelism", _arxiv("1909.08053")),
+    "gpipe": ("Huang et al. 2019, GPipe: Efficient Training of Giant Neural Networks "
+              "using Pipeline Parallelism", _arxiv("1811.06965")),
+    "pipedream": ("Narayanan et al. 2019, PipeDream: Generalized Pipeline Parallelism for "
+                  "DNN Training (the 1F1B schedule)", _arxiv("1806.03377")),
+    "pipedream-flush": ("Narayanan et al. 2021, Memory-Efficient Pipeline-Parallel DNN "
+                        "Training (PipeDream-Flush, 1F1B with a flush)",
+                        _arxiv("2006.09503")),
+    "zero": ("Rajbhandari et al. 2020, ZeRO: Memory Optimizations Toward Training "
+             "Trillion Parameter Models", _arxiv("1910.02054")),
+    "pytorch-ddp": ("Li et al. 2020, PyTorch Distributed: Experiences on Accelerating "
+                    "Data Parallel Training", _arxiv("2006.15704")),
+    "fsdp": ("Zhao et al. 2023, PyTorch FSDP: Experiences on Scaling Fully Sharded Data "
+             "Parallel", _arxiv("2304.11277")),
+    "roofline": ("Williams, Waterman & Patterson 2009, Roofline: An Insightful Visual "
+                 "Performance Model for Multicore Architectures",
+                 "https://doi.org/10.1145/1498765.1498785"),
 }
 
 COLOSSALAI: dict[str, tuple[str, str]] = {
-    "colossalai": (f"hpcaitech/ColossalAI at {COLOSSALAI_COMMIT[:12]}",
+    "colossalai": ("hpcaitech/ColossalAI, the snapshot every source link is pinned to",
                    f"{COLOSSALAI_REPO}/tree/{COLOSSALAI_COMMIT}"),
     "colossalai:HybridParallelPlugin": (
         "ColossalAI HybridParallelPlugin (colossalai/booster/plugin/"
@@ -178,7 +194,7 @@ COLOSSALAI: dict[str, tuple[str, str]] = {
         "ColossalAI linear_fp8 (colossalai/quantization/fp8.py): checks the input's "
         "dimensions, not the weight's",
         _cai("colossalai/quantization/fp8.py", "842-843")),
-    # switch 7 (chapter 07, later work)
+    # switch 7
     "colossalai:zero_bubble_pp": (
         "ColossalAI ZeroBubbleVPipeScheduler (colossalai/pipeline/schedule/"
         "zero_bubble_pp.py)",
@@ -202,11 +218,11 @@ COLOSSALAI: dict[str, tuple[str, str]] = {
                         "'NoneType' object is not callable without apex (issue)",
                         _issue(6260)),
     "colossalai#6446": ("hpcaitech/ColossalAI#6446: fall back to native RMSNorm when "
-                        "apex is not installed (pull request for #6260)", _pull(6446)),
+                        "apex is not installed (pull request for ColossalAI#6260)", _pull(6446)),
     "colossalai#6390": ("hpcaitech/ColossalAI#6390: use_fp8=True fails when a dimension "
                         "is not divisible by 16 (issue)", _issue(6390)),
     "colossalai#6393": ("hpcaitech/ColossalAI#6393: FP8 linear dimension check "
-                        "(pull request for #6390)", _pull(6393)),
+                        "(pull request for ColossalAI#6390)", _pull(6393)),
     "colossalai#6086": ("hpcaitech/ColossalAI#6086: optimize sequence parallelism "
                         "(pull request)", _pull(6086)),
 }
@@ -250,9 +266,14 @@ DOCS: dict[str, tuple[str, str]] = {
     "hf:phi3": ("Hugging Face Transformers: Phi-3", _hf("transformers/model_doc/phi3")),
     "hf:gpt2": ("Hugging Face Transformers: GPT-2", _hf("transformers/model_doc/gpt2")),
     "hf:tokenizers": ("Hugging Face Tokenizers", _hf("tokenizers")),
+    "colossalai:docs": ("ColossalAI documentation (HybridParallelPlugin, Gemini, the "
+                        "booster plugins)", "https://colossalai.org/docs/"),
+    "nsight-compute": ("NVIDIA Nsight Compute documentation",
+                       "https://docs.nvidia.com/nsight-compute/"),
 }
 
 PROJECTS: dict[str, tuple[str, str]] = {
+    "colossalai:repo": ("hpcaitech/ColossalAI (repository)", COLOSSALAI_REPO),
     "flash-attention": ("Dao-AILab/flash-attention",
                         "https://github.com/Dao-AILab/flash-attention"),
     "liger-kernel": ("Liger-Kernel (LinkedIn)",
@@ -276,6 +297,11 @@ PROJECTS: dict[str, tuple[str, str]] = {
     "triton:tutorial-05": ("Triton tutorial 05, Layer Normalization",
                            "https://triton-lang.org/main/getting-started/tutorials/"
                            "05-layer-norm.html"),
+    "hta": ("Holistic Trace Analysis (facebookresearch/HolisticTraceAnalysis)",
+            "https://github.com/facebookresearch/HolisticTraceAnalysis"),
+    "nccl": ("NVIDIA/nccl", "https://github.com/NVIDIA/nccl"),
+    "nccl-tests": ("NVIDIA/nccl-tests", "https://github.com/NVIDIA/nccl-tests"),
+    "nanogpt": ("karpathy/nanoGPT", "https://github.com/karpathy/nanoGPT"),
     "triton:tutorial-06": ("Triton tutorial 06, Fused Attention",
                            "https://triton-lang.org/main/getting-started/tutorials/"
                            "06-fused-attention.html"),
@@ -297,8 +323,22 @@ CHAPTERS: dict[str, tuple[str, str]] = {
     "chapter:09": ("09 · Profiling a step, and the doctor", "09_profiling.ipynb"),
     "chapter:10": ("10 · Every switch in one LLaMA run", "10_composed.ipynb"),
     "book:references": ("References", "references.md"),
+    "book:measurements": ("Measurements", "measurements.md"),
 }
 """The book's own pages, relative to `book/`; titles are the pages' first headings."""
+
+TUTORIAL = "chapter 10, performance switches"
+"""How the book cites the ColossalAI tutorial chapter it starts from (it has no public
+URL: `book/references.md` describes it under the label `tutorial`, with ColossalAI's
+repository and documentation). Sections are cited as "§10.2"."""
+
+
+def tutorial(section: str | None = None) -> str:
+    """A MyST citation of the tutorial, linking its entry on the references page:
+    ``tutorial("10.8")`` -> "ColossalAI's tutorial, chapter 10, performance switches,
+    §10.8" as a `{ref}` to the label `tutorial`."""
+    where = f", §{section}" if section else ""
+    return f"{{ref}}`ColossalAI's tutorial, {TUTORIAL}{where} <tutorial>`"
 
 LINKS: dict[str, tuple[str, str]] = {
     **PAPERS, **COLOSSALAI, **DOCS, **PROJECTS, **CHAPTERS}

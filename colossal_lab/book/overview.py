@@ -218,6 +218,12 @@ def gather(gpu: str | None = None, chapters=CHAPTERS) -> list[Entry]:
     return out
 
 
+def captions(entries: list[Entry]):
+    """One caption line naming every results file the entries read, each linked to the
+    Measurements appendix (`notebook.Captions`)."""
+    return notebook.Captions([e.results for e in entries if e.results is not None])
+
+
 def banners(entries: list[Entry]) -> str:
     """The provenance banner of every results file the entries read, once each: what
     `integrity.check_notebook` checks against the files."""
@@ -234,7 +240,7 @@ def banners(entries: list[Entry]) -> str:
 TABLE_COLUMNS = {"chapter": None, "measured": None, "result": None, "source": None}
 TABLE_HEADERS = {"measured": "what it measured",
                  "result": "its step: MFU off → on; step time",
-                 "source": "results file, commit"}
+                 "source": "results file"}
 
 
 def _folder(entries: list[Entry]) -> str | None:
@@ -249,7 +255,7 @@ def table_row(e: Entry, folder: str | None = None) -> dict:
     row = {"chapter": e.link, "measured": e.chapter.measured, "source": "–"}
     if e.results is not None:
         name = e.file[len(folder) + 1:] if folder else e.file
-        row["source"] = f"{name}, {e.commit}"
+        row["source"] = name
     if not e.ok:
         return {**row, "result": f"not measured: {e.missing}"}
     memory = f"; peak memory {e.memory}" if e.chapter.trades_memory else ""
@@ -258,11 +264,12 @@ def table_row(e: Entry, folder: str | None = None) -> dict:
 
 def table(entries: list[Entry]):
     """The landing page's table (`notebook.table`'s Markdown): per chapter a link, what
-    it measured, its step's MFU off → on and step-time verdict, results file and commit."""
+    it measured, its step's MFU off → on and step-time verdict, and its results file
+    (the file's commit is on the Measurements page, not here)."""
     folder = _folder(entries)
     headers = dict(TABLE_HEADERS)
     if folder:
-        headers["source"] = f"results file in {folder}/, commit"
+        headers["source"] = f"results file in {folder}/"
     return notebook.table([table_row(e, folder) for e in entries], TABLE_COLUMNS,
                           headers=headers)
 

@@ -10,8 +10,8 @@ from matplotlib.colors import CenteredNorm
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
+from colossal_lab.book.notebook import failure_note
 from colossal_lab.measure import compare
-from colossal_lab.measure.results import error_line
 from colossal_lab.palette import BLUE, GREY, ORANGE  # noqa: F401  (the book's colours)
 
 _ERR = {"ecolor": "#333333", "elinewidth": 1.0, "capsize": 2.5}
@@ -35,7 +35,7 @@ def mfu_spread(row: dict, key: str = "mfu"):
 def mfu_delta(rows: list[dict], *, baseline: str | None = None, key: str = "setup",
               label: str = "label", title: str | None = None, peak_note: str | None = None,
               ax=None):
-    """Horizontal bars of MFU per setup — the seed's 6N formula and the attention-aware
+    """Horizontal bars of MFU per setup — the tutorial's 6N formula and the attention-aware
     one side by side — with tokens/s and the speed-up over `baseline` written on each,
     and the p10-p90 spread of the step time as error bars (`mfu_spread`).
 
@@ -52,7 +52,7 @@ def mfu_delta(rows: list[dict], *, baseline: str | None = None, key: str = "setu
     xmax = max([r.get("mfu_attn", 0) for r in rows if "error" not in r] + [0.05])
     for yi, r in zip(y, rows):
         if "error" in r:
-            ax.text(0.002, yi, f"failed: {error_line(r['error'])[:60]}", va="center", color=GREY,
+            ax.text(0.002, yi, f"— {failure_note(r)}"[:70], va="center", color=GREY,
                     fontsize=9)
             continue
         first = yi == n - 1
@@ -65,7 +65,9 @@ def mfu_delta(rows: list[dict], *, baseline: str | None = None, key: str = "setu
             note += "  " + (compare.verdict(r, base).replace("x", "×", 1)
                             if "step_ms_p10" in r and r["batch"] == base["batch"]
                             else f"×{r['tokens_per_s'] / base['tokens_per_s']:.2f}")
-        ax.text(r["mfu_attn"] + xmax * 0.02, yi - h / 2, note, va="center", fontsize=9)
+        spread = mfu_spread(r, "mfu_attn")  # the label starts past the whisker
+        end = r["mfu_attn"] + (spread[1][0] if spread else 0.0)
+        ax.text(end + xmax * 0.02, yi - h / 2, note, va="center", fontsize=9)
     ax.set_yticks(list(y))
     ax.set_yticklabels(names, fontsize=10)
     ax.set_xlim(0, xmax * 1.45)
@@ -108,6 +110,25 @@ def grouped_bars(categories: list[str], series: dict[str, list[float]], *, ylabe
     return ax
 
 
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+           "#7f7f7f", "#bcbd22", "#17becf")
+LINESTYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def series_style(i: int) -> dict:
+    """The i-th series' colour, line style and marker: no two of the first 28 series
+    share all three, and the first ten differ in colour *and* line style."""
+    return {"color": COLOURS[i % len(COLOURS)], "ls": LINESTYLES[i % len(LINESTYLES)],
+            "marker": MARKERS[i % len(MARKERS)]}
+
+
+def tick_label(v: int) -> str:
+    """A size as a tick: a multiple of 1024 as "4k" (1k, 5k, 16k), anything else as
+    itself (512, 2560, 3000), so that no two ticks read alike."""
+    return f"{v // 1024}k" if v >= 1024 and v % 1024 == 0 else str(v)
+
+
 def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: str,
            xlabel: str | None = None, title: str | None = None, logx: bool = True,
            ceiling: float | None = None, ceiling_label: str = "measured ceiling",
@@ -116,8 +137,8 @@ def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: st
     TFLOP/s over sequence length per attention backend."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7.5, 4))
-    names = list(dict.fromkeys(r[by] for r in rows))  # colour by name: stable across axes
-    colours = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    names = list(dict.fromkeys(r[by] for r in rows))  # style by name: stable across axes
+    styles = {name: series_style(i) for i, name in enumerate(names)}
     groups: dict = {}
     for r in rows:
         if r.get(y) is not None:
@@ -125,8 +146,8 @@ def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: st
     for name, pts in groups.items():
         pts.sort()
         lw, z = (2.6, 3) if name == highlight else (1.4, 2)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3.5, lw=lw,
-                zorder=z, label=name, color=colours[name])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ms=4, lw=lw, zorder=z,
+                label=name, **styles[name])
     if ceiling:
         ax.axhline(ceiling, color=GREY, ls="--", lw=1)
         ax.text(0.99, ceiling, ceiling_label, transform=ax.get_yaxis_transform(),
@@ -135,12 +156,16 @@ def series(rows: list[dict], *, x: str, y: str, by: str = "provider", ylabel: st
         ax.set_xscale("log", base=2)
         xs = sorted({r[x] for r in rows if r.get(y) is not None})
         ax.set_xticks(xs)
-        ax.set_xticklabels([f"{v // 1024}k" if v >= 1024 else str(v) for v in xs])
+        step = 1 if len(xs) <= 8 else 2  # never two labels run together
+        ax.set_xticklabels([tick_label(v) if i % step == 0 else ""
+                            for i, v in enumerate(xs)])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel(xlabel or x)
     ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title, fontsize=11)
-    ax.legend(fontsize=9, frameon=False)
+    # outside the data, right of the axes: a long legend never covers a line
+    ax.legend(fontsize=8.5, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.spines[["top", "right"]].set_visible(False)
     plt.tight_layout()
     return ax
@@ -218,7 +243,7 @@ def waterfall(rows: list[dict], *, peers=None, key: str = "setup", label: str = 
     for y, r in placed:
         peer = is_peer(r)
         if "error" in r:
-            ax.text(xmax * 0.01, y, f"failed: {error_line(r['error'])[:50]}", va="center",
+            ax.text(xmax * 0.01, y, f"— {failure_note(r)}"[:60], va="center",
                     color=GREY, fontsize=8)
             continue
         ax.barh(y, r["tokens_per_s"], 0.7, color=GREY if peer else BLUE,

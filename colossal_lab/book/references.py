@@ -53,7 +53,7 @@ ANCHORS = {a.key: a for a in (
            "pytorch/torchtitan, docs/performance.md",
            "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md"),
     Anchor("a100_tf32_over_bf16",
-           "A100 datasheet: dense TF32 156 TFLOP/s against dense bf16 312: the seed's "
+           "A100 datasheet: dense TF32 156 TFLOP/s against dense bf16 312: the tutorial's "
            "'bf16 is about 2x fp32' holds against TF32, not against true fp32 (19.5)",
            2.0, "x", "NVIDIA A100 Tensor Core GPU datasheet (2020)",
            "https://www.nvidia.com/en-us/data-center/a100/"),

@@ -38,6 +38,10 @@ REFERENCE_GPU = "h200"
 BANNER_PREFIX = "Numbers from "
 """How every `Results.banner` starts (the notebook freshness check finds them by it)."""
 BANNER_WIDTH = 90
+announce: Callable[[Results], None] | None = None
+"""How `measure_or_load` says where its numbers come from: None prints the banner (a
+script, the CLI); the book's notebooks set it (`book.notebook.show_caption`) to show one
+caption line linked to the Measurements appendix instead."""
 
 
 def results_dir() -> Path:
@@ -368,5 +372,8 @@ def measure_or_load(name: str, measure: Callable[[], list[dict]], *,
         res.live = True
     else:
         res = load_results(name)
-    print(res.banner())
+    if announce is None:
+        print(res.banner())
+    else:
+        announce(res)
     return res

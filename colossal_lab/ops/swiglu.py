@@ -10,7 +10,7 @@ fused (T, 2i) output, writes the fused gradient, saves only its input).
 
 The fused qkv weight is three row blocks, q heads, then k, then v (Hugging Face Phi-3's
 `qkv_proj`, vLLM's `QKVParallelLinear`), so the Hugging Face mapping is a concatenation
-and the split three views; Megatron-LM interleaves per kv group instead. The seed ties
+and the split three views; Megatron-LM interleaves per kv group instead. The tutorial ties
 switch 3 to ColossalAI's `enable_jit_fused`, which fuses bias + GeLU and bias + dropout +
 add instead; ours is named for what it does.
 
