@@ -128,6 +128,12 @@ def expected(row: dict) -> dict:
         q = timing.quantile_10_90(times)  # as timing._summary computes it
         want.update(step_ms=statistics.median(times), step_ms_p10=q[0], step_ms_p90=q[1],
                     steps_timed=len(times))
+    if row.get("kind") == "floor":  # `bench step_floor`
+        if row.get("part") == "gemm" and _num(row.get("flops")) and _num(row.get("ms")):
+            want["tflops"] = timing.tflops(row["flops"], row["ms"])
+        if row.get("part") == "optimizer" and _num(row.get("bytes")) \
+                and _num(row.get("copy_gbps")):
+            want["ms"] = row["bytes"] / row["copy_gbps"] / 1e6
     for tag in ("old", "new"):  # `spot_check --old-tree`: one round of two checkouts
         times = row.get(f"{tag}_step_ms_all")
         if isinstance(times, list) and len(times) >= 2:
