@@ -31,29 +31,11 @@ from collections import Counter
 import torch
 
 from colossal_lab import config
+from colossal_lab.benchmarks.step_floor import step_gemms
 from colossal_lab.measure import telemetry, timing
-from colossal_lab.ops.cross_entropy import default_chunk_tokens
 
 FLOP_PER_CLOCK = 132 * 4096
 """Dense bf16 FLOP per SM clock of the H200 (and H100 SXM): 989.4e12 / 1.83e9."""
-
-
-def step_gemms(cfg, tokens: int) -> list[tuple[str, int, int, int]]:
-    """(name, M, N, K) of every GEMM of one step, in the order the step runs them."""
-    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    kv = cfg.num_key_value_heads * (d // cfg.num_attention_heads)
-    linears = [("qkv", d, d + 2 * kv), ("o", d, d), ("gate_up", d, 2 * f), ("down", f, d)]
-    fwd, bwd = [], []
-    for _ in range(cfg.num_hidden_layers):
-        for name, k, n in linears:
-            fwd.append((f"{name}.fwd", tokens, n, k))
-            bwd[:0] = [(f"{name}.dx", tokens, k, n), (f"{name}.dw", n, k, tokens)]
-    chunk = default_chunk_tokens(tokens, v, 2)
-    head = []
-    for start in range(0, tokens, chunk):
-        c = min(chunk, tokens - start)
-        head += [("head.fwd", c, v, d), ("head.dx", c, d, v), ("head.dw", v, d, c)]
-    return fwd + head + bwd
 
 
 def operands(name: str, m: int, n: int, k: int, dev) -> tuple:
