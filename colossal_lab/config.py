@@ -16,7 +16,7 @@ from typing import Union
 
 Backend = Union[bool, str]
 
-PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16", "fp8")
+PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16", "fp8", "fp8-pure")
 """The number formats a step can run in; `colossal_lab.precision.POLICIES` says what
 each one stores and computes in."""
 
@@ -160,7 +160,8 @@ class Switches:
     `enable_jit_fused`, which fuses bias+GeLU and bias+dropout+add."""
     precision: str = "bf16"
     """One of "fp32", "tf32" (fp32 with TF32 matmuls), "bf16" (autocast), "bf16-pure",
-    "fp16", "fp8": what each decides is `switches.precision.POLICIES`."""
+    "fp16", "fp8", "fp8-pure" (fp8 linears over bf16 parameters with fp32 masters): what
+    each decides is `precision.POLICIES`."""
     gradient_checkpoint_config: object = None
     """None (keep every activation) or a `switches.checkpointing.GradientCheckpointConfig`
     (chapter 04): a `gradient_checkpointing_ratio` of each stage's layers, or

@@ -9,6 +9,8 @@
     fp16        fp32         fp16 autocast  fp32         fp32 m, v           dynamic
     fp8         fp32         fp8 linears,   fp32         fp32 m, v           no (per-tensor
                              bf16 the rest                                    fp8 scales)
+    fp8-pure    bf16         fp8 linears,   bf16         fp32 master, m, v   no (per-tensor
+                             bf16 the rest                                    fp8 scales)
 
 **Why bf16 needs no loss scaling and fp16 does** (Micikevicius et al., "Mixed Precision
 Training", 2018). bf16 keeps fp32's 8 exponent bits; fp16 has 5 (largest 65504, smallest
@@ -19,7 +21,9 @@ inf/NaN gradient and doubles it after `growth_interval` clean steps, all on the 
 **Master weights.** An update lr·g is often below half an ulp of a bf16 weight (2^-8
 relative) and rounds away. "bf16" autocast keeps fp32 parameters and casts them per
 matmul; "bf16-pure" stores the model in bf16 and keeps fp32 masters in the optimizer
-only (`training.optimizer.MasterAdamW`, or our `FusedAdamW`).
+only (`training.optimizer.MasterAdamW`, or our `FusedAdamW`). "fp8-pure" is "bf16-pure"
+with fp8 linears: the fp8 casts read 2-byte weights instead of 4, no fp32 weight is cast
+to bf16 every step, and the optimizer moves a bf16 parameter with its split master.
 
 `POLICIES` is the table as data; `step_context` gives a step's autocast and TF32 mode,
 `loss_scaler` the fp16 scaler, `optimizer_backend` and `adamw_moments` the optimizer's
@@ -66,6 +70,7 @@ POLICIES = {p.name: p for p in (
     Policy("bf16-pure", torch.bfloat16, None, False, False, False, True),
     Policy("fp16", torch.float32, torch.float16, False, True, False, False),
     Policy("fp8", torch.float32, torch.bfloat16, False, False, True, False),
+    Policy("fp8-pure", torch.bfloat16, None, False, False, True, True),
 )}
 """The table of the module docstring, as data (fp8 linears run in a bf16 autocast). MFU
 is reported against the bf16 peak for every precision, so that a faster format shows

@@ -424,3 +424,36 @@ def test_fp8_linear_on_gpu_matches_emulation():
     check_close(y, ye, atol=2e-2, rtol=1e-2)
     check_close(gx, gxe, atol=2e-2, rtol=1e-2)
     check_close(gw, gwe, atol=2e-2, rtol=1e-2)
+
+
+def test_fp8_pure_keeps_bf16_parameters_with_fp32_masters():
+    """"fp8-pure": the fp8 linears of "fp8" over "bf16-pure"'s storage: parameters and
+    gradients in bf16, no autocast, the optimizer keeping fp32 masters; the loss at
+    initialisation is fp32's within bf16 and fp8 rounding, and a step moves every
+    parameter."""
+    from colossal_lab import precision as P
+    from colossal_lab.training import optimizer
+    from colossal_lab.training.step import make_step
+
+    cfg = tiny().replace(intermediate_size=176)
+    ids = torch.randint(0, cfg.vocab_size, (2, 33))
+    torch.manual_seed(0)
+    m32 = apply_switches(build_model(cfg, "cpu"), Switches(precision="fp32"))
+    m8 = apply_switches(build_model(cfg, "cpu"), Switches(precision="fp8-pure"))
+    m8.load_state_dict(m32.state_dict())
+    assert P.policy("fp8-pure").master_weights and P.policy("fp8-pure").fp8
+    assert {p.dtype for p in m8.parameters()} == {torch.bfloat16}
+    assert len(fp8_switch.fp8_modules(m8)) == cfg.num_hidden_layers * 7 + 1
+    l32 = m32(ids[:, :-1], ids[:, 1:])
+    l8 = m8(ids[:, :-1], ids[:, 1:])
+    assert abs(l8.item() - l32.item()) < 0.02 * l32.item()
+    opt = optimizer.make_optimizer(m8)
+    assert type(opt).__name__ == "MasterAdamW"  # torch's path on a CPU, with masters
+    before = [p.detach().clone() for p in m8.parameters()]
+    loss = make_step(m8, opt)(ids[:, :-1], ids[:, 1:])
+    assert torch.isfinite(loss).all()
+    # every fp32 master moved (a bf16 parameter may round back to where it was: a norm
+    # weight of 1 moves by lr, under half its bf16 ulp)
+    masters = [opt.state[p]["master"] for p in m8.parameters()]
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert all(not torch.equal(a.float(), m) for a, m in zip(before, masters))

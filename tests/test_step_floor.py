@@ -21,13 +21,14 @@ def test_step_gemms_hold_the_step_matmul_flops():
         [g for g in gemms if g[0] == "head.fwd"])
 
 
-@pytest.mark.parametrize("name, want", [("best", 26 + 2), ("best-bf16-moments", 18 + 2),
-                                        ("best-fp8", 32)])
-def test_adamw_bytes_follow_the_kernel_table(name, want):
+@pytest.mark.parametrize("switches, want", [
+    (SWITCH_SETS["best"], 26 + 2), (SWITCH_SETS["best-bf16-moments"], 18 + 2),
+    (SWITCH_SETS["best-fp8"], 32), (step_floor.PRECISIONS["fp8-pure"], 26 + 2)])
+def test_adamw_bytes_follow_the_kernel_table(switches, want):
     """bf16 parameters with a split master and fp32 moments move 26 bytes in the update
-    and 2 in the norm pass; bf16 moments 8 fewer; fp32 parameters (fp8 linears keep
-    fp32 weights) 32."""
-    assert step_floor.adamw_bytes(SWITCH_SETS[name]) == want
+    and 2 in the norm pass; bf16 moments 8 fewer; fp32 parameters (fp8 linears over fp32
+    weights) 32; fp8 linears over bf16 parameters as bf16."""
+    assert step_floor.adamw_bytes(switches) == want
 
 
 def test_quick_floor_parts_and_summary():

@@ -32,6 +32,8 @@ SETUPS = (
           "AdamW with bf16 moments", switches=SWITCH_SETS["best-bf16-moments"]),
     Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling)",
           switches=SWITCH_SETS["best-fp8"]),
+    Setup("ours-fp8-pure", "ours: every switch, fp8 linears over bf16 parameters with "
+          "fp32 masters", switches=SWITCH_SETS["best-fp8"].replace(precision="fp8-pure")),
     Setup("hf-torchao-fp8", "HF transformers: SDPA, torchao float8 (tensorwise), "
           "torch.compile", "hf", compile=True, torchao_fp8=True),
     Setup("ours-7b-bf16", "ours: full LLaMA-7B, every switch, bf16 params",
@@ -69,6 +71,8 @@ def run(quick: bool = False) -> list[dict]:
                             rounded: 8 bytes a parameter less, a change of numerics
                             (`composed_curves` checks what it costs)
         ours-fp8            the same switches with fp8 linears, delayed scaling
+        ours-fp8-pure       ours-fp8 over bf16 parameters with fp32 masters (as ours-bf16):
+                            no fp32 weight cast a step, 2-byte weights into the fp8 casts
         hf-torchao-fp8      Hugging Face's model, SDPA, torchao's float8 linears (tensorwise
                             dynamic scaling), torch.compile: the peer of ours-fp8
         ours-7b-bf16        full LLaMA-7B (32 layers), batch 2, as ours-bf16, with the

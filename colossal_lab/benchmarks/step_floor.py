@@ -37,7 +37,8 @@ from colossal_lab.ops.cross_entropy import default_chunk_tokens
 from colossal_lab.precision import policy
 
 NAME = "step_floor"
-PRECISIONS = {"bf16": SWITCH_SETS["best"], "fp8": SWITCH_SETS["best-fp8"]}
+PRECISIONS = {"bf16": SWITCH_SETS["best"], "fp8": SWITCH_SETS["best-fp8"],
+              "fp8-pure": SWITCH_SETS["best-fp8"].replace(precision="fp8-pure")}
 """The floor of each precision, and the switch set whose step it bounds."""
 STEP_SETUPS = (
     Setup("hf-liger", "HF transformers: bf16, SDPA, Liger kernels", "hf", liger=True),
@@ -47,6 +48,8 @@ STEP_SETUPS = (
           "torch.compile", "hf", compile=True, torchao_fp8=True),
     Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling), exact AdamW",
           switches=SWITCH_SETS["best-fp8"]),
+    Setup("ours-fp8-pure", "ours: every switch, fp8 linears over bf16 parameters",
+          switches=PRECISIONS["fp8-pure"]),
 )
 COPY_BYTES = 1 << 30
 
@@ -74,7 +77,7 @@ def step_gemms(cfg: ModelConfig, tokens: int) -> list[tuple[str, int, int, int]]
 def _gemm_call(name: str, m: int, n: int, k: int, precision: str, dev):
     """A closure running one GEMM as the step runs it, on operands made once."""
     bf16 = torch.bfloat16
-    if precision == "bf16" or name.startswith("head") or dev.type != "cuda":
+    if not precision.startswith("fp8") or name.startswith("head") or dev.type != "cuda":
         a = torch.randn(m, k, device=dev, dtype=bf16)
         b = torch.randn(n, k, device=dev, dtype=bf16).t()  # column-major, as W.T
         out = torch.empty(m, n, device=dev, dtype=bf16)
@@ -183,7 +186,7 @@ def run(quick: bool = False, preset_name: str = "llama-7b-8l", seq_len: int = 40
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for precision, switches in PRECISIONS.items():
-        if precision == "fp8" and dev.type != "cuda":
+        if precision.startswith("fp8") and dev.type != "cuda":
             continue  # fp8 GEMMs need fp8 tensor cores
         print(f"[{NAME}] {precision} floor ...", flush=True)
         common = {"kind": "floor", "precision": precision, "preset": preset_name,
@@ -196,7 +199,7 @@ def run(quick: bool = False, preset_name: str = "llama-7b-8l", seq_len: int = 40
     if with_steps:
         setups = [s for s in STEP_SETUPS if not quick or s.impl == "ours"]
         if quick:
-            setups = [s for s in setups if s.switches.precision != "fp8"]
+            setups = [s for s in setups if not s.switches.precision.startswith("fp8")]
         steps = run_setups(setups, preset_name=preset_name, seq_len=seq_len, batch=batch,
                            isolate=not quick, tag=NAME)
         rows += [{**r, "kind": "step"} for r in steps]
@@ -218,8 +221,8 @@ def summary(rows: list[dict]) -> str:
                 f"{r['part']} {r['ms']:.1f}" for r in parts))
     for r in rows:
         if r.get("kind") == "step" and "error" not in r:
-            fp8 = "fp8" in r["setup"]
-            floor = floor_ms(rows, "fp8" if fp8 else "bf16")
+            floor = floor_ms(rows, "fp8-pure" if r["setup"].endswith("fp8-pure") else
+                             "fp8" if "fp8" in r["setup"] else "bf16")
             if floor:
                 lines.append(f"{r['setup']:<16} {r['step_ms']:8.1f} ms, "
                              f"{r['step_ms'] - floor:+.1f} ms over its floor "

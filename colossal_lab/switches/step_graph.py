@@ -45,7 +45,8 @@ def check(switches, device=None) -> None:
     extra = switches.extra or {}
     refused = {
         "fp8 with delayed scaling (its amax history moves a host-side position every "
-        "step)": switches.precision == "fp8" and extra.get("fp8_scaling") == "delayed",
+        "step)": precision.policy(switches.precision).fp8
+        and extra.get("fp8_scaling") == "delayed",
         "fp16 (its loss scaler is not captured yet)": switches.precision == "fp16",
         "torch's AdamW (built with capturable=False): set enable_fused_optimizer=True":
             device is not None and precision.optimizer_backend(
