@@ -129,7 +129,7 @@ def regime_figure(base: dict, autocast: dict, exact: dict, title: str):
     ys = list(range(len(steps)))[::-1]
     xmax = max(r["tokens_per_s"] for _, r in steps)
     prev = None
-    for y, (name, r) in zip(ys, steps):
+    for y, (_, r) in zip(ys, steps):
         colour = plot.GREY if r is base else plot.BLUE
         ax.barh(y, r["tokens_per_s"], 0.6, color=colour, hatch="//" if r is base else None,
                 edgecolor="white" if r is base else None,
