@@ -10,10 +10,4 @@ Check names (browser): "raw_pipe_lines", "tables_fit", "error_text", "project_re
 "code_share", "page_height"; (sources): "typed_numbers".
 """
 
-PAGES_NOT_YET_CONVERTED: dict[str, set[str]] = {
-    '10_composed': {'code_share',
-        'error_text',
-        'page_height',
-        'project_refs',
-        'typed_numbers'},
-}
+PAGES_NOT_YET_CONVERTED: dict[str, set[str]] = {}

@@ -322,6 +322,7 @@ CHAPTERS: dict[str, tuple[str, str]] = {
     "chapter:08": ("08 · Overlapped gradient all-reduce", "08_overlap_allreduce.ipynb"),
     "chapter:09": ("09 · Profiling a step, and the doctor", "09_profiling.ipynb"),
     "chapter:10": ("10 · Every switch in one LLaMA run", "10_composed.ipynb"),
+    "chapter:10b": ("10b · The finale's kernels", "10b_finale_kernels.ipynb"),
     "book:references": ("References", "references.md"),
     "book:measurements": ("Measurements", "measurements.md"),
 }
