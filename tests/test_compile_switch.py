@@ -226,6 +226,9 @@ def test_setup_rules():
     with pytest.raises(ValueError, match="bf16 autocast"):
         steps.Setup("t", "t", "hf", switches=Switches.naive("fp32"), compile=True,
                     torchao_fp8=True)
+    with pytest.raises(ValueError, match="torchao_recipe='blockwise'"):
+        steps.Setup("t", "t", "hf", compile=True, torchao_fp8=True,
+                    torchao_recipe="blockwise")
 
 
 def test_torchao_missing_is_a_clear_error(monkeypatch):
@@ -248,6 +251,19 @@ def test_torchao_converts_the_linears_it_can():
     assert f8 == {f"model.layers.{i}.self_attn.{p}_proj" for i in range(CFG.num_hidden_layers)
                   for p in "qkvo"}
     assert type(hf.lm_head) is torch.nn.Linear
+
+
+def test_torchao_rowwise_recipe_reaches_its_config():
+    """`torchao_recipe="rowwise"`: the linears carry torchao's rowwise config (a scale a
+    row of each operand), not the tensorwise one."""
+    pytest.importorskip("torchao.float8")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_config(CFG.to_hf(), attn_implementation="sdpa")
+    assert steps.convert_torchao_float8(hf, "rowwise") == 4 * CFG.num_hidden_layers
+    f8 = [m for m in hf.modules() if type(m).__name__ == "Float8Linear"]
+    kinds = {str(m.config.cast_config_input.scaling_granularity) for m in f8}
+    assert kinds == {"ScalingGranularity.AXISWISE"}
 
 
 def test_first_step_time_is_the_first_call_only():

@@ -36,6 +36,8 @@ SETUPS = (
           "fp32 masters", switches=SWITCH_SETS["best-fp8"].replace(precision="fp8-pure")),
     Setup("hf-torchao-fp8", "HF transformers: SDPA, torchao float8 (tensorwise), "
           "torch.compile", "hf", compile=True, torchao_fp8=True),
+    Setup("hf-torchao-fp8-rowwise", "HF transformers: SDPA, torchao float8 (rowwise), "
+          "torch.compile", "hf", compile=True, torchao_fp8=True, torchao_recipe="rowwise"),
     Setup("ours-7b-bf16", "ours: full LLaMA-7B, every switch, bf16 params",
           switches=SWITCH_SETS["best"], preset="llama-7b", batch=2, auto_ratio=True),
 )
@@ -75,6 +77,7 @@ def run(quick: bool = False) -> list[dict]:
                             no fp32 weight cast a step, 2-byte weights into the fp8 casts
         hf-torchao-fp8      Hugging Face's model, SDPA, torchao's float8 linears (tensorwise
                             dynamic scaling), torch.compile: the peer of ours-fp8
+        hf-torchao-fp8-rowwise  the same with torchao's rowwise recipe (a scale a row)
         ours-7b-bf16        full LLaMA-7B (32 layers), batch 2, as ours-bf16, with the
                             fewest checkpointed layers that the memory model says fit
                             (`Setup.auto_ratio`: three probes, then verified by the run)

@@ -41,6 +41,9 @@ from colossal_lab.switches.checkpointing import colossalai_flops, resolve
 from colossal_lab.switches.resolved import backends_in_use
 from colossal_lab.training import data, memory, optimizer, train
 
+TORCHAO_RECIPES = ("tensorwise", "rowwise")
+"""torchao float8 recipes a setup may name (`Float8LinearConfig.from_recipe_name`)."""
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -57,9 +60,12 @@ class Setup:
     `Switches.enable_compile`)."""
     liger: bool = False
     torchao_fp8: bool = False
-    """Hugging Face's model with torchao's float8 training linears (tensorwise dynamic
-    scaling; `convert_torchao_float8`): the peer of our fp8 row. Needs `compile`, bf16
-    autocast and torchao."""
+    """Hugging Face's model with torchao's float8 training linears
+    (`convert_torchao_float8`): the peer of our fp8 row. Needs `compile`, bf16 autocast
+    and torchao."""
+    torchao_recipe: str = "tensorwise"
+    """torchao's float8 recipe: "tensorwise" (one dynamic scale a tensor) or "rowwise"
+    (a scale a row of each operand, fp32 scales, more accurate and slower)."""
     micro_batch: int | None = None
     """Gradient-accumulation slice; naive attention needs small slices to fit."""
     iters: int = 20
@@ -94,6 +100,9 @@ class Setup:
             if not self.compile:
                 raise ValueError(f"{self.name}: torchao_fp8 needs compile=True: torchao's "
                                  "float8 casts and scales are only fast once compiled")
+            if self.torchao_recipe not in TORCHAO_RECIPES:
+                raise ValueError(f"{self.name}: torchao_recipe={self.torchao_recipe!r}; "
+                                 f"choose one of {TORCHAO_RECIPES}")
             if self.switches.precision != "bf16":
                 raise ValueError(f"{self.name}: torchao_fp8 runs under bf16 autocast, "
                                  f"not precision={self.switches.precision!r}")
@@ -138,7 +147,7 @@ def build(setup: Setup, preset_name: str, device: torch.device):
     model.train()
     apply_switches(model, setup.switches)  # its precision; a kernel switch is an error
     if setup.torchao_fp8:
-        convert_torchao_float8(model)
+        convert_torchao_float8(model, setup.torchao_recipe)
     if setup.compile:
         model = torch.compile(model)
     return model, train.hf_loss
@@ -151,9 +160,10 @@ def _torchao_takes(module: torch.nn.Module, fqn: str) -> bool:
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def convert_torchao_float8(model: torch.nn.Module) -> int:
+def convert_torchao_float8(model: torch.nn.Module, recipe: str = "tensorwise") -> int:
     """Swap `model`'s linears (`_torchao_takes`) for torchao's `Float8Linear`, in place,
-    with tensorwise dynamic scaling (its "tensorwise" recipe); returns how many."""
+    with dynamic scaling by torchao's `recipe` ("tensorwise" or "rowwise"); returns how
+    many."""
     try:
         from torchao.float8 import (  # lazy: optional package
             Float8LinearConfig,
@@ -163,7 +173,7 @@ def convert_torchao_float8(model: torch.nn.Module) -> int:
         raise ImportError(f"torchao float8 setups need torchao ({e}): install torchao "
                           "(make wheelhouse carries it)") from e
     convert_to_float8_training(model, module_filter_fn=_torchao_takes,
-                               config=Float8LinearConfig.from_recipe_name("tensorwise"))
+                               config=Float8LinearConfig.from_recipe_name(recipe))
     return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
@@ -222,7 +232,7 @@ def ran_backends(model, setup: Setup) -> dict:
     a label says what was asked for, these fields what actually ran."""
     if setup.impl == "hf":
         return {"attention_backend": "hf-sdpa", "norm_backend": "liger" if setup.liger
-                else "hf-eager", **({"fp8_backend": "torchao-tensorwise"}
+                else "hf-eager", **({"fp8_backend": f"torchao-{setup.torchao_recipe}"}
                                     if setup.torchao_fp8 else {})}
 
     return backends_in_use(getattr(model, "_orig_mod", model))  # under torch.compile too
