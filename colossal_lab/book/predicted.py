@@ -209,7 +209,7 @@ def sequence_parallel(gpu: str | None = None, *, tp: int = SP_TP, band: Band = N
         measured = results.load_multi_gpu("sequence_parallel_step")
     bars = _attach(bars, measured, lambda r: (r["mode"], r["tp"]),
                    preset("llama-7b"), peak, lambda r: r["tokens_per_s_per_gpu"])
-    return Prediction("05", f"sequence parallelism, t={tp}", ("all_reduce", tp),
+    return Prediction("05", f"Sequence parallelism, t={tp}", ("all_reduce", tp),
                       ("split_gather", tp), bars,
                       "each rank's measured GEMMs plus the communication left exposed")
 
@@ -252,7 +252,7 @@ def pipeline(gpu: str | None = None, *, p: int = PP[0], m: int = PP[1],
         measured = results.load_multi_gpu(pipeline_sim.MEASURED)
     bars = _attach(bars, measured, lambda r: (r["schedule"], r["p"], r["m"]), cfg, peak,
                    lambda r: r["tokens_per_s"] / r["p"])
-    return Prediction("07", f"zero-bubble pipeline, p={p}, m={m}", ("1f1b", p, m),
+    return Prediction("07", f"Pipeline, zero bubble, p={p}, m={m}", ("1f1b", p, m),
                       ("zbv", p, m), bars,
                       "the measured F, B, W of a layer, scheduled by the simulator")
 
@@ -299,7 +299,7 @@ def overlap_allreduce(gpu: str | None = None, *, world: int = DP_WORLD,
         return (r["backend"], r["world"])
 
     bars = _attach(bars, measured, key_of, cfg, peak, lambda r: r["tokens_per_s"])
-    return Prediction("08", f"overlapped gradient all-reduce, {world} GPUs",
+    return Prediction("08", f"Overlapped all-reduce, {world} GPUs",
                       ("naive", world), ("overlap", world), bars,
                       "the measured backward plus the all-reduce the overlap model "
                       "leaves exposed")
@@ -365,7 +365,7 @@ def mfu_delta_band(pred: Prediction, *, band: Band = NVLINK, kind: str = "all_re
                           label=f"up to the datasheet's {band.high.gbps:g} GB/s")]
     if any(b.measured for b in bars):
         handles += [Patch(color=plot.BLUE, label="measured"), plot._spread_handle()]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2),
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.27),
               ncol=2, fontsize=8.5, frameon=False)
     word = "measured" if all(b.measured for b in bars) else "predicted"
     ax.set_title(f"{pred.chapter} · {pred.title}: MFU {word}", fontsize=10)
@@ -433,9 +433,10 @@ def plot_switch_deltas(entries, predictions: list[Prediction], *, ax=None):
             text = f"{lo * 100:+.1f} pts"
             edge = max(lo + (err[1] if err else 0), 0)
         else:
-            width = hi - lo if hi - lo > span * 0.004 else span * 0.004
-            ax.barh(y, width, 0.6, left=lo, color=LIGHT, edgecolor=plot.BLUE,
-                    hatch="////", lw=0.8)
+            near, far = (lo, hi) if abs(lo) <= abs(hi) else (hi, lo)
+            ax.barh(y, near, 0.6, color=LIGHT)  # the whole band gains (or costs) this
+            ax.barh(y, far - near, 0.6, left=near, color="white", edgecolor=plot.BLUE,
+                    hatch="////", lw=0.8)  # what the link's bandwidth decides
             text = (f"{lo * 100:+.2f} to {hi * 100:+.2f} pts, predicted"
                     if hi - lo >= 5e-5 else f"{lo * 100:+.2f} pts, predicted")
             edge = max(hi, 0)
@@ -451,8 +452,9 @@ def plot_switch_deltas(entries, predictions: list[Prediction], *, ax=None):
     ax.set_xlabel("MFU (6N) with the switch on − off, points", fontsize=10)
     handles = [Patch(color=plot.BLUE, label="measured gain"),
                Patch(color=plot.ORANGE, label="measured cost"),
-               Patch(facecolor=LIGHT, edgecolor=plot.BLUE, hatch="////",
-                     label=f"predicted, link {band_label()}"),
+               Patch(color=LIGHT, label="predicted (two GPUs)"),
+               Patch(facecolor="white", edgecolor=plot.BLUE, hatch="////",
+                     label=f"predicted range, link {band_label()}"),
                plot._spread_handle()]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2,
               fontsize=9, frameon=False)
