@@ -1,14 +1,14 @@
 """Roofline points from a recorded profile (`benchmarks.profile_breakdown`'s "op" rows).
 
 A results file stores each operator's FLOPs and bytes as `measure.roofline.op_cost`
-counted them when it was recorded. An attention operator the counter did not recognise
-(cuDNN's `aten::_cudnn_attention_forward` / `_backward`, which our cuDNN backend calls
-directly) fell through to the memory-bound estimate: one FLOP per element of its largest
-tensor, the (B, H, S, D) query, so attention running at hundreds of TFLOP/s showed as a
-few hundredths of one. `points` recounts such rows with attention's own count, from the
+counted them. An attention operator counted by its memory-bound estimate (one FLOP per
+element of its largest tensor, the (B, H, S, D) query: what `op_cost` gives an operator
+whose name it does not know) shows attention running at hundreds of TFLOP/s as a few
+hundredths of one. `points` recounts such rows, recognised by an intensity below one
+FLOP per byte (no attention kernel is that low), with attention's own count from the
 query's size and the row's sequence length (causal: 4·B·H·S²·D·½ forward, 2.5 times that
-backward; bytes Q, K, V and O, and their gradients backward), as `op_cost` now counts
-them in a new profile.
+backward; bytes Q, K, V and O, and their gradients backward), as `op_cost` counts SDPA's
+and cuDNN's attention operators from their shapes.
 """
 
 from __future__ import annotations
