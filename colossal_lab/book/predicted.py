@@ -315,11 +315,6 @@ LIGHT = "#a9c4e2"
 """The band's fill: lighter than a measured bar."""
 
 
-def band_label(band: Band = NVLINK, kind: str = "all_reduce") -> str:
-    """"217–450 GB/s": the band's ends, for a legend."""
-    return f"{band.low[kind].gbps:g}–{band.high.gbps:g} GB/s"
-
-
 def mfu_delta_band(pred: Prediction, *, band: Band = NVLINK, kind: str = "all_reduce",
                    ax=None):
     """One switch's MFU per setup, predicted or measured: for a setup without a
@@ -452,14 +447,14 @@ def plot_switch_deltas(entries, predictions: list[Prediction], *, ax=None):
     ax.set_xlabel("MFU (6N) with the switch on − off, points", fontsize=10)
     handles = [Patch(color=plot.BLUE, label="measured gain"),
                Patch(color=plot.ORANGE, label="measured cost"),
-               Patch(color=LIGHT, label="predicted (two GPUs)"),
+               Patch(color=LIGHT, label="predicted (several GPUs)"),
                Patch(facecolor="white", edgecolor=plot.BLUE, hatch="////",
-                     label=f"predicted range, link {band_label()}"),
+                     label="range: NCCL-measured to datasheet NVLink"),
                plot._spread_handle()]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2,
               fontsize=9, frameon=False)
     ax.set_title("What each switch buys: MFU on − off, measured on one H200 or "
-                 "predicted for two", fontsize=10, loc="right")
+                 "predicted for several", fontsize=10, loc="right")
     ax.spines[["top", "right"]].set_visible(False)
     ax.figure.tight_layout()
     return ax
