@@ -225,3 +225,30 @@ def test_norm_ratio_heatmap_panels_per_dtype_and_timing():
     assert axes[0].figure.get_size_inches()[0] <= 9
     with pytest.raises(ValueError, match="no layer_norm rows"):
         plot.norm_ratio_heatmap(rows, op="layer_norm")
+
+
+def test_tradeoff_labels_clear_of_each_other_and_the_markers():
+    rows = [{"setup": "ckpt-none", "ckpt_mode": None, "ckpt_ratio": 0.0, "step_ms": 100.0,
+             "tokens_per_s": 41800, "activation_mem_gib": 33.3, "batch": 4},
+            {"setup": "ckpt-0.5", "ckpt_mode": "full", "ckpt_ratio": 0.5, "step_ms": 112.0,
+             "tokens_per_s": 37300, "activation_mem_gib": 21.4, "batch": 4},
+            {"setup": "ckpt-full", "ckpt_mode": "full", "ckpt_ratio": 1.0, "step_ms": 124.0,
+             "tokens_per_s": 33600, "activation_mem_gib": 10.5, "batch": 4},
+            {"setup": "ckpt-selective", "ckpt_mode": "selective", "ckpt_ratio": 1.0,
+             "step_ms": 109.0, "tokens_per_s": 38400, "activation_mem_gib": 19.9,
+             "batch": 4},
+            {"setup": "ckpt-elementwise", "ckpt_mode": "elementwise", "ckpt_ratio": 1.0,
+             "step_ms": 106.0, "tokens_per_s": 39200, "activation_mem_gib": 20.9,
+             "batch": 4}]
+    ax = plot.tradeoff(rows)
+    fig = ax.figure
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(r) for t in ax.texts]
+    assert len(boxes) == 5
+    for i, a in enumerate(boxes):
+        assert not any(a.overlaps(b) for b in boxes[i + 1:])
+    marks = [ax.transData.transform((x, y)) for x, y in
+             ((row["tokens_per_s"], row["activation_mem_gib"]) for row in rows)]
+    for box in boxes:
+        assert not any(box.contains(x, y) for x, y in marks)

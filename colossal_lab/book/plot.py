@@ -555,3 +555,45 @@ def tflops_lines(rows: list[dict], select=None, *, metric: str = "fwd_bwd",
                ncol=min(len(handles), 8), fontsize=8, bbox_to_anchor=(0.5, -0.01))
     fig.get_layout_engine().set(rect=(0, 0.07 / nrows, 1, 1 - 0.07 / nrows))
     return tuple(axes[:len(sels)])
+
+
+def tradeoff(rows: list[dict], *, memory: str = "activation_mem_gib", ax=None):
+    """Memory against tokens/s of a checkpointing sweep (`benchmarks.checkpointing`):
+    the full-recomputation ratios joined by a line from none to full, the selective
+    modes as separate squares. Every label sits beside its own marker and clear of the
+    others: the ratios above and left of the rising line, the selective modes below
+    and above their markers in turn, so no marker covers a label."""
+    from colossal_lab.benchmarks.checkpointing import versus_none
+
+    pts = [r for r in versus_none(rows) if r.get(memory) is not None]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.5, 4.5))
+    line = sorted((r for r in pts if r.get("ckpt_mode") in (None, "full")),
+                  key=lambda r: r["ckpt_ratio"])
+    ax.plot([r["tokens_per_s"] for r in line], [r[memory] for r in line], "-o",
+            color=BLUE, label="ratio 0 → 1 (full recomputation)")
+    for r in line:  # the line rises to the right: above-left of a point is clear
+        ax.annotate(f"ratio {r['ckpt_ratio']:g}", (r["tokens_per_s"], r[memory]),
+                    textcoords="offset points", xytext=(-6, 5), ha="right",
+                    fontsize=9, color=GREY)
+    sel = sorted((r for r in pts if r.get("ckpt_mode") in ("selective", "elementwise")),
+                 key=lambda r: r["tokens_per_s"])
+    for k, r in enumerate(sel):
+        ax.plot(r["tokens_per_s"], r[memory], "s", color=ORANGE, ms=8)
+        below = k % 2 == 0  # neighbours alternate: below, above, below ...
+        ax.annotate(r["ckpt_mode"], (r["tokens_per_s"], r[memory]),
+                    textcoords="offset points", xytext=(0, -10 if below else 10),
+                    ha="center", va="top" if below else "bottom", fontsize=9,
+                    color=ORANGE)
+    ax.plot([], [], "s", color=ORANGE, label="selective modes (every layer)")
+    xs = [r["tokens_per_s"] for r in pts]
+    if xs:  # room for the labels beyond the outermost points
+        pad = (max(xs) - min(xs)) * 0.15 or 1.0
+        ax.set_xlim(min(xs) - pad, max(xs) + pad)
+    ax.set_xlabel("tokens/s")
+    ax.set_ylabel({"activation_mem_gib": "activation memory (GiB)",
+                   "saved_mem_gib": "kept by the forward (GiB)"}.get(memory, memory))
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=9, frameon=False, loc="upper left")
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax

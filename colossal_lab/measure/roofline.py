@@ -22,8 +22,10 @@ DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2,
 """Bytes per element of the dtypes the profiler names in ``Input type``."""
 
 _GEMM = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|_scaled_mm)$")
-_SDPA = re.compile(r"^aten::_scaled_dot_product_(flash|efficient|cudnn)_attention"
-                   r"(_for_cpu)?(_backward)?$")
+_SDPA = re.compile(r"^aten::(_scaled_dot_product_(flash|efficient|cudnn)_attention"
+                   r"(_for_cpu)?(_backward)?|_cudnn_attention_(forward|backward))$")
+"""SDPA's operators, and cuDNN's attention called directly (as our cuDNN backend does):
+each takes (B, H, S, D) query, key and value, the backward after the output's gradient."""
 
 
 def _numel(dims) -> int:
