@@ -53,4 +53,7 @@ def test_curve_rows(rows):
 def test_setups_cover_every_precision():
     from colossal_lab.precision import PRECISIONS
 
-    assert {s.switches.precision for s in precision.SETUPS} == set(PRECISIONS)
+    # fp8-pure (fp8 linears over bf16-pure storage) is a composition: the finale's
+    # `composed` times it beside ours-fp8
+    assert {s.switches.precision for s in precision.SETUPS} == set(PRECISIONS) - {
+        "fp8-pure"}

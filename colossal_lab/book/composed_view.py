@@ -16,7 +16,9 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
+from colossal_lab.benchmarks import composed
 from colossal_lab.book import plot
+from colossal_lab.book.notebook import table
 from colossal_lab.measure import compare
 
 EXACT = "fp32"
@@ -34,7 +36,6 @@ NAMES = {"exact": "ours, every switch", "bf16_moments": "ours, bf16 moments",
 
 def _setup_switches(name: str):
     """The library's `Switches` for a composed setup name, or None (an old row name)."""
-    from colossal_lab.benchmarks import composed
 
     return next((s.switches for s in composed.SETUPS if s.name == name), None)
 
@@ -166,7 +167,6 @@ def composed_table(rows: list[dict], exact: dict | None, m16: dict | None):
     "—" with the table's own footnote."""
     from IPython.display import Markdown
 
-    from colossal_lab.book.notebook import table
 
     base = next((r for r in rows if r.get("setup") == "hf-liger" and "error" not in r),
                 None)
@@ -201,7 +201,6 @@ def composed_table(rows: list[dict], exact: dict | None, m16: dict | None):
 def profile_table(rows: list[dict], ours: str = "best", theirs: str = "hf-liger"):
     """Milliseconds per step by kernel class, ours against theirs, from a
     `profile_breakdown` run's rows, then all kernels, idle time and the profiled step."""
-    from colossal_lab.book.notebook import table
 
     per_class: dict[str, dict[str, float]] = {}
     for r in rows:
@@ -241,7 +240,6 @@ def targets_table(rows: list[dict], exact: dict | None):
     """`GOALS`, each judged by its median and by the range the p10-p90 step times allow
     (a ratio's range: one setup's fastest steps against the other's slowest, and the
     reverse)."""
-    from colossal_lab.book.notebook import table
 
     by = {r["setup"]: r for r in rows if "error" not in r}
     base = by.get("hf-liger")

@@ -10,6 +10,7 @@ from matplotlib.colors import CenteredNorm
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
+from colossal_lab.benchmarks.checkpointing import versus_none
 from colossal_lab.book.notebook import failure_note
 from colossal_lab.measure import compare
 from colossal_lab.palette import BLUE, GREY, ORANGE  # noqa: F401  (the book's colours)
@@ -563,8 +564,6 @@ def tradeoff(rows: list[dict], *, memory: str = "activation_mem_gib", ax=None):
     modes as separate squares. Every label sits beside its own marker and clear of the
     others: the ratios above and left of the rising line, the selective modes below
     and above their markers in turn, so no marker covers a label."""
-    from colossal_lab.benchmarks.checkpointing import versus_none
-
     pts = [r for r in versus_none(rows) if r.get(memory) is not None]
     if ax is None:
         _, ax = plt.subplots(figsize=(7.5, 4.5))

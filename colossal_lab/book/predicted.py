@@ -8,12 +8,11 @@ below turns those recorded costs, and a link, into the MFU of the step with the 
 off and on. The link is the one unknown the chapters cannot measure on one GPU, so each
 prediction is made twice, at the two ends of a `Band`:
 
-* the **datasheet** NVLink 4 of an H100 / H200 SXM: 900 GB/s per GPU, both directions
-  together, so 450 GB/s each way (`overlap_model.LINKS`), an upper bound;
-* what **NCCL measures** on such a link: on two H200 (NVLink, NV18) an all-reduce's bus
-  bandwidth of 217 GB/s at 16 MiB (300 at 256 MiB, 328 at 1 GiB), and point-to-point
-  exchanges of about 300-358 GB/s at large sizes (nccl-tests' bus bandwidth, measured on
-  the reference node alongside the H200 ceilings).
+* the **datasheet** NVLink 4 of an H100 / H200 SXM, per direction (half the per-GPU
+  figure, which counts both directions; `overlap_model.LINKS`), an upper bound;
+* what **NCCL measures** on such a link: nccl-tests' bus bandwidth of an all-reduce and
+  of point-to-point exchanges on two H200 (NVLink, NV18), recorded with the H200's
+  ceilings; the values, with their message sizes and sources, are the `Band`s below.
 
 `mfu_delta_band` draws one figure per switch: a band from the measured-NCCL MFU to the
 datasheet MFU for every setup, or, where a multi-GPU run is on record
@@ -32,11 +31,15 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 from matplotlib.patches import Patch
 
+from colossal_lab.benchmarks import grad_overlap as go
+from colossal_lab.benchmarks import pipeline_sim
+from colossal_lab.benchmarks import sequence_parallel_gemm as spg
 from colossal_lab.book import plot
 from colossal_lab.config import preset
 from colossal_lab.measure import mfu as mfu_lib
 from colossal_lab.measure import results
 from colossal_lab.parallel import overlap_model as om
+from colossal_lab.parallel.pipeline.sim_rows import parts, simulate_rows
 
 # ---------------------------------------------------------------- the link band
 
@@ -187,7 +190,6 @@ def sequence_parallel(gpu: str | None = None, *, tp: int = SP_TP, band: Band = N
     one-GPU step's (`exact_optimizer`, the best bf16 step measured) scaled by GEMM time
     over layer time: the work outside the GEMMs is assumed to split over the ranks as
     the GEMMs do."""
-    from colossal_lab.benchmarks import sequence_parallel_gemm as spg
 
     res = results.load_results(spg.NAME, gpu=gpu)
     gemm = [r for r in res.rows if r["kind"] == "gemm"]
@@ -228,8 +230,6 @@ def pipeline(gpu: str | None = None, *, p: int = PP[0], m: int = PP[1],
     (`pipeline.sim_rows.simulate_rows`) from the measured F, B, W of a LLaMA-7B layer and
     the head, with each stage-to-stage transfer costed at each end of the band. The
     simulated step leaves out the embedding and the optimizer: an upper bound."""
-    from colossal_lab.benchmarks import pipeline_sim
-    from colossal_lab.parallel.pipeline.sim_rows import parts, simulate_rows
 
     res = results.load_results(pipeline_sim.NAME, gpu=gpu)
     layer, head, p2p = parts(res.rows)
@@ -271,7 +271,6 @@ def overlap_allreduce(gpu: str | None = None, *, world: int = DP_WORLD,
     the backward (naive) or overlapped with it in DDP's 25 MB buckets, by the overlap
     model (`overlap_model`) over the measured time each gradient became final
     (`grad_overlap_model`): the one-GPU step plus what stays exposed."""
-    from colossal_lab.benchmarks import grad_overlap as go
 
     res = results.load_results(go.NAME, gpu=gpu)
     grads, backward_ms, step_ms = go.grads_of(res.rows)
