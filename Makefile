@@ -15,7 +15,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 ## book: build the HTML book from the committed (GPU-executed) notebook outputs
 book: $(VENV)/.installed
-	$(VENV)/bin/jupyter-book build --all .
+	$(VENV)/bin/jupyter-book build --all -W .
 	@echo "open _build/html/index.html"
 
 ## test: unit tests, every notebook executed on this machine (nbval), lint, book build,
