@@ -104,7 +104,7 @@ def main(argv=None) -> None:
                        add_help=False)
     b.add_argument("name", nargs="?", metavar="NAME", help="the benchmark to run")
 
-    d = sub.add_parser("doctor", help="the seed's tuning checklist, run on a configuration")
+    d = sub.add_parser("doctor", help="the tutorial's tuning checklist, run on a configuration")
     doctor.add_arguments(d)
 
     x = sub.add_parser("execute", help="execute notebooks in place (refresh their outputs)",

@@ -1,6 +1,6 @@
-"""`python -m colossal_lab doctor`: the seed's tuning checklist as code.
+"""`python -m colossal_lab doctor`: the tutorial's tuning checklist as code.
 
-The seed closes with eight checks that "catch 90% of performance problems", in order:
+The tutorial closes with eight checks that "catch 90% of performance problems", in order:
 1 bf16 / fp16 on; 2 flash attention on; 3 fused norm on; 4 tensor parallelism no wider
 than 8; 5 Gemini (heterogeneous memory) only when memory needs it; 6 enough
 micro-batches for the pipeline stages; 7 a checkpoint ratio no higher than memory

@@ -1,4 +1,4 @@
-"""The doctor's checks: the seed's eight, then ours, each a `Finding` or a `Verdict`.
+"""The doctor's checks: the tutorial's eight, then ours, each a `Finding` or a `Verdict`.
 
 A check takes a `Context` (the plan, the machine, the recorded results, the memory
 model and, with `--profile`, the profile of a few steps) and returns a `Finding` (what
@@ -132,7 +132,7 @@ def check_tp_size(ctx: Context):
                    f"tp_size ≤ {limit} (within a node); spread the rest over pipeline or "
                    "data parallelism", gain=None,
                    evidence=f"{NOT_RECORDED}: tensor parallelism (switch 5) is not measured "
-                   "in this book yet; the seed lists it as a communication bottleneck")
+                   "in this book yet; the tutorial lists it as a communication bottleneck")
 
 
 def check_gemini(ctx: Context):
@@ -352,4 +352,4 @@ def check_host_bound(ctx: Context):
 CHECKS = (check_bf16, check_flash, check_fused_norm, check_tp_size, check_gemini,
           check_microbatches, check_ckpt_ratio, check_data_loader, check_mfu,
           check_compile, check_fp8, check_memory, check_host_bound)
-"""The seed's eight, in its order, then ours."""
+"""The tutorial's eight, in its order, then ours."""

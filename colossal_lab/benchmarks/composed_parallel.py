@@ -268,7 +268,7 @@ def run(quick: bool = False, setups=SETUPS, iters: int | None = None) -> list[di
     once: DP 2 · 4 (every rank its own), TP 2 (both ranks work on the same tokens, each
     holding half of every weight), PP m · 1 (each micro-batch passes both stages). Then
     ``tokens_per_s = batch · seq / step``, ``tokens_per_s_per_gpu`` half of it, and
-    ``mfu_per_gpu = 6 · N · tokens_per_s_per_gpu / peak``: the seed formula (`mfu.step_stats`)
+    ``mfu_per_gpu = 6 · N · tokens_per_s_per_gpu / peak``: the tutorial's formula (`mfu.step_stats`)
     with the whole model's N and one GPU's dense bf16 peak; with ``mfu_attn_per_gpu`` its
     attention-aware sibling. A layout's communication, its duplicated work (none here) and
     its bubbles all show up as lost MFU per GPU. ``vs_single_gpu_best = mfu_per_gpu /

@@ -80,7 +80,7 @@ def run(quick: bool = False, *, preset_name: str = "llama-7b-8l", seq_len: int =
     the top kernels, idle time (HolisticTraceAnalysis's host-wait / kernel-wait split), and
     the operators placed on the roofline.
 
-        naive-fp32   ours, every switch off, fp32 (the seed's starting point; micro-batch 1,
+        naive-fp32   ours, every switch off, fp32 (the tutorial's starting point; micro-batch 1,
                      as chapter 00 times it, since naive attention at 4 does not fit)
         naive-bf16   ours, every switch off, bf16 autocast (SWITCH_SETS["bf16"]; micro 1)
         best         ours, SWITCH_SETS["best"] (chapter 10's ours-bf16)

@@ -2,7 +2,7 @@
 
 Three numbers, always printed with N and the peak they divide by:
 
-* **MFU, seed formula** (the seed chapter, after Kaplan et al. 2020):
+* **MFU, the tutorial's formula** (the tutorial chapter, after Kaplan et al. 2020):
   ``6 · N · tokens / (time · peak)``. N counts *every* parameter, embeddings included;
   2N FLOPs per token forward (one multiply-add per weight) and 4N backward (gradient
   w.r.t. inputs and w.r.t. weights). It ignores attention's S×S matmuls.
@@ -36,7 +36,7 @@ def layer_params(cfg: ModelConfig) -> int:
 
 
 def count_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
-    """N: all parameters (the seed's N), or without the input embedding table."""
+    """N: all parameters (the tutorial's N), or without the input embedding table."""
     emb = cfg.vocab_size * cfg.hidden_size
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
     n = cfg.num_hidden_layers * layer_params(cfg) + cfg.hidden_size + head
@@ -60,7 +60,7 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = Tru
 
 
 def seed_flops(cfg: ModelConfig, tokens: int) -> float:
-    """The seed chapter's 6·N·tokens."""
+    """The tutorial chapter's 6·N·tokens."""
     return 6.0 * count_params(cfg) * tokens
 
 
@@ -107,7 +107,7 @@ class StepStats:
 
     tokens_per_s: float
     mfu: float
-    """Seed formula, 6·N·tokens / (time · peak); a fraction."""
+    """The tutorial's formula, 6·N·tokens / (time · peak); a fraction."""
     mfu_attn: float
     """Attention-aware model FLOPs / (time · peak)."""
     hfu: float

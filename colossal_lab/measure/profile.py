@@ -1,11 +1,11 @@
 """Profile a training step with `torch.profiler` and summarize where its time went.
 
-`profile_steps` runs the seed's recipe (``schedule(wait=1, warmup=2, active=3)``) around
+`profile_steps` runs the tutorial's recipe (``schedule(wait=1, warmup=2, active=3)``) around
 any `step(ids, labels)` and writes one Chrome trace that Perfetto
 (https://ui.perfetto.dev) and ``chrome://tracing`` open; each step's data fetch runs
 inside ``record_function("data")``, so a slow loader shows as a named range.
 
-`summarize` reads the trace back and answers the seed's checklist:
+`summarize` reads the trace back and answers the tutorial's checklist:
 
 * **GPU time by kernel class** (`kernel_classes.KERNEL_CLASSES`) and the top kernels;
 * **idle gaps**: the device window minus the union of its kernels; on a GPU,

@@ -12,7 +12,7 @@ per rank. Split it at the block boundary: reduce-scatter the row-parallel output
 the sequence, run the residual add and the norm on the (B, S/t, d) shard, all-gather
 right before the next column-parallel linear. The same bytes, and every activation
 outside the blocks is 1/t of plain TP's; the norms' weight gradients (each rank saw S/t
-tokens) are all-reduced over the group. The seed's "chunked sequence all-reduce" is the
+tokens) are all-reduced over the group. The tutorial's "chunked sequence all-reduce" is the
 "ring" mode: the all-gather and the reduce-scatter cut into t point-to-point steps, each
 overlapped with the GEMM of the shard that has arrived.
 

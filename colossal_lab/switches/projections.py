@@ -1,6 +1,6 @@
 """Switch 3, `enable_fused_projections`: stacks q/k/v and gate/up into one linear each.
 
-The seed ties this switch to ColossalAI's `enable_jit_fused`, which fuses bias + GeLU and
+The tutorial ties this switch to ColossalAI's `enable_jit_fused`, which fuses bias + GeLU and
 bias + dropout + add instead; ours is named for what it does. Values: False (separate
 linears, eager SwiGLU), True ("triton" on a GPU, "eager" on the CPU) or a SwiGLU backend
 of `ops.swiglu.ACTIVATIONS` ("eager", "compile", "triton"). On the model it replaces the

@@ -19,7 +19,7 @@ of that stage's action (no 1/v applied).
 ``1 − Σ busy / (p · makespan)``. For 1F1B with uniform costs and no latency every rank
 idles (p − 1)(F + B) in a makespan of (m + p − 1)(F + B), so the bubble is
 (p − 1)/(m + p − 1). The other common figure, (p − 1)/m (Narayanan et al. 2021's
-"bubble time fraction", and the seed's), divides the same idle time by the *useful*
+"bubble time fraction", and the tutorial's), divides the same idle time by the *useful*
 time m(F + B) instead: how much longer than ideal the step takes. `bubble_arithmetic`
 computes both, and the simulator's measurement of each.
 """
@@ -131,11 +131,11 @@ def simulate(schedule: Schedule, f=1.0, b=1.0, w=1.0, comm: float = 0.0,
                     peak_activations(s, w_stash))
 
 
-# ------------------------------------------------------------------ the seed's arithmetic
+# ------------------------------------------------------------------ the tutorial's arithmetic
 
 
 def bubble_arithmetic(p: int = 4, m: int = 8) -> dict:
-    """The seed says 1F1B wastes "(p − 1)/m, ~37.5% at pp=4, m=8"; the usual bubble
+    """The tutorial says 1F1B wastes "(p − 1)/m, ~37.5% at pp=4, m=8"; the usual bubble
     fraction is (p − 1)/(m + p − 1). Both, and the simulator's measurement of each for
     1F1B with F = B = W = 1 (a full backward of 2F), no latency.
 
@@ -154,7 +154,7 @@ def bubble_arithmetic(p: int = 4, m: int = 8) -> dict:
         "ideal": m * 3.0,
         "meaning": (f"1F1B at p={p}, m={m}: the GPUs idle {(p - 1) / (m + p - 1):.1%} of "
                     f"the step ((p−1)/(m+p−1)); the step takes {(p - 1) / m:.1%} longer "
-                    f"than bubble-free ((p−1)/m, the seed's figure: idle over useful "
+                    f"than bubble-free ((p−1)/m, the tutorial's figure: idle over useful "
                     f"time, not the share of time wasted)"),
     }
 
@@ -275,7 +275,7 @@ def bubble_table(p: int = 4, ms: Sequence[int] = range(4, 33), f: float = 1.0,
 def plot_bubbles(p: int = 4, ms: Sequence[int] = range(4, 33), f: float = 1.0,
                  b: float = 1.0, w: float = 1.0, comm: float = 0.0, ax=None):
     """Simulated bubble (idle over total time) against m for every schedule at `p`,
-    with 1F1B's closed form (p − 1)/(m + p − 1) and the seed's (p − 1)/m dashed."""
+    with 1F1B's closed form (p − 1)/(m + p − 1) and the tutorial's (p − 1)/m dashed."""
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
