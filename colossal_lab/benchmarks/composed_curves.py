@@ -148,11 +148,16 @@ def run(quick: bool = False, names=None) -> list[dict]:
     return rows + [verdict(rows)]
 
 
+def train_sequences(cfg: ModelConfig, run_args: dict) -> int:
+    """Training sequences of `run_args["seq_len"]` tokens in one epoch of the corpus."""
+    return len(data.packed_sequences("train", run_args["seq_len"], cfg.vocab_size,
+                                     max_files=run_args["max_files"]))
+
+
 def fit_batch(cfg: ModelConfig, run_args: dict) -> int:
     """Sequences a step such that `steps` steps stay inside `EPOCH_SHARE` of one epoch
     of the training split; a corpus too small for one sequence a step is an error."""
-    seqs = len(data.packed_sequences("train", run_args["seq_len"], cfg.vocab_size,
-                                     max_files=run_args["max_files"]))
+    seqs = train_sequences(cfg, run_args)
     batch = int(EPOCH_SHARE * seqs) // run_args["steps"]
     if batch < 1:
         raise UsageError(f"the corpus has {seqs} training sequences of "
@@ -164,11 +169,10 @@ def fit_batch(cfg: ModelConfig, run_args: dict) -> int:
 def _annotated(row: dict, cfg: ModelConfig, run_args: dict) -> dict:
     """A curve row with its role and the share of an epoch of the corpus it trained on."""
     role = next(c.fields.get("role") for c in CURVES if c.name == row["setup"])
-    seqs = data.packed_sequences("train", run_args["seq_len"], cfg.vocab_size,
-                                 max_files=run_args["max_files"])
-    epochs = run_args["steps"] * run_args["batch"] / len(seqs)
+    seqs = train_sequences(cfg, run_args)
     row = {k: v for k, v in row.items() if not k.startswith("rel_diff_vs_")}
-    return {**row, "role": role, "epochs": epochs, "train_sequences": len(seqs)}
+    return {**row, "role": role, "epochs": run_args["steps"] * run_args["batch"] / seqs,
+            "train_sequences": seqs}
 
 
 def config_of() -> dict:

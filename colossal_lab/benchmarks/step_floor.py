@@ -54,6 +54,11 @@ STEP_SETUPS = (
 COPY_BYTES = 1 << 30
 
 
+def _fp8(label: str) -> bool:
+    """Whether the floor `label` (a key of `PRECISIONS`) runs its linears in fp8."""
+    return policy(PRECISIONS[label].precision).fp8
+
+
 def step_gemms(cfg: ModelConfig, tokens: int) -> list[tuple[str, int, int, int]]:
     """(name, M, N, K) of every GEMM of one step with fused q/k/v and gate/up
     projections, in the order the step runs them: each layer's forward x·Wᵀ, the head
@@ -77,7 +82,7 @@ def step_gemms(cfg: ModelConfig, tokens: int) -> list[tuple[str, int, int, int]]
 def _gemm_call(name: str, m: int, n: int, k: int, precision: str, dev):
     """A closure running one GEMM as the step runs it, on operands made once."""
     bf16 = torch.bfloat16
-    if not precision.startswith("fp8") or name.startswith("head") or dev.type != "cuda":
+    if not _fp8(precision) or name.startswith("head") or dev.type != "cuda":
         a = torch.randn(m, k, device=dev, dtype=bf16)
         b = torch.randn(n, k, device=dev, dtype=bf16).t()  # column-major, as W.T
         out = torch.empty(m, n, device=dev, dtype=bf16)
@@ -186,7 +191,7 @@ def run(quick: bool = False, preset_name: str = "llama-7b-8l", seq_len: int = 40
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for precision, switches in PRECISIONS.items():
-        if precision.startswith("fp8") and dev.type != "cuda":
+        if _fp8(precision) and dev.type != "cuda":
             continue  # fp8 GEMMs need fp8 tensor cores
         print(f"[{NAME}] {precision} floor ...", flush=True)
         common = {"kind": "floor", "precision": precision, "preset": preset_name,
