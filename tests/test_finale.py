@@ -154,3 +154,26 @@ def test_loss_check_batch_fits_one_epoch(monkeypatch):
         else:
             with pytest.raises(UsageError, match="too few for 2000 steps"):
                 composed_curves.fit_batch(composed_curves.LOSS_CFG, run_args)
+
+
+def test_composed_curves_concurrent_runs_compute_what_serial_runs_do(capsys):
+    """`--jobs 2`: two runs trained at once in child processes give the rows the same
+    runs give one after the other in this process, in `CURVES` order."""
+    names = ("naive-s1", "naive-s0")
+    seen = []
+    rows = composed_curves.run_concurrently(names, 2, quick=True,
+                                            on_row=lambda r: seen.append(len(r)))
+    assert [r["setup"] for r in rows] == ["naive-s0", "naive-s1"] and seen == [1, 2]
+    serial = composed_curves.run(quick=True, names=names)
+    for got, want in zip(rows, serial[:2], strict=True):
+        assert got["losses"] == want["losses"] and got["val_loss"] == want["val_loss"]
+
+
+def test_composed_curves_failed_child_becomes_an_error_row(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text("Traceback (most recent call last):\n  File ...\n"
+                   "torch.OutOfMemoryError: CUDA out of memory\n")
+    c = composed_curves.CURVES[0]
+    row = composed_curves._child_row(c, 1, str(tmp_path / "missing.json"), str(log))
+    assert row["setup"] == c.name and "OutOfMemoryError" in row["error"]
+    assert "val_loss" not in row and row["role"] == "naive"

@@ -23,19 +23,40 @@ land outside it.
 
     python -m colossal_lab bench composed_curves                 # every run, in order
     python -m colossal_lab bench composed_curves --resume --budget-s 540
+    python -m colossal_lab bench composed_curves --jobs 5 --budget-s 500
     python -m colossal_lab bench composed_curves --quick         # tiny model, 6 steps
+
+At this size one run is host-bound (a step's ~4,000 eager launches take longer on the
+CPU than its ~2.5 TFLOP on the GPU), so `--jobs N` trains N runs at once, each in its
+own process on its own CPU core, sharing the GPU: the runs compute what they compute
+alone (same seeds, same kernels), only the wall time changes.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
+import torch
+
 from colossal_lab.benchmarks.curves import FINAL_WINDOW, Curve, run_curves
-from colossal_lab.benchmarks.harness import Benchmark, Invocation, flag, opt
+from colossal_lab.benchmarks.harness import (
+    SUPPRESS,
+    Benchmark,
+    Invocation,
+    flag,
+    opt,
+    whole_at_least,
+)
 from colossal_lab.config import SWITCH_SETS, ModelConfig, tiny
 from colossal_lab.errors import UsageError
+from colossal_lab.kernels import native
 from colossal_lab.measure import mfu
-from colossal_lab.measure.results import error_line
+from colossal_lab.measure.results import error_line, exception_tail
 from colossal_lab.training import data
 
 NAME = "composed_curves"
@@ -52,6 +73,11 @@ the batch is chosen where the run happens and recorded); validation on 40 batche
 EPOCH_SHARE = 0.98
 """The share of one epoch of training sequences the run may use."""
 SEEDS = (0, 1, 2)
+POLL_S = 1.0
+"""How often `run_concurrently` looks for finished runs."""
+QUICK_RUN = dict(batch=4, seq_len=32, steps=6, lr=3e-3, max_files=20, log_every=3,
+                 eval_batches=1)
+QUICK_CFG = tiny().replace(intermediate_size=176)
 
 NAIVE = SWITCH_SETS["bf16"]
 EXACT = SWITCH_SETS["best"]
@@ -135,11 +161,9 @@ def run(quick: bool = False, names=None) -> list[dict]:
     verdict row. `quick`: the tiny model for 6 steps on the CPU."""
     if quick:
         curves = [c for c in CURVES if c.name in (names or QUICK)]
-        cfg = tiny().replace(intermediate_size=176)
-        run_args = dict(batch=4, seq_len=32, steps=6, lr=3e-3, max_files=20, log_every=3,
-                        eval_batches=1)
-        rows = [_annotated(r, cfg, run_args)
-                for r in run_curves(curves, cfg, run_args, reference=curves[0].name)]
+        rows = [_annotated(r, QUICK_CFG, QUICK_RUN)
+                for r in run_curves(curves, QUICK_CFG, QUICK_RUN,
+                                    reference=curves[0].name)]
         return rows + [verdict(rows)]
     curves = [c for c in CURVES if names is None or c.name in names]
     run_args = {**LOSS_RUN, "batch": fit_batch(LOSS_CFG, LOSS_RUN)}
@@ -175,6 +199,76 @@ def _annotated(row: dict, cfg: ModelConfig, run_args: dict) -> dict:
             "train_sequences": seqs}
 
 
+def run_concurrently(names, jobs: int, *, quick: bool = False, budget_s=None,
+                     on_row=None) -> list[dict]:
+    """The curves named, up to `jobs` at a time, each trained in a child process
+    (`--one NAME`); returns their rows in `CURVES` order and hands the rows so far to
+    `on_row(rows)` as each run ends. The parent builds the corpus caches and the C++
+    norm first, so the children only read them. `budget_s`: start no run that the time
+    left would not fit, judged by the slowest run so far. A run that fails becomes a
+    row with an `error`; if the parent is stopped, its children are stopped with it."""
+    cfg, run_args = (QUICK_CFG, QUICK_RUN) if quick else (LOSS_CFG, LOSS_RUN)
+    train_sequences(cfg, run_args)  # the tokenizer and token caches, built once
+    data.packed_sequences("val", run_args["seq_len"], cfg.vocab_size,
+                          max_files=run_args["max_files"])
+    if torch.cuda.is_available():
+        native.module()
+    queue = [c for c in CURVES if c.name in names]
+    running: dict[str, tuple] = {}
+    rows: list[dict] = []
+    t0, slowest = time.perf_counter(), 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            while queue or running:
+                while queue and len(running) < jobs:
+                    c = queue.pop(0)
+                    left = budget_s - (time.perf_counter() - t0) if budget_s else None
+                    if left is not None and slowest and slowest * 1.1 > left:
+                        print(f"[{NAME}] {c.name}: left for a later invocation ({left:.0f}"
+                              f" s left, a run takes about {slowest:.0f} s)", flush=True)
+                        continue
+                    out, log = os.path.join(tmp, c.name + ".json"), \
+                        os.path.join(tmp, c.name + ".log")
+                    cmd = [sys.executable, "-m", f"colossal_lab.benchmarks.{NAME}", "--one", c.name,
+                           "--json-out", out] + (["--quick"] if quick else [])
+                    with open(log, "w") as f:
+                        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+                    running[c.name] = (c, proc, out, log, time.perf_counter())
+                    print(f"[{NAME}] {c.name}: started", flush=True)
+                if not running:
+                    break
+                time.sleep(POLL_S)
+                for name, (c, proc, out, log, started) in list(running.items()):
+                    if proc.poll() is None:
+                        continue
+                    del running[name]
+                    slowest = max(slowest, time.perf_counter() - started)
+                    rows.append(_child_row(c, proc.returncode, out, log))
+                    rows.sort(key=lambda r: [k.name for k in CURVES].index(r["setup"]))
+                    done = rows[-1] if "error" in rows[-1] else None
+                    print(f"[{NAME}] {name}: " + (f"failed: {done['error'][:200]}" if done
+                          else f"{time.perf_counter() - started:.0f} s"), flush=True)
+                    if on_row is not None:
+                        on_row(rows)
+        finally:
+            for _, proc, *_ in running.values():
+                proc.terminate()
+            for _, proc, *_ in running.values():
+                proc.wait()
+    return rows
+
+
+def _child_row(c: Curve, returncode: int, out: str, log: str) -> dict:
+    """The row a child wrote, or an error row with the tail of its output."""
+    if returncode == 0 and os.path.exists(out):
+        with open(out) as f:
+            return json.load(f)
+    with open(log) as f:
+        tail = exception_tail(f.read())
+    return {"kind": "loss_curve", "setup": c.name, "seed": c.seed, **c.fields,
+            "error": error_line(tail or f"exit status {returncode}")}
+
+
 def config_of() -> dict:
     return {"model": {k: getattr(LOSS_CFG, k) for k in
                       ("vocab_size", "hidden_size", "intermediate_size",
@@ -193,13 +287,26 @@ def _execute(call: Invocation) -> None:
     each, and start none that the time left (`--budget-s`) would not fit, judged by the
     slowest run so far."""
     a = call.args
+    if a.one:  # a child of run_concurrently
+        row = run(a.quick, (a.one,))[0]
+        with open(a.json_out, "w") as f:
+            json.dump(row, f)
+        return
     names = a.curves or [c.name for c in CURVES]
     if a.quick:
-        print(summary(run(True, names)))
+        rows = (run_concurrently(names if a.curves else QUICK, a.jobs, quick=True)
+                if a.jobs > 1 else run(True, names))
+        print(summary([r for r in rows if r["kind"] == "loss_curve"] + [verdict(rows)]))
         return
     config = config_of()
     kept, config = call.resume(config, missing_ok=True) if a.resume else ([], config)
     rows = [r for r in kept if r.get("kind") == "loss_curve"]
+    if a.jobs > 1:
+        todo = [n for n in names if not any(r["setup"] == n for r in rows)]
+        new = run_concurrently(todo, a.jobs, budget_s=a.budget_s, on_row=lambda got: (
+            call.save(rows + got + [verdict(rows + got)], config=config, quiet=True)))
+        print(summary(rows + new + [verdict(rows + new)]))
+        return
     t0, slowest = time.perf_counter(), 0.0
     for c in CURVES:
         if c.name not in names or any(r["setup"] == c.name for r in rows):
@@ -228,7 +335,11 @@ BENCH = Benchmark(
              flag("resume", help="keep the runs saved in results/<gpu>/composed_curves"
                   ".json and run the others"),
              opt("--budget-s", type=float, default=None,
-                 help="start no run that would end after this many seconds")],
+                 help="start no run that would end after this many seconds"),
+             opt("--jobs", type=whole_at_least(1), default=1,
+                 help="runs trained at once, each in its own process (default 1)"),
+             opt("--one", choices=[c.name for c in CURVES], help=SUPPRESS),
+             opt("--json-out", help=SUPPRESS)],
     config=lambda a: config_of(), summary=summary, execute=_execute)
 main = BENCH.main
 
