@@ -20,6 +20,7 @@ from colossal_lab.doctor_plan import (
     ckpt_layers,
 )
 from colossal_lab.measure import mfu
+from colossal_lab.precision import policy
 from colossal_lab.switches import compile as compile_switch
 
 # ---------------------------------------------------------------- findings
@@ -288,8 +289,8 @@ def check_compile(ctx: Context):
 
 def check_fp8(ctx: Context):
     """Ours: fp8 linears where the GPU has fp8 tensor cores (Hopper, Ada)."""
-    if ctx.plan.switches.precision == "fp8":
-        return Verdict("ours: fp8", "ok", "precision 'fp8'")
+    if policy(ctx.plan.switches.precision).fp8:
+        return Verdict("ours: fp8", "ok", f"precision {ctx.plan.switches.precision!r}")
     if not ctx.machine.supports_fp8:
         return Verdict("ours: fp8", "ok", f"{ctx.machine.gpu} has no fp8 tensor cores")
     return Finding("ours: fp8", f"{ctx.machine.gpu} has fp8 tensor cores (twice the bf16 "

@@ -23,7 +23,7 @@ def test_step_gemms_hold_the_step_matmul_flops():
 
 @pytest.mark.parametrize("switches, want", [
     (SWITCH_SETS["best"], 26 + 2), (SWITCH_SETS["best-bf16-moments"], 18 + 2),
-    (SWITCH_SETS["best-fp8"], 32), (step_floor.PRECISIONS["fp8-pure"], 26 + 2)])
+    (SWITCH_SETS["best-fp8"], 26 + 2), (SWITCH_SETS["best-fp8-fp32-params"], 32)])
 def test_adamw_bytes_follow_the_kernel_table(switches, want):
     """bf16 parameters with a split master and fp32 moments move 26 bytes in the update
     and 2 in the norm pass; bf16 moments 8 fewer; fp32 parameters (fp8 linears over fp32

@@ -30,10 +30,10 @@ SETUPS = (
               extra={**SWITCH_SETS["best"].extra, "adamw_defer": True})),
     Setup("best-bf16-moments", "ours: every switch, bf16 params + fp32 masters, our "
           "AdamW with bf16 moments", switches=SWITCH_SETS["best-bf16-moments"]),
-    Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling)",
-          switches=SWITCH_SETS["best-fp8"]),
-    Setup("ours-fp8-pure", "ours: every switch, fp8 linears over bf16 parameters with "
-          "fp32 masters", switches=SWITCH_SETS["best-fp8"].replace(precision="fp8-pure")),
+    Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling), bf16 params + "
+          "fp32 masters, exact AdamW", switches=SWITCH_SETS["best-fp8"]),
+    Setup("ours-fp8-fp32-params", "ours: every switch, fp8 linears (delayed scaling) "
+          "over fp32 parameters", switches=SWITCH_SETS["best-fp8-fp32-params"]),
     Setup("hf-torchao-fp8", "HF transformers: SDPA, torchao float8 (tensorwise), "
           "torch.compile", "hf", compile=True, torchao_fp8=True),
     Setup("hf-torchao-fp8-rowwise", "HF transformers: SDPA, torchao float8 (rowwise), "
@@ -72,9 +72,10 @@ def run(quick: bool = False) -> list[dict]:
         best-bf16-moments   ours-bf16 with AdamW's moments in bf16, stochastically
                             rounded: 8 bytes a parameter less, a change of numerics
                             (`composed_curves` checks what it costs)
-        ours-fp8            the same switches with fp8 linears, delayed scaling
-        ours-fp8-pure       ours-fp8 over bf16 parameters with fp32 masters (as ours-bf16):
-                            no fp32 weight cast a step, 2-byte weights into the fp8 casts
+        ours-fp8            ours-bf16 with fp8 linears, delayed scaling: the same bf16
+                            parameters, fp32 masters and exact AdamW (`SWITCH_SETS["best-fp8"]`)
+        ours-fp8-fp32-params  ours-fp8 over fp32 parameters: each fp8 cast reads a 4-byte
+                            weight, AdamW moves 32 bytes a parameter instead of 28
         hf-torchao-fp8      Hugging Face's model, SDPA, torchao's float8 linears (tensorwise
                             dynamic scaling), torch.compile: the peer of ours-fp8
         hf-torchao-fp8-rowwise  the same with torchao's rowwise recipe (a scale a row)

@@ -277,7 +277,7 @@ def curve_name(row: dict) -> str:
     if prec == "bf16-pure":
         return "every switch, AdamW exact" if moments == EXACT else \
             f"every switch, {moments} moments"
-    if prec == "fp8":
+    if prec in ("fp8", "fp8-pure"):
         return "every switch, fp8" + (f", {moments} moments" if moments != EXACT else "")
     return setup
 
