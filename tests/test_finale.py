@@ -177,3 +177,22 @@ def test_composed_curves_failed_child_becomes_an_error_row(tmp_path):
     row = composed_curves._child_row(c, 1, str(tmp_path / "missing.json"), str(log))
     assert row["setup"] == c.name and "OutOfMemoryError" in row["error"]
     assert "val_loss" not in row and row["role"] == "naive"
+
+
+def test_composed_curves_resume_runs_again_what_changed_meaning():
+    """A saved run is kept only while its curve still runs the same precision and
+    AdamW moments: ours-fp8 moved to bf16 parameters, so a saved fp8 run over fp32
+    parameters runs again; a curve no longer listed is dropped."""
+    def row(setup, precision, moments):
+        return {"kind": "loss_curve", "setup": setup, "precision": precision,
+                "optimizer_moments": moments}
+
+    keep = [row("naive-s0", "bf16", "fp32"), row("ours-bf16-s0", "bf16-pure", "fp32"),
+            row("control-no-masters-s0", "bf16-pure", "bf16"),
+            row("control-nearest-s0", "bf16-pure", "bf16-nearest"),
+            row("best-bf16-moments-s0", "bf16-pure", "bf16")]
+    assert all(composed_curves.still_current(r) for r in keep)
+    assert not composed_curves.still_current(row("ours-fp8-s0", "fp8", "fp32"))
+    assert composed_curves.still_current(row("ours-fp8-s0", "fp8-pure", "fp32"))
+    assert not composed_curves.still_current(row("ours-bf16-s0", "bf16-pure", "bf16"))
+    assert not composed_curves.still_current(row("gone-s0", "bf16", "fp32"))

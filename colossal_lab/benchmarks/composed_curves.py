@@ -8,8 +8,10 @@ and a change known to be harmful that the check must flag (a positive control).
     naive-sK                bf16 autocast, eager ops, torch's AdamW, seed K = 0, 1, 2
     ours-bf16-sK            every switch, bf16 parameters, fp32 masters and moments
                             (the exact optimizer), seed K: paired with naive-sK
-    best-bf16-moments-s0    the same with AdamW's moments in bf16, stochastically rounded
-    ours-fp8-s0             every switch, fp8 linears (delayed scaling), exact optimizer
+    best-bf16-moments-sK    the same with AdamW's moments in bf16, stochastically rounded
+    ours-fp8-sK             every switch, fp8 linears (delayed scaling) over bf16
+                            parameters, exact optimizer, seed K
+    ours-fp8-fp32-params-s0 the same over fp32 parameters
     control-nearest-s0      bf16 moments rounded to nearest: biased, the rounding the
                             stochastic one exists to avoid
     control-no-masters-s0   bf16 parameters updated in place, no fp32 masters: an update
@@ -83,6 +85,7 @@ NAIVE = SWITCH_SETS["bf16"]
 EXACT = SWITCH_SETS["best"]
 BF16_MOMENTS = SWITCH_SETS["best-bf16-moments"]
 FP8_EXACT = SWITCH_SETS["best-fp8"]
+FP8_FP32_PARAMS = SWITCH_SETS["best-fp8-fp32-params"]
 NEAREST = SWITCH_SETS["best"].replace(extra={"adamw_moments": "bf16-nearest"})
 NO_MASTERS = SWITCH_SETS["best"].replace(enable_fused_optimizer=False,
                                          extra={"adamw_masters": False})
@@ -98,8 +101,13 @@ CURVES = (
     Curve("ours-bf16-s2", EXACT, seed=2, fields={"role": "ours-bf16"}),
     Curve("best-bf16-moments-s0", BF16_MOMENTS, seed=0, fields={"role": "variant"}),
     Curve("ours-fp8-s0", FP8_EXACT, seed=0, fields={"role": "variant"}),
+    Curve("ours-fp8-s1", FP8_EXACT, seed=1, fields={"role": "variant"}),
+    Curve("ours-fp8-s2", FP8_EXACT, seed=2, fields={"role": "variant"}),
+    Curve("best-bf16-moments-s1", BF16_MOMENTS, seed=1, fields={"role": "variant"}),
+    Curve("best-bf16-moments-s2", BF16_MOMENTS, seed=2, fields={"role": "variant"}),
+    Curve("ours-fp8-fp32-params-s0", FP8_FP32_PARAMS, seed=0, fields={"role": "variant"}),
 )
-"""In the order they run: seed pairs first, then the controls' and variants' seed 0."""
+"""In the order they run: seed pairs first, then the controls' and the variants' seeds."""
 QUICK = ("naive-s0", "ours-bf16-s0", "naive-s1", "control-nearest-s0")
 
 
@@ -269,6 +277,19 @@ def _child_row(c: Curve, returncode: int, out: str, log: str) -> dict:
             "error": error_line(tail or f"exit status {returncode}")}
 
 
+def still_current(row: dict) -> bool:
+    """Whether a saved run ran what its curve runs now (its precision and AdamW's
+    moments): `--resume` keeps it, or runs the curve again. A curve that is gone is
+    dropped; the file's `resumed_from` keeps the curves of every earlier invocation."""
+    c = next((c for c in CURVES if c.name == row.get("setup")), None)
+    if c is None:
+        return False
+    moments = (c.switches.extra or {}).get("adamw_moments", "fp32")
+    return row.get("precision") == c.switches.precision and (
+        row.get("optimizer_moments") in (None, moments)
+        or not c.switches.enable_fused_optimizer)
+
+
 def config_of() -> dict:
     return {"model": {k: getattr(LOSS_CFG, k) for k in
                       ("vocab_size", "hidden_size", "intermediate_size",
@@ -299,8 +320,9 @@ def _execute(call: Invocation) -> None:
         print(summary([r for r in rows if r["kind"] == "loss_curve"] + [verdict(rows)]))
         return
     config = config_of()
-    kept, config = call.resume(config, missing_ok=True) if a.resume else ([], config)
-    rows = [r for r in kept if r.get("kind") == "loss_curve"]
+    kept, config = call.resume(config, missing_ok=True, may_change=("curves",)) \
+        if a.resume else ([], config)
+    rows = [r for r in kept if r.get("kind") == "loss_curve" and still_current(r)]
     if a.jobs > 1:
         todo = [n for n in names if not any(r["setup"] == n for r in rows)]
         new = run_concurrently(todo, a.jobs, budget_s=a.budget_s, on_row=lambda got: (
