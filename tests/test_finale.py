@@ -196,3 +196,39 @@ def test_composed_curves_resume_runs_again_what_changed_meaning():
     assert composed_curves.still_current(row("ours-fp8-s0", "fp8-pure", "fp32"))
     assert not composed_curves.still_current(row("ours-bf16-s0", "bf16-pure", "bf16"))
     assert not composed_curves.still_current(row("gone-s0", "bf16", "fp32"))
+
+
+def test_composed_pairs_resume_after_an_interruption(tmp_path, monkeypatch):
+    """A `--pairs` run stopped half way (the fake timing raises on its 4th setup)
+    continues with `--resume`: the rows it saved are kept, pair tags included, and only
+    the (setup, pair) turns it lacks are timed."""
+    from colossal_lab.benchmarks import composed
+    from colossal_lab.measure import results
+
+    monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
+    order, stop = [], [4]
+
+    def fake(setup, preset_name, seq_len, batch):
+        if len(order) + 1 == stop[0]:
+            raise KeyboardInterrupt  # the machine taken back mid-run
+        order.append(setup.name)
+        ms = 350.0 if setup.name == "hf-liger" else 300.0
+        return {"setup": setup.name, "preset": preset_name, "seq_len": seq_len,
+                "batch": batch, "step_ms": ms, "tokens_per_s": batch * seq_len / ms,
+                "mfu": 0.5, "mfu_attn": 0.55}
+
+    monkeypatch.setattr(steps, "measure_isolated", fake)
+    argv = ["--setups", "hf-liger", "ours-bf16", "ours-fp8", "--pairs", "2"]
+    with pytest.raises(KeyboardInterrupt):
+        composed.main(argv)
+    assert order == ["ours-fp8", "hf-liger", "ours-bf16"]
+    stop[0] = 0
+    order.clear()
+    composed.main(argv + ["--resume"])
+    assert order == ["ours-bf16", "hf-liger"]  # pair 1 in swapped order, nothing again
+    (path,) = list(tmp_path.glob("*/composed.json"))
+    saved = results.load_results("composed", gpu=path.parent.name)
+    assert [(r["setup"], r.get("pair")) for r in saved.rows] == [
+        ("ours-fp8", None), ("hf-liger", 0), ("ours-bf16", 0), ("ours-bf16", 1),
+        ("hf-liger", 1)]
+    assert composed.pair_ratios(saved.rows) == pytest.approx([350 / 300, 350 / 300])

@@ -441,7 +441,7 @@ def _time_chapter(call: Invocation, setups, paired: tuple[str, str] | None = Non
     a, name = call.args, call.bench.name
     chosen = [s for s in setups if a.setups is None or s.name in a.setups]
     pairs = getattr(a, "pairs", 0) or 0
-    tags: list[int | None] = []
+    tags: list[int | None] = [None] * len(chosen)
     if pairs:
         by = {s.name: s for s in setups}
         chosen = [s for s in chosen if s.name not in paired]
@@ -457,17 +457,20 @@ def _time_chapter(call: Invocation, setups, paired: tuple[str, str] | None = Non
     if a.resume:
         done, config = results.resumed_rows(name, results.load_partial(name), config,
                                             call.error, what="interrupted run")
-        have = {r["setup"] for r in done}
-        print(f"[{name}] resuming: {len(done)} setups kept ({', '.join(sorted(have))})",
+        have = {(r["setup"], r.get("pair")) for r in done}
+        print(f"[{name}] resuming: {len(done)} rows kept ("
+              + ", ".join(n if t is None else f"{n} (pair {t})" for n, t in sorted(
+                  have, key=lambda k: (k[1] is not None, k[1] or 0, k[0]))) + ")",
               flush=True)
-        chosen = [s for s in chosen if s.name not in have]
+        plan = [(s, t) for s, t in zip(chosen, tags, strict=True)
+                if (s.name, t) not in have]
+        chosen, tags = [s for s, _ in plan], [t for _, t in plan]
 
     def keep(rows):  # an interrupted run keeps the setups it finished
         results.save_partial(name, done + rows, config=config, command=call.command)
 
     def tagged(rows):  # the pair each paired row belongs to
-        return [dict(r, pair=t) if t is not None else r for r, t in zip(rows, tags)] \
-            if tags else rows
+        return [dict(r, pair=t) if t is not None else r for r, t in zip(rows, tags)]
 
     rows = run_chapter(name, chosen, a.quick, preset_name=a.preset, seq_len=a.seq_len,
                        batch=a.batch,
@@ -489,8 +492,8 @@ def chapter_bench(name: str, setups, paired: tuple[str, str] | None = None
         if a.resume and a.quick:
             return "--resume continues a saved GPU run; --quick runs are not saved"
         pairs = getattr(a, "pairs", 0)
-        if pairs and (a.quick or a.resume or pairs < 0):
-            return "--pairs N (N >= 1) goes with a GPU run, without --quick or --resume"
+        if pairs and (a.quick or pairs < 0):
+            return "--pairs N (N >= 1) goes with a GPU run, without --quick"
         if pairs and a.setups is not None and not set(paired) <= set(a.setups):
             return f"--pairs needs {' and '.join(paired)} among --setups"
         return None
