@@ -833,7 +833,7 @@ def loss_verdict_words(res: results.Results, betas: tuple[float, float] | None =
         if curves.get(k, {}).get("optimizer_moments") == "bf16-nearest" and betas:
             b1, b2 = betas
             text += (f" Rounding to nearest loses an update to a moment only when the "
-                     f"update is under half a bf16 ulp of the moment (2⁻⁹ of it); each "
+                     f"update is under half a bf16 ulp of the moment (2⁻⁹ to 2⁻⁸ of it); each "
                      f"step moves the moments by {1 - b1:.0%} and {1 - b2:.0%} of their "
                      f"gap to the new gradient (or its square), so only an update whose "
                      f"gradient nearly matches the moment already held is lost, and "
