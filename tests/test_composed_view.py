@@ -4,6 +4,8 @@ recorded when "ours-bf16" held AdamW's moments in bf16 and in one where it holds
 import pytest
 
 from colossal_lab.book import composed_view as cv
+from colossal_lab.book import floor_view as fv
+from colossal_lab.book import loss_check_view as lv
 
 
 def row(setup, precision="bf16-pure", moments="fp32", preset="llama-7b-8l", **kw):
@@ -141,7 +143,7 @@ def test_targets_judge_the_pairs_by_their_median_and_smallest():
     assert "×1.15" in median and median.endswith("| yes |")
     assert "×1.04" in each and each.endswith("| no |")
     assert "pairs: ×1.20, ×1.04, ×1.15" in median
-    assert "1.15 × hf-liger's |" not in md  # the single-run goal is replaced
+    assert "1.13 × hf-liger's |" not in md  # the single-run goal is replaced
 
 
 def test_tokens_per_joule_and_energy():
@@ -167,14 +169,14 @@ def _write(root, gpu, name, rows, gpu_name="G"):
 
 def test_the_loss_check_is_found_by_content(tmp_path, monkeypatch):
     monkeypatch.setenv("COLOSSAL_LAB_RESULTS", str(tmp_path))
-    assert cv.loss_check_on_record() is None
+    assert lv.loss_check_on_record() is None
     _write(tmp_path, "a100", "composed_curves", [{"kind": "loss_check", "holds": True}])
     _write(tmp_path, "h100-sxm", "composed_curves", [{"kind": "loss_check"}])
     _write(tmp_path, results.REFERENCE_GPU, "composed_curves",
            [{"kind": "loss_curve", "setup": "naive"}])  # the old format: no verdict
-    assert cv.loss_check_on_record().path.parent.name == "a100"  # alphabetical after
+    assert lv.loss_check_on_record().path.parent.name == "a100"  # alphabetical after
     _write(tmp_path, results.REFERENCE_GPU, "composed_curves", [{"kind": "loss_check"}])
-    assert cv.loss_check_on_record().path.parent.name == results.REFERENCE_GPU
+    assert lv.loss_check_on_record().path.parent.name == results.REFERENCE_GPU
 
 
 # ---------------------------------------------------------------- the loss check
@@ -229,31 +231,31 @@ def loss_rows(ours_diff=(0.001, -0.01, 0.004), masters=0.03, nearest=0.003):
      "fp8 linears, fp32 parameters"),
 ])
 def test_curve_names_say_what_ran(setup, role, precision, moments, optimizer, name):
-    got = cv.curve_name({"setup": setup, "role": role, "precision": precision,
+    got = lv.curve_name({"setup": setup, "role": role, "precision": precision,
                          "optimizer_moments": moments, "optimizer": optimizer})
     assert name in got
 
 
 def test_curve_names_of_the_older_format_are_kept():
-    assert cv.curve_name({"setup": "s123-fp32", "precision": "fp32"}) == "s123-fp32"
-    assert cv.curve_name({"setup": "best", "precision": "bf16-pure",
+    assert lv.curve_name({"setup": "s123-fp32", "precision": "fp32"}) == "s123-fp32"
+    assert lv.curve_name({"setup": "best", "precision": "bf16-pure",
                           "optimizer_moments": "bf16"}) == "every switch, bf16 moments"
 
 
 def test_loss_table_pairs_each_run_with_its_seed():
     res = check_of(loss_rows())
-    got = {r["run"]: r for r in cv.loss_table_rows(res)}
+    got = {r["run"]: r for r in lv.loss_table_rows(res)}
     assert got["ours-bf16-s1"]["diff"] == pytest.approx(-0.01)
     assert got["ours-bf16-s1"]["inside"] == "yes"
     assert got["control-no-masters-s0"]["inside"] == "no"
     assert got["ours-fp8-fp32-params-s0"]["inside"] == "no"
     assert got["naive-s2"]["inside"] == "the reference"
-    md = cv.loss_table(res).data
+    md = lv.loss_table(res).data
     assert "best-bf16-moments-s1" in md and "¹" in md  # the failed run: a footnote
 
 
 def test_verdict_words_when_the_check_holds():
-    words = " ".join(cv.loss_verdict_words(check_of(loss_rows()), (0.9, 0.95)))
+    words = " ".join(lv.loss_verdict_words(check_of(loss_rows()), (0.9, 0.95)))
     assert words.startswith("The check holds")
     assert "“every switch, no fp32 masters”" in words
     assert "did not flag the control “every switch, bf16 moments rounded to nearest”" \
@@ -262,27 +264,27 @@ def test_verdict_words_when_the_check_holds():
 
 
 def test_verdict_words_when_it_does_not_hold_or_is_incomplete():
-    words = " ".join(cv.loss_verdict_words(check_of(loss_rows(ours_diff=(0.0, 0.05, 0.0)))))
+    words = " ".join(lv.loss_verdict_words(check_of(loss_rows(ours_diff=(0.0, 0.05, 0.0)))))
     assert words.startswith("The check does not hold") and "seed 1 +0.0500" in words
-    words = " ".join(cv.loss_verdict_words(check_of(loss_rows(masters=0.0))))
+    words = " ".join(lv.loss_verdict_words(check_of(loss_rows(masters=0.0))))
     assert "no positive control lands outside" in words
     rows = [r for r in loss_rows() if r["setup"] != "ours-bf16-s2"]
-    words = cv.loss_verdict_words(check_of(rows))
+    words = lv.loss_verdict_words(check_of(rows))
     assert words[0].startswith("The check is not complete")
 
 
 def test_loss_setup_words_are_read_from_the_file():
-    words = cv.loss_setup_words(check_of(loss_rows()))
+    words = lv.loss_setup_words(check_of(loss_rows()))
     assert "325M parameters (24 layers of width 1024)" in words
     assert "1,280 tokens a step, 97% of one epoch" in words
 
 
 def test_loss_check_figure_draws_every_paired_run_and_the_band():
     res = check_of(loss_rows())
-    fig = cv.loss_check_figure(res, "t")
+    fig = lv.loss_check_figure(res, "t")
     ax = fig.axes[0]
     points = [line for line in ax.get_lines() if line.get_marker() not in (None, "None")]
-    assert len(points) == len(cv.loss_check(res)["paired"])  # 3 ours, 2 controls, 2 variants
+    assert len(points) == len(lv.loss_check(res)["paired"])  # 3 ours, 2 controls, 2 variants
     band = ax.patches[0]  # axvspan: ± the spread of the naive seeds
     assert band.get_x() == pytest.approx(-0.02)
     assert band.get_x() + band.get_width() == pytest.approx(0.02)
@@ -318,17 +320,17 @@ def floor_rows(with_steps=True, failed=False):
 
 def test_steps_are_measured_against_the_floor_of_what_they_ran():
     rows = floor_rows(failed=True)
-    assert [r["setup"] for r in cv.floor_steps(rows, "bf16")] == ["ours-bf16", "hf-liger"]
+    assert [r["setup"] for r in fv.floor_steps(rows, "bf16")] == ["ours-bf16", "hf-liger"]
     # a failed row has no fp8_backend: its setup's definition says fp8
-    assert [r["setup"] for r in cv.floor_steps(rows, "fp8")] == ["ours-fp8",
+    assert [r["setup"] for r in fv.floor_steps(rows, "fp8")] == ["ours-fp8",
                                                                  "hf-torchao-fp8"]
 
 
 def test_floor_sentences_with_and_without_steps():
-    words = " ".join(cv.floor_sentences(floor_rows(with_steps=False), "CMD"))
+    words = " ".join(fv.floor_sentences(floor_rows(with_steps=False), "CMD"))
     assert "The bf16 floor is 310 ms" in words and "(81%)" in words
     assert "699 W of its 700 W limit" in words and "`CMD`" in words
-    words = " ".join(cv.floor_sentences(floor_rows(), "CMD"))
+    words = " ".join(fv.floor_sentences(floor_rows(), "CMD"))
     assert "`CMD`" not in words
     assert "runs 315 ms a step, +5 ms (×1.02) against its floor" in words  # bf16 310
     assert "runs 240 ms a step, +40 ms (×1.20)" in words  # fp8 floor 200
@@ -337,13 +339,29 @@ def test_floor_sentences_with_and_without_steps():
 
 def test_floor_table_and_figure_show_a_failed_step_as_missing():
     rows = floor_rows(failed=True)
-    md = cv.floor_table(rows).data
+    md = fv.floor_table(rows).data
     assert "SM clock (MHz)" in md and "power (W)" in md
     line = next(x for x in md.splitlines() if "fp8 step: ours, fp8 linears" in x)
     assert "—¹" in line and "out of memory" in md
     assert "+5 ms, ×1.02" in md
-    fig = cv.floor_figure(rows, "t")
+    fig = fv.floor_figure(rows, "t")
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert "—¹" in texts and any("×1.02 the floor" in t for t in texts)
-    fig = cv.floor_figure(floor_rows(with_steps=False), "t")
+    fig = fv.floor_figure(floor_rows(with_steps=False), "t")
     assert not any("the floor" in t.get_text() for t in fig.axes[0].texts)
+
+
+def test_targets_judge_fp8_against_each_peer_and_7b_by_mfu():
+    times = {"hf-liger": 360.0, "ours-bf16": 300.0, "ours-fp8": 220.0,
+             "hf-torchao-fp8": 330.0, "ours-7b-bf16": 600.0}
+    rows = [dict(r, step_ms=times.get(r["setup"], 300.0), mfu=0.56) for r in NEW]
+    rows += [row("hf-torchao-fp8", "fp8", step_ms=330.0, mfu=0.5)]
+    for r in rows:
+        r.update(step_ms_p10=r["step_ms"] * 0.99, step_ms_p90=r["step_ms"] * 1.01)
+    md = cv.targets_table(rows, cv.pick_bf16(rows, "llama-7b-8l")["exact"]).data
+    line = {k: next(x for x in md.splitlines() if k in x)
+            for k in ("1.70 × hf-liger", "1.45 × hf-torchao", "55%", "1.13 ×")}
+    assert "×1.64" in line["1.70 × hf-liger"] and line["1.70 × hf-liger"].endswith("| no |")
+    assert "×1.50" in line["1.45 × hf-torchao"] and line["1.45 × hf-torchao"].endswith(
+        "| yes |")
+    assert "56.0%" in line["55%"] and "×1.20" in line["1.13 ×"]
