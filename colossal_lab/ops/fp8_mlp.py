@@ -81,7 +81,9 @@ class Fp8SwiGLUMLPFunction(torch.autograd.Function):
         wq, wq_t, w_inv = sgu["w"].cast(w_gu, update=update, write_yt=update and need_x)
         gu = scaled_mm(xq, wq.t(), x_inv, w_inv, out_dtype,
                        use_fast_accum=cfg_gu.fast_accum_forward, backend=cfg_gu.backend)
-        use = True if cfg_dn.use_triton is None else cfg_dn.use_triton  # the SwiGLU's
+        # The activation resolved to Triton, so its kernel runs here (a GPU, or the
+        # interpreter); use_triton=False in the config asks for torch ops instead.
+        use = True if cfg_dn.use_triton is None else cfg_dn.use_triton
         hq, hq_t, h_inv = sdn["x"].scaled(
             lambda src, amax_out: swiglu_fp8_forward(
                 gu, sdn["x"].fmt.dtype, src, write_qt=update and need_wdn,
