@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from colossal_lab.config import ModelConfig
-from colossal_lab.ops import cross_entropy, embedding, projections, rope, swiglu
+from colossal_lab.ops import cross_entropy, embedding, fp8_mlp, projections, rope, swiglu
 from colossal_lab.ops.attention import attention
 from colossal_lab.ops.norm import RMSNorm
 from colossal_lab.ops.rope import apply_rotary, rotate_half  # noqa: F401 (public)
@@ -110,7 +110,9 @@ class MLP(nn.Module):
 
     Fused projections (switch 3) hold gate/up as one `gate_up_proj` (rows [gate; up])
     and run `activation`, the SwiGLU kernel that reads its (..., 2i) output; the state
-    dict keeps the separate names."""
+    dict keeps the separate names. When both projections are fp8 linears (switch 6) and
+    the activation is our Triton kernel, the SwiGLU also writes the fp8 casts of its
+    output and gradient (`ops.fp8_mlp`): h and d(gate_up) are never written in bf16."""
 
     activation = False
 
@@ -129,6 +131,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:  # the activation reads [gate | up] (B, S, 2i) as one tensor
+            if fp8_mlp.fusable(self.gate_up_proj, self.down_proj, self.activation,
+                               x.device):
+                return fp8_mlp.fp8_swiglu_mlp(x, self.gate_up_proj, self.down_proj)
             return self.down_proj(swiglu.swiglu(self.gate_up_proj(x), self.activation))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 

@@ -82,6 +82,9 @@ class Fp8Config:
     """"scaled_mm" (the GPU), "emulate" (CPU arithmetic), "auto": by device [fp8_backend]."""
     use_triton: bool | None = None
     """Cast kernel: None = Triton on CUDA, torch elsewhere."""
+    fuse_mlp: bool = True
+    """A fused-projection MLP with the Triton SwiGLU casts h and d(gate_up) to fp8
+    inside the SwiGLU kernels (`ops.fp8_mlp`) [fp8_fuse_mlp]."""
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -94,11 +97,11 @@ class Fp8Config:
     @classmethod
     def from_extra(cls, extra: dict) -> Fp8Config:
         """The config named by `Switches.extra` (keys fp8_scaling, fp8_history,
-        fp8_fast_accum_backward, fp8_backend)."""
+        fp8_fast_accum_backward, fp8_backend, fp8_fuse_mlp)."""
         kw = {}
         for key, name in (("fp8_scaling", "scaling"), ("fp8_history", "history_len"),
                           ("fp8_fast_accum_backward", "fast_accum_backward"),
-                          ("fp8_backend", "backend")):
+                          ("fp8_backend", "backend"), ("fp8_fuse_mlp", "fuse_mlp")):
             if key in extra:
                 kw[name] = extra[key]
         return cls(**kw)
@@ -223,8 +226,24 @@ class _Scaler:
 
     def cast(self, t: torch.Tensor, *, update: bool, write_y: bool = True,
              write_yt: bool = True):
-        cfg = self.module.fp8_config
-        delayed = cfg.scaling == "delayed"
+        """`fp8_cast_transpose` of t in this role's format and scale: (y, yt, inv)."""
+        use = self.module.fp8_config.use_triton
+        return self.scaled(
+            lambda src, amax_out: fp8_cast_transpose(
+                t, self.fmt.dtype, src, write_y=write_y, write_yt=write_yt,
+                use_triton=use, amax_out=amax_out),
+            lambda: fp8_amax(t, use_triton=use), update=update, device=t.device)
+
+    def scaled(self, cast, amax, *, update: bool, device):
+        """Run one cast of this role with its scale source and history bookkeeping.
+
+        `cast(src, amax_out)` must quantise with scale = fmt.max / max(src) and, when
+        `amax_out` (a zeroed (1,) fp32 tensor) is given, reduce the tensor's amax into
+        it; `amax()` returns that amax as a (1,) fp32 tensor (dynamic scaling's first
+        pass). Whatever `cast` returns is returned. A fused kernel that casts a tensor it
+        computes (`ops.fp8_mlp`) passes its own pair and shares the rest: dynamic or
+        delayed source, the replay under checkpointing, the history ring."""
+        delayed = self.module.fp8_config.scaling == "delayed"
         amax_out = None
         replay = current_replay()  # inside a checkpointed layer?
         recompute = replay is not None and replay.recomputing
@@ -233,19 +252,17 @@ class _Scaler:
         elif delayed and self.seen:
             src = self.history
             if update:
-                amax_out = torch.zeros(1, dtype=torch.float32, device=t.device)
+                amax_out = torch.zeros(1, dtype=torch.float32, device=device)
         else:
-            src = amax_out = fp8_amax(t, use_triton=cfg.use_triton)
+            src = amax_out = amax()
         if replay is not None and not recompute:  # a snapshot: the history changes below
             replay.put(self, src.clone())
-        y, yt, inv = fp8_cast_transpose(t, self.fmt.dtype, src, write_y=write_y,
-                                        write_yt=write_yt, use_triton=cfg.use_triton,
-                                        amax_out=None if amax_out is src else amax_out)
+        out = cast(src, None if amax_out is src else amax_out)
         if delayed and not recompute and (update or not self.seen):
             self.history[self.pos:self.pos + 1].copy_(amax_out)
             self.pos = (self.pos + 1) % self.history.numel()
             self.seen = True
-        return y, yt, inv
+        return out
 
 
 # ----------------------------------------------------------------- autograd Function
