@@ -29,6 +29,15 @@ Per-tensor scaling (Micikevicius et al., "FP8 Formats for Deep Learning", 2022):
 
 The scale is computed inside the kernel from the amax source, and program 0 writes
 scale⁻¹: no host synchronisation and no tiny torch kernels between reduction and cast.
+
+The history is a ring whose write position lives on the device, a (1,) integer tensor,
+so a step replayed as a CUDA graph writes a new slot each replay. After a cast,
+`advance_history` files its amax in one single-program launch::
+
+    p = POS;  HIST[p] = AMAX;  AMAX = 0;  POS = (p + 1) mod n
+
+which also re-zeroes `AMAX_OUT` for the next cast (a persistent buffer: no allocation,
+no fill kernel per cast).
 The transposed copy can be padded with zero columns up to a multiple of 16 tokens:
 `_scaled_mm` needs every inner dimension to be a multiple of 16, and the token count M
 is the inner dimension of dW = dyᵀ @ x.
@@ -172,6 +181,22 @@ def _fp8_cast_transpose_kernel(
                  mask=t_mask)
 
 
+@triton.jit
+def _advance_history_kernel(
+    HIST,  # (n,) fp32 amax history, a ring
+    AMAX,  # (1,) fp32: the amax to file
+    POS,  # (1,) int64: the slot it goes to; advanced modulo n
+    n,  # entries of HIST
+    RESET: tl.constexpr,  # zero AMAX afterwards (the next cast's atomic-max target)
+):
+    """One program, three scalars: HIST[POS] = AMAX; AMAX = 0 (RESET); POS = (POS+1) % n."""
+    p = tl.load(POS)
+    tl.store(HIST + p, tl.load(AMAX).to(tl.float32))
+    if RESET:
+        tl.store(AMAX, 0.0)
+    tl.store(POS, (p + 1) % n)
+
+
 # ---------------------------------------------------------------------------- launchers
 
 
@@ -266,3 +291,22 @@ def _cast_torch(x, dtype, fp8_max, amax_src, write_y, write_yt, ld, amax_out):
         yt = torch.zeros(x.shape[1], ld, dtype=dtype, device=x.device)
         yt[:, :x.shape[0]] = q.t()
     return (q if write_y else None), yt, (torch.ones_like(scale) / scale).reshape(1)
+
+
+def advance_history(history: torch.Tensor, amax: torch.Tensor, pos: torch.Tensor, *,
+                    reset: bool = True, use_triton: bool | None = None) -> None:
+    """File `amax` ((1,) fp32) in the ring `history` ((n,) fp32) at the device position
+    `pos` ((1,) int64), then pos = (pos + 1) mod n and, with `reset`, amax = 0: one
+    launch, nothing read by the host, so a CUDA graph replays it as a fresh write.
+
+    Triton on CUDA (`use_triton=None`); torch ops elsewhere (an index_copy_, a fill and
+    two integer ops: the same values); `use_triton=True` forces the kernel (the
+    interpreter on CPU)."""
+    if not _use_triton(history, use_triton):
+        history.index_copy_(0, pos, amax.to(history.dtype))
+        if reset:
+            amax.zero_()
+        pos.add_(1).remainder_(history.numel())
+        return
+    _advance_history_kernel[(1,)](history, amax, pos, history.numel(), RESET=reset,
+                                  num_warps=1)

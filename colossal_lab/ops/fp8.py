@@ -44,7 +44,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from colossal_lab.kernels.fp8_cast import EPS, fp8_amax, fp8_cast_transpose, padded
+from colossal_lab.kernels.fp8_cast import (
+    EPS,
+    advance_history,
+    fp8_amax,
+    fp8_cast_transpose,
+    padded,
+)
 from colossal_lab.ops import autocast_state
 from colossal_lab.ops.replay import current_replay
 
@@ -211,18 +217,45 @@ class _Scaler:
     module's amax-history buffer; the first cast (empty history) is dynamic; each
     cast (while training) writes its amax into the ring. Nothing here syncs the host.
 
+    The ring is device state: the history, the slot the next amax goes to (`position`,
+    a (1,) int64 tensor) and the (1,) fp32 `amax_out` the cast reduces into, all
+    non-persistent buffers of the module (`.to()` moves them; a plain `nn.Linear` loads
+    the state dict). A cast writes its amax into amax_out and one launch
+    (`kernels.fp8_cast.advance_history`) files it at `position`, zeroes amax_out and
+    advances the position, so a step replayed as a CUDA graph fills a new slot each
+    replay. The one host-side flag, `seen`, changes once: at the first cast, which runs
+    eagerly before any capture (a capture that meets it is refused).
+
     Under gradient checkpointing a layer's forward runs twice; the recompute takes the
     scale source the original forward used (`replay.Replay`), so it quantises
     bit for bit as the forward did and the history advances once per step."""
 
     def __init__(self, module: Fp8Linear, role: str, fmt: Fp8Format):
         self.module, self.role, self.fmt = module, role, fmt
-        self.pos = 0
         self.seen = False
 
     @property
     def history(self) -> torch.Tensor:
         return getattr(self.module, f"amax_history_{self.role}")
+
+    @property
+    def position(self) -> torch.Tensor:
+        """(1,) int64 on the history's device: the slot the next amax is written to."""
+        return getattr(self.module, f"amax_pos_{self.role}")
+
+    @property
+    def amax_out(self) -> torch.Tensor:
+        """(1,) fp32, zero between casts: a delayed cast's amax, until filed."""
+        return getattr(self.module, f"amax_out_{self.role}")
+
+    @property
+    def pos(self) -> int:
+        """`position` read by the host (a synchronisation: checkpoints and tests only)."""
+        return int(self.position.item())
+
+    @pos.setter
+    def pos(self, value: int) -> None:
+        self.position.fill_(int(value) % self.history.numel())
 
     def cast(self, t: torch.Tensor, *, update: bool, write_y: bool = True,
              write_yt: bool = True):
@@ -252,15 +285,24 @@ class _Scaler:
         elif delayed and self.seen:
             src = self.history
             if update:
-                amax_out = torch.zeros(1, dtype=torch.float32, device=device)
+                amax_out = self.amax_out
         else:
+            if delayed and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"fp8 delayed scaling: the first cast of {self.role!r} in "
+                    f"{type(self.module).__name__} (dynamic, it starts the amax history) "
+                    "would be captured into a CUDA graph and replayed forever; run one "
+                    "step eagerly before capturing (`GraphedStep` does)")
             src = amax_out = amax()
         if replay is not None and not recompute:  # a snapshot: the history changes below
             replay.put(self, src.clone())
         out = cast(src, None if amax_out is src else amax_out)
         if delayed and not recompute and (update or not self.seen):
-            self.history[self.pos:self.pos + 1].copy_(amax_out)
-            self.pos = (self.pos + 1) % self.history.numel()
+            # amax_out is the persistent buffer (zeroed for the next cast) or, at the
+            # first cast, the dynamic amax, a temporary left as it is
+            advance_history(self.history, amax_out, self.position,
+                            reset=amax_out is not src,
+                            use_triton=self.module.fp8_config.use_triton)
             self.seen = True
         return out
 
@@ -326,8 +368,10 @@ class Fp8Linear(nn.Linear):
     """An `nn.Linear` whose matmuls run in fp8; same parameters, same state dict.
 
     Build with `Fp8Linear.from_linear(linear)` (shares the Parameter objects) or let
-    `convert_to_fp8` swap every eligible linear of a model. The amax histories are
-    non-persistent buffers: checkpoints stay loadable by plain `nn.Linear`s."""
+    `convert_to_fp8` swap every eligible linear of a model. The amax histories, their
+    ring positions and the casts' amax outputs are non-persistent buffers: checkpoints
+    stay loadable by plain `nn.Linear`s (`training.checkpoint` saves the histories and
+    `scaling_state` beside the state dict)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device=None, dtype=None, config: Fp8Config | None = None):
@@ -341,20 +385,28 @@ class Fp8Linear(nn.Linear):
         self._init_state(hist_device or self.weight.device)
 
     def _init_state(self, device) -> None:
+        """Per role: the amax history (n,) fp32, the ring's next slot (1,) int64 and the
+        cast's amax (1,) fp32: 4n + 12 bytes, non-persistent buffers."""
         n = self.fp8_config.history_len
         for role in ("x", "w", "grad"):
-            self.register_buffer(f"amax_history_{role}",
-                                 torch.zeros(n, dtype=torch.float32, device=device),
-                                 persistent=False)
+            for name, shape, dtype in (("amax_history", n, torch.float32),
+                                       ("amax_pos", 1, torch.int64),
+                                       ("amax_out", 1, torch.float32)):
+                self.register_buffer(f"{name}_{role}",
+                                     torch.zeros(shape, dtype=dtype, device=device),
+                                     persistent=False)
         self._scalers = {"x": _Scaler(self, "x", E4M3), "w": _Scaler(self, "w", E4M3),
                          "grad": _Scaler(self, "grad", E5M2)}
 
     def scaling_state(self) -> dict:
-        """Where each delayed-scaling history writes next and whether it has started:
-        host-side state a checkpoint keeps next to the amax histories (buffers)."""
+        """Where each delayed-scaling history writes next and whether it has started, as
+        plain Python values a checkpoint keeps next to the amax histories (buffers). The
+        positions live on the device: reading them synchronises, once per save."""
         return {role: {"pos": s.pos, "seen": s.seen} for role, s in self._scalers.items()}
 
     def load_scaling_state(self, state: dict) -> None:
+        """Write `scaling_state()`'s values back: the positions into the device tensors
+        in place, so a step already captured as a CUDA graph reads them too."""
         for role, st in state.items():
             self._scalers[role].pos, self._scalers[role].seen = st["pos"], st["seen"]
 
