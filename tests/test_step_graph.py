@@ -27,7 +27,6 @@ def test_graph_is_a_compile_mode_that_compiles_nothing():
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(precision="fp8", extra={"fp8_scaling": "delayed"}), "delayed scaling"),
     (dict(precision="fp16"), "fp16"),
     (dict(enable_fused_optimizer=False), "torch's AdamW"),
     (dict(gradient_checkpoint_config={"ratio": 0.5}), "gradient checkpointing"),
@@ -39,6 +38,9 @@ def test_refusals(change, match):
         step_graph.check(GRAPH.replace(**change), "cuda")
     step_graph.check(GRAPH, "cuda")  # the best set itself is taken
     step_graph.check(GRAPH.replace(precision="fp8"), "cuda")  # dynamic scaling
+    for scaling in ("dynamic", "delayed"):  # the amax ring's position is on the device
+        step_graph.check(GRAPH.replace(precision="fp8-pure",
+                                       extra={"fp8_scaling": scaling}), "cuda")
 
 
 def test_refused_on_a_cpu():
@@ -99,6 +101,48 @@ def test_wrapper_runs_eager_then_replays_and_captures_again(monkeypatch):
     assert graphed.captures == 4 and graphed.capture_s is not None
 
 
+@pytest.mark.parametrize("fused_loss", [False, True], ids=["head", "fused-loss"])
+def test_fp8_delayed_runs_two_eager_steps_before_capturing(fused_loss, monkeypatch):
+    """fp8 delayed scaling: the first step's casts are dynamic (they start the amax
+    histories), so the second step runs eagerly too (the steady state's kernels compile
+    there) and the capture follows it; an fp8 head the fused loss never calls (it reads
+    the weight) does not hold the capture back. With the stand-in graph the wrapped
+    step trains as the eager one, histories and ring positions included."""
+    from colossal_lab.switches import fp8 as fp8_switch
+
+    monkeypatch.setattr(step_graph.torch.cuda, "CUDAGraph", _StandIn)
+    monkeypatch.setattr(step_graph.timing, "_capture",
+                        lambda fn, graph: setattr(graph, "fn", fn))
+    cfg = tiny().replace(intermediate_size=176)  # every linear fp8
+    sw = Switches(precision="fp8", enable_fused_cross_entropy=fused_loss,
+                  extra={"fp8_scaling": "delayed", "fp8_history": 3, "fp8_backend": "emulate"})
+
+    def built():
+        torch.manual_seed(0)
+        model = apply_switches(build_model(cfg, "cpu"), sw)
+        opt = make_optimizer(model, 1e-3)
+        return model, make_step(model, opt), opt
+
+    eager_model, eager, _ = built()
+    model, step, opt = built()
+    assert fp8_switch.histories_started(model) == 0
+    graphed = step_graph.GraphedStep(step, opt, "cpu")
+    for i, (ids, lab) in enumerate(_batches([(2, 16)] * 5)):
+        assert graphed(ids, lab).item() == eager(ids, lab).item(), i
+        assert graphed.captures == (0 if i == 0 else 1), i
+    assert graphed.eager_steps == 2
+    unused = 1 if fused_loss else 0  # the head
+    assert fp8_switch.histories_started(model) == 3 * (len(fp8_switch.fp8_modules(model))
+                                                        - unused)
+    for a, b in zip(model.parameters(), eager_model.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(fp8_switch.fp8_modules(model), fp8_switch.fp8_modules(eager_model)):
+        for role in ("x", "w", "grad"):
+            sa, sb = a._scalers[role], b._scalers[role]
+            assert torch.equal(sa.history, sb.history)
+            assert sa.pos == sb.pos == (5 % 3 if sa.seen else 0) and sa.seen == sb.seen
+
+
 @requires_cuda  # a CUDA graph: `make test-gpu`
 def test_graphed_step_trains_as_the_eager_one():
     """Every switch of `best`, the tiny model: six steps (a shape change among them)
@@ -120,3 +164,41 @@ def test_graphed_step_trains_as_the_eager_one():
     torch.testing.assert_close(graphed, eager, rtol=2e-3, atol=0)
     for a, b in zip(m_graph.parameters(), m_eager.parameters()):
         torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=2e-3)
+
+
+@requires_cuda  # a CUDA graph: `make test-gpu`
+def test_graphed_fp8_delayed_step_trains_as_the_eager_one():
+    """`best-fp8` (fp8 linears, delayed scaling, rings of 4 so six steps wrap around)
+    replayed as a graph against the eager step: the replays file their amaxes in the
+    next slot each step (the ring's position is a device tensor), so the positions
+    match exactly and losses, weights and histories up to the kernels' run-to-run
+    differences."""
+    from colossal_lab.switches import fp8 as fp8_switch
+
+    cfg = tiny().replace(intermediate_size=176)  # every linear a multiple of 16: fp8
+    best = SWITCH_SETS["best-fp8"]
+    best = best.replace(extra={**best.extra, "fp8_history": 4})
+
+    def run(switches):
+        torch.manual_seed(0)
+        model = apply_switches(build_model(cfg, "cuda"), switches)
+        opt = make_optimizer(model, 1e-3)
+        step = make_step(model, opt)
+        losses = [step(ids.cuda(), lab.cuda()).item()
+                  for ids, lab in _batches([(2, 64)] * 4 + [(1, 96)] * 2)]
+        return model, step, losses
+
+    m_eager, _, eager = run(best)
+    m_graph, step, graphed = run(best.replace(enable_compile="graph"))
+    assert isinstance(step, step_graph.GraphedStep) and step.captures == 2
+    assert step.eager_steps == 2  # the histories start in the first
+    torch.testing.assert_close(graphed, eager, rtol=2e-3, atol=0)
+    for a, b in zip(m_graph.parameters(), m_eager.parameters()):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=2e-3)
+    mods = [fp8_switch.fp8_modules(m) for m in (m_graph, m_eager)]
+    assert len(mods[0]) == len(mods[1]) > 0
+    for a, b in zip(*mods):
+        for role in ("x", "w", "grad"):
+            sa, sb = a._scalers[role], b._scalers[role]
+            assert sa.pos == sb.pos == (6 % 4 if sa.seen else 0), role
+            torch.testing.assert_close(sa.history, sb.history, rtol=0.05, atol=0)

@@ -32,6 +32,9 @@ SETUPS = (
           "AdamW with bf16 moments", switches=SWITCH_SETS["best-bf16-moments"]),
     Setup("ours-fp8", "ours: every switch, fp8 linears (delayed scaling), bf16 params + "
           "fp32 masters, exact AdamW", switches=SWITCH_SETS["best-fp8"]),
+    Setup("ours-fp8-graph", "ours: every switch, fp8 linears (delayed scaling), bf16 "
+          "params, the step replayed as a CUDA graph",
+          switches=SWITCH_SETS["best-fp8"].replace(enable_compile="graph")),
     Setup("ours-fp8-fp32-params", "ours: every switch, fp8 linears (delayed scaling) "
           "over fp32 parameters", switches=SWITCH_SETS["best-fp8-fp32-params"]),
     Setup("hf-torchao-fp8", "HF transformers: SDPA, torchao float8 (tensorwise), "
@@ -78,6 +81,9 @@ def run(quick: bool = False) -> list[dict]:
                             (`composed_curves` checks what it costs)
         ours-fp8            ours-bf16 with fp8 linears, delayed scaling: the same bf16
                             parameters, fp32 masters and exact AdamW (`SWITCH_SETS["best-fp8"]`)
+        ours-fp8-graph      ours-fp8 with the whole step replayed as one CUDA graph (the
+                            amax rings advance on the device; `enable_compile="graph"`;
+                            not in best-fp8 until measured)
         ours-fp8-fp32-params  ours-fp8 over fp32 parameters: each fp8 cast reads a 4-byte
                             weight, AdamW moves 32 bytes a parameter instead of 28
         hf-torchao-fp8      Hugging Face's model, SDPA, torchao's float8 linears (tensorwise

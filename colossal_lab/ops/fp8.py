@@ -18,6 +18,9 @@ torchao's "tensorwise" recipe does). *Delayed* (Transformer Engine's default): t
 largest amax over a short history of previous casts, so the cast is one pass and
 writes this tensor's amax for the next step; an outlier larger than the history
 saturates once. Choose with `Fp8Config.scaling` or `Switches.extra["fp8_scaling"]`.
+The history is a ring on the device, its write position a device tensor advanced by a
+kernel (`_Scaler`), so a step replayed as a CUDA graph (`switches.step_graph`) fills the
+next slot on every replay, as eager steps do.
 
 **Layouts.** `torch._scaled_mm` takes A row-major and B column-major; the cast kernel
 (`kernels.fp8_cast`) writes each tensor and its transpose in one pass, so the backward

@@ -89,6 +89,15 @@ def fp8_modules(model: nn.Module) -> list[Fp8Linear]:
     return [m for m in model.modules() if isinstance(m, Fp8Linear)]
 
 
+def histories_started(model: nn.Module) -> int:
+    """How many roles of `model`'s delayed-scaling fp8 linears have started their amax
+    history. A step that raises the count ran first casts: dynamic ones, with kernels
+    (the amax pass, the ring's first filing) later steps do not run. A linear the step
+    never calls (an output head whose weight the fused loss reads) never starts."""
+    return sum(m.fp8_config.scaling == "delayed" and s.seen
+               for m in fp8_modules(model) for s in m._scalers.values())
+
+
 def with_config(model: nn.Module, **changes) -> None:
     """Change the config of every Fp8Linear of `model` (e.g. backend="emulate")."""
     for m in fp8_modules(model):

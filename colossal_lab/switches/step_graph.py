@@ -8,7 +8,9 @@ replaying it issues the whole step with one call. The model is not changed: the 
 `training.train.make_step` is wrapped in a `GraphedStep`, which
 
 1. runs the first step eagerly (Triton compiles, cuDNN plans, the optimizer creates its
-   state: none of that may sit inside a graph);
+   state: none of that may sit inside a graph); with fp8 delayed scaling a second one,
+   since the first casts are dynamic and the steady state's kernel variants (a cast
+   scaled from the history, the ring's filing with its reset) first run in step two;
 2. then captures one step on static input buffers (`timing._capture`), without running it;
 3. later copies each batch into those buffers and replays.
 
@@ -17,9 +19,16 @@ replayed, updated in place, so a checkpoint reads what the replays wrote. Anothe
 shape, or a changed lr, weight decay, betas or eps (baked into the launches), captures
 again. Load a checkpoint *before* the first step: loading replaces the optimizer's state
 tensors, which an earlier graph would no longer see. `check` refuses what a replay
-cannot reproduce: no GPU, fp8 delayed scaling (a host-side history position), fp16 and
-torch's AdamW (not capturable as built), gradient checkpointing, data, tensor and
-pipeline parallelism. The numerics are the eager step's.
+cannot reproduce: no GPU, fp16 and torch's AdamW (not capturable as built), gradient
+checkpointing, data, tensor and pipeline parallelism. The numerics are the eager step's.
+
+**fp8.** Both scalings capture. Dynamic scaling keeps nothing between steps. Delayed
+scaling's amax-history ring lives on the device (`ops.fp8._Scaler`): the write position
+is a (1,) tensor that one kernel advances after each cast, so every replay files its
+amaxes in the next slot, as the eager steps do. Its one host-side flag (has the history
+started?) is set by the first, dynamic cast of each role, in the eager first step; a
+capture that meets a role still unstarted raises rather than replaying a dynamic cast
+forever.
 
 **What it buys.** Probed on an H200 at `llama-7b-8l`, bf16, the replayed step is level
 with the eager one within the p10-p90 spreads: with GEMMs of milliseconds the host
@@ -34,19 +43,18 @@ import torch
 
 from colossal_lab import precision
 from colossal_lab.measure import timing
+from colossal_lab.switches import fp8 as fp8_switch
 
 
 def check(switches, device=None) -> None:
-    """Refuse what `enable_compile="graph"` cannot capture (see the module docstring)."""
+    """Refuse what `enable_compile="graph"` cannot capture (see the module docstring).
+
+    Every precision but fp16 is taken, fp8 with dynamic or delayed scaling alike."""
     value = switches.enable_compile
     if device is not None and torch.device(device).type != "cuda":
         raise ValueError(f"enable_compile={value!r} replays the training step as a CUDA "
                          f"graph: it needs a GPU, not {torch.device(device).type}")
-    extra = switches.extra or {}
     refused = {
-        "fp8 with delayed scaling (its amax history moves a host-side position every "
-        "step)": precision.policy(switches.precision).fp8
-        and extra.get("fp8_scaling") == "delayed",
         "fp16 (its loss scaler is not captured yet)": switches.precision == "fp16",
         "torch's AdamW (built with capturable=False): set enable_fused_optimizer=True":
             device is not None and precision.optimizer_backend(
@@ -63,9 +71,11 @@ def check(switches, device=None) -> None:
 
 
 class GraphedStep:
-    """`step(input_ids, labels) -> loss`, replayed as a CUDA graph after one eager call.
+    """`step(input_ids, labels) -> loss`, replayed as a CUDA graph after one eager call
+    (two where the first started fp8 delayed-scaling histories).
 
-    `capture_s`: the wall time of the last capture; `captures`: how many were made."""
+    `capture_s`: the wall time of the last capture; `captures`: how many were made;
+    `eager_steps`: how many calls ran eagerly before the first capture."""
 
     def __init__(self, step, optimizer, device):
         self.step, self.optimizer, self.device = step, optimizer, torch.device(device)
@@ -77,6 +87,7 @@ class GraphedStep:
         self.loss: torch.Tensor | None = None
         self.capture_s: float | None = None
         self.captures = 0
+        self.eager_steps = 0
 
     def _key(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple:
         hyper = tuple((g["lr"], g.get("weight_decay"), tuple(g.get("betas", ())),
@@ -86,6 +97,8 @@ class GraphedStep:
 
     def _capture(self, input_ids: torch.Tensor, labels: torch.Tensor, key) -> None:
         self.graph = self.inputs = self.loss = None  # an older graph's pool goes first
+        if self.device.type == "cuda":  # the eager steps' cached blocks back to the
+            torch.cuda.empty_cache()  # device: the graph's private pool allocates anew
         start = time.perf_counter()
         self.inputs = (input_ids.to(self.device, copy=True),
                        labels.to(self.device, copy=True))
@@ -104,8 +117,13 @@ class GraphedStep:
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         key = self._key(input_ids, labels)
         if self.captures == 0:  # the eager step, then the capture
+            started = fp8_switch.histories_started(self.step.inner)
             loss = self.step(input_ids, labels)
-            self._capture(input_ids, labels, key)
+            self.eager_steps += 1
+            # a step that started fp8 histories ran dynamic first casts: the next one
+            # runs eagerly too, compiling the steady state's kernels outside the graph
+            if fp8_switch.histories_started(self.step.inner) == started:
+                self._capture(input_ids, labels, key)
             return loss
         if key != self.key:
             self._capture(input_ids, labels, key)
