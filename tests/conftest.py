@@ -103,6 +103,20 @@ def few_cpu_reps():
         yield
 
 
+def count_calls(monkeypatch, module, name: str) -> dict[str, int]:
+    """Count the calls of `module.name` (still calling it): `{"n": calls so far}`.
+    Proves which path a dispatcher took, where outputs are equal by design."""
+    calls = {"n": 0}
+    real = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
 def count_launches(monkeypatch, *kernels) -> dict[str, int]:
     """Count the launches of Triton kernels (`@triton.jit`, interpreted or compiled, or
     autotuned): `kernel[grid](...)` calls the kernel object's `run`, wrapped here. Proves

@@ -18,7 +18,7 @@ from colossal_lab.switches import fp8 as fp8_switch
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 from colossal_lab.testing.correctness import check_close
-from tests.conftest import requires_cuda
+from tests.conftest import count_calls, requires_cuda
 
 FORMATS = (fp8.E4M3, fp8.E5M2)
 MANTISSA = {"e4m3": 3, "e5m2": 2}
@@ -339,14 +339,7 @@ def test_full_checkpointing_recomputes_the_same_fp8(scaling, monkeypatch):
     same ops on the same inputs and scales), and each history advances once a step."""
     cfg = tiny().replace(intermediate_size=176)  # every linear fp8
     extra = {"fp8_scaling": scaling, "fp8_backend": "emulate", "fp8_history": 4}
-    casts = {"n": 0}
-    real_cast = fp8.fp8_cast_transpose
-
-    def counting_cast(*args, **kwargs):
-        casts["n"] += 1
-        return real_cast(*args, **kwargs)
-
-    monkeypatch.setattr(fp8, "fp8_cast_transpose", counting_cast)
+    casts = count_calls(monkeypatch, fp8, "fp8_cast_transpose")
     models = [apply_switches(build_model(cfg, "cpu"),
                              Switches(precision="fp8", extra=extra,
                                       gradient_checkpoint_config=ckpt))

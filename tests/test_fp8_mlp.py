@@ -23,6 +23,7 @@ from colossal_lab.switches import fp8 as fp8_switch
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 from colossal_lab.testing.correctness import check_close
+from tests.conftest import count_calls
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 SHAPES = [(37, 48), (64, 64), (5, 16), (130, 80)]  # (tokens, i): ragged, one tile, tiny, 3x2
@@ -317,15 +318,7 @@ def _same_models(models, step):
 
 
 def _count_fused(monkeypatch):
-    calls = {"n": 0}
-    real = fp8_mlp.swiglu_fp8_forward
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fp8_mlp, "swiglu_fp8_forward", counting)
-    return calls
+    return count_calls(monkeypatch, fp8_mlp, "swiglu_fp8_forward")
 
 
 @pytest.mark.parametrize("scaling", ["delayed", "dynamic"])

@@ -24,6 +24,7 @@ from colossal_lab.ops.replay import current_replay
 from colossal_lab.switches import fp8 as fp8_switch
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
+from tests.conftest import count_calls
 
 ROLES = ("x", "w", "grad")
 
@@ -212,14 +213,7 @@ def test_model_matches_host_ring(case, monkeypatch):
     equal those of the same model on the host ring, bit for bit; the fused MLP path
     (`ops.fp8_mlp`) and the checkpointed recompute (`ops.replay`) included."""
     changes, extra, fused = CASES[case]
-    calls = {"n": 0}
-    real = fp8_mlp.swiglu_fp8_forward
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fp8_mlp, "swiglu_fp8_forward", counting)
+    calls = count_calls(monkeypatch, fp8_mlp, "swiglu_fp8_forward")
     cfg = tiny().replace(intermediate_size=176)
     sw = Switches(precision="fp8", **changes,
                   extra={"fp8_scaling": "delayed", "fp8_backend": "emulate",

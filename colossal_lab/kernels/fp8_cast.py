@@ -127,6 +127,44 @@ def _fp8_amax_kernel(
 
 
 @triton.jit
+def _scale(AMAX_SRC, INV_SCALE, n_src, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
+           BLOCK_SRC: tl.constexpr):
+    """scale = FP8_MAX / max(max(AMAX_SRC), EPS), by IEEE division (the scale torch
+    computes, `_cast_torch`); program (0, 0) stores 1 / scale in INV_SCALE."""
+    src = tl.load(AMAX_SRC + tl.arange(0, BLOCK_SRC), mask=tl.arange(0, BLOCK_SRC) < n_src,
+                  other=0.0)
+    amax_src = tl.maximum(tl.max(src, axis=0), EPS)
+    scale = tl.div_rn(FP8_MAX, amax_src)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(INV_SCALE, tl.div_rn(1.0, scale))
+    return scale
+
+
+@triton.jit
+def _quantize(v, scale, dtype: tl.constexpr, FP8_MAX: tl.constexpr,
+              MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """fp8(clamp(v · scale, ±FP8_MAX)) of an fp32 tile, round to nearest even."""
+    y = tl.minimum(tl.maximum(v * scale, -FP8_MAX), FP8_MAX)  # saturate, never inf/NaN
+    if ROUND_IN_FP32:
+        y = _round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
+    return y.to(dtype)
+
+
+@triton.jit
+def _store_both(Y, YT, q, rows, cols, mask, n_cols, row_len, ld_t,
+                WRITE_Y: tl.constexpr, WRITE_YT: tl.constexpr):
+    """Store the fp8 tile q (rows, cols) at Y (row-major, rows `row_len` apart) and its
+    transpose at YT (rows `ld_t` apart); the transposed store also covers the rows past
+    the data up to ld_t, whose masked loads made q zero: YT's padding."""
+    if WRITE_Y:
+        tl.store(Y + rows[:, None] * row_len + cols[None, :], q, mask=mask)
+    if WRITE_YT:
+        t_mask = (cols[:, None] < n_cols) & (rows[None, :] < ld_t)
+        tl.store(YT + cols[:, None].to(tl.int64) * ld_t + rows[None, :], tl.trans(q),
+                 mask=t_mask)
+
+
+@triton.jit
 def _fp8_cast_transpose_kernel(
     X,  # (n_rows, n_cols) input, any float dtype, row stride stride_x
     Y,  # (n_rows, n_cols) fp8 output, contiguous (WRITE_Y)
@@ -153,32 +191,16 @@ def _fp8_cast_transpose_kernel(
 ):
     """One (BLOCK_R, BLOCK_C) tile: q = fp8(clamp(x · scale)), stored as is and
     transposed; tiles past n_rows (up to ld_yt) store the zero padding of YT."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    src = tl.load(AMAX_SRC + tl.arange(0, BLOCK_SRC), mask=tl.arange(0, BLOCK_SRC) < n_src,
-                  other=0.0)
-    amax_src = tl.maximum(tl.max(src, axis=0), EPS)
-    scale = tl.div_rn(FP8_MAX, amax_src)  # IEEE division: the same scale torch computes
-    if (pid_r == 0) & (pid_c == 0):
-        tl.store(INV_SCALE, tl.div_rn(1.0, scale))
-
-    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    scale = _scale(AMAX_SRC, INV_SCALE, n_src, FP8_MAX, EPS, BLOCK_SRC)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)  # (BLOCK_R, BLOCK_C)
     if WRITE_AMAX:
         tl.atomic_max(AMAX_OUT, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-    y = tl.minimum(tl.maximum(x * scale, -FP8_MAX), FP8_MAX)  # saturate, never inf/NaN
-    if ROUND_IN_FP32:
-        y = _round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
-    q = y.to(YT.dtype.element_ty)
-    if WRITE_Y:
-        tl.store(Y + rows[:, None] * n_cols + cols[None, :], q, mask=mask)
-    if WRITE_YT:
-        t_mask = (cols[:, None] < n_cols) & (rows[None, :] < ld_yt)
-        tl.store(YT + cols[:, None].to(tl.int64) * ld_yt + rows[None, :], tl.trans(q),
-                 mask=t_mask)
+    q = _quantize(x, scale, YT.dtype.element_ty, FP8_MAX, MANT_BITS, MIN_EXP, ROUND_IN_FP32)
+    _store_both(Y, YT, q, rows, cols, mask, n_cols, n_cols, ld_yt, WRITE_Y, WRITE_YT)
 
 
 @triton.jit

@@ -56,7 +56,9 @@ from colossal_lab.kernels.fp8_cast import (
     EPS,
     _cast_torch,
     _format,
-    _round_to_fp8_grid,
+    _quantize,
+    _scale,
+    _store_both,
     _use_triton,
     padded,
 )
@@ -69,27 +71,12 @@ BLOCK_R, BLOCK_C, NUM_WARPS = 64, 64, 4
 
 
 @triton.jit
-def _scale(AMAX_SRC, INV_SCALE, n_src, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
-           BLOCK_SRC: tl.constexpr):
-    """scale = FP8_MAX / max(max(AMAX_SRC), EPS), as `_fp8_cast_transpose_kernel`
-    computes it; program (0, 0) stores 1 / scale in INV_SCALE."""
-    src = tl.load(AMAX_SRC + tl.arange(0, BLOCK_SRC), mask=tl.arange(0, BLOCK_SRC) < n_src,
-                  other=0.0)
-    amax_src = tl.maximum(tl.max(src, axis=0), EPS)
-    scale = tl.div_rn(FP8_MAX, amax_src)  # IEEE division: the same scale torch computes
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        tl.store(INV_SCALE, tl.div_rn(1.0, scale))
-    return scale
-
-
-@triton.jit
-def _quantize(v, scale, dtype: tl.constexpr, FP8_MAX: tl.constexpr,
-              MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
-    """fp8(clamp(v · scale, ±FP8_MAX)) of an fp32 tile, round to nearest even."""
-    y = tl.minimum(tl.maximum(v * scale, -FP8_MAX), FP8_MAX)  # saturate, never inf/NaN
-    if ROUND_IN_FP32:
-        y = _round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
-    return y.to(dtype)
+def _gate_up(GU, rows, cols, mask, stride_gu, n_cols):
+    """The gate and up tiles (rows, cols) of the fused [gate | up] input, in fp32."""
+    gate_ptrs = GU + rows[:, None] * stride_gu + cols[None, :]
+    g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
+    return g, u
 
 
 @triton.jit
@@ -123,9 +110,7 @@ def _swiglu_fp8_forward_kernel(
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    gate_ptrs = GU + rows[:, None] * stride_gu + cols[None, :]
-    g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
+    g, u = _gate_up(GU, rows, cols, mask, stride_gu, n_cols)
     s = 1.0 / (1.0 + tl.exp(-g))  # σ(g), as kernels.swiglu computes it
     h = g * s * u
     h = _to_dtype(h, GU.dtype.element_ty).to(tl.float32)  # what the unfused path writes
@@ -135,12 +120,7 @@ def _swiglu_fp8_forward_kernel(
         scale = _scale(AMAX_SRC, INV_SCALE, n_src, FP8_MAX, EPS, BLOCK_SRC)
         q = _quantize(h, scale, QT.dtype.element_ty, FP8_MAX, MANT_BITS, MIN_EXP,
                       ROUND_IN_FP32)
-        if WRITE_Q:
-            tl.store(Q + rows[:, None] * n_cols + cols[None, :], q, mask=mask)
-        if WRITE_QT:
-            t_mask = (cols[:, None] < n_cols) & (rows[None, :] < ld_qt)
-            tl.store(QT + cols[:, None].to(tl.int64) * ld_qt + rows[None, :], tl.trans(q),
-                     mask=t_mask)
+        _store_both(Q, QT, q, rows, cols, mask, n_cols, n_cols, ld_qt, WRITE_Q, WRITE_QT)
 
 
 @triton.jit
@@ -176,9 +156,7 @@ def _swiglu_fp8_backward_kernel(
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    gate_ptrs = GU + rows[:, None] * stride_gu + cols[None, :]
-    g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
+    g, u = _gate_up(GU, rows, cols, mask, stride_gu, n_cols)
     dh = tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask,
                  other=0.0).to(tl.float32)
     s = 1.0 / (1.0 + tl.exp(-g))  # as kernels.swiglu's backward computes it
@@ -195,15 +173,11 @@ def _swiglu_fp8_backward_kernel(
                        ROUND_IN_FP32)
         qu = _quantize(du, scale, QT.dtype.element_ty, FP8_MAX, MANT_BITS, MIN_EXP,
                        ROUND_IN_FP32)
-        if WRITE_Q:
-            q_ptrs = Q + rows[:, None] * (2 * n_cols) + cols[None, :]
-            tl.store(q_ptrs, qg, mask=mask)
-            tl.store(q_ptrs + n_cols, qu, mask=mask)
-        if WRITE_QT:
-            t_mask = (cols[:, None] < n_cols) & (rows[None, :] < ld_qt)
-            qt_ptrs = QT + cols[:, None].to(tl.int64) * ld_qt + rows[None, :]
-            tl.store(qt_ptrs, tl.trans(qg), mask=t_mask)
-            tl.store(qt_ptrs + n_cols * ld_qt, tl.trans(qu), mask=t_mask)
+        # [dg | du]: du's columns start n_cols along Q's rows and n_cols rows down QT
+        _store_both(Q, QT, qg, rows, cols, mask, n_cols, 2 * n_cols, ld_qt, WRITE_Q,
+                    WRITE_QT)
+        _store_both(Q + n_cols, QT + n_cols * ld_qt, qu, rows, cols, mask, n_cols,
+                    2 * n_cols, ld_qt, WRITE_Q, WRITE_QT)
 
 
 # ---------------------------------------------------------------------------- launchers
