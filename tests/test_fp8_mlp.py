@@ -23,7 +23,7 @@ from colossal_lab.switches import fp8 as fp8_switch
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 from colossal_lab.testing.correctness import check_close
-from tests.conftest import count_calls
+from tests.conftest import count_calls, requires_cuda
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 SHAPES = [(37, 48), (64, 64), (5, 16), (130, 80)]  # (tokens, i): ragged, one tile, tiny, 3x2
@@ -365,3 +365,40 @@ def test_dispatch_conditions():
     assert not fp8_mlp.fusable(gate_up, down, "triton", "cpu")
     handle.remove()
     assert fp8.Fp8Config.from_extra({"fp8_fuse_mlp": False}).fuse_mlp is False
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+@requires_cuda  # the compiled kernels and `_scaled_mm`: `make test-gpu`
+@pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
+@pytest.mark.parametrize("tokens", [1000, 4096])
+def test_fused_equals_composed_on_the_gpu(scaling, tokens):
+    """On the GPU, at widths that span many tiles (hidden 512, intermediate 1376, a
+    ragged token count), three steps under bf16 autocast: the fused MLP's output, dx,
+    both weight gradients and every amax history equal the composed path's bit for
+    bit."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores")
+    d, n = 512, 1376
+    cfg = fp8.Fp8Config(scaling=scaling, backend="scaled_mm", history_len=4)
+    gu = nn.Linear(d, 2 * n, bias=False, device="cuda")
+    dn = nn.Linear(n, d, bias=False, device="cuda")
+    fused = (fp8.Fp8Linear.from_linear(gu, cfg), fp8.Fp8Linear.from_linear(dn, cfg))
+    comp = tuple(copy.deepcopy(m) for m in fused)
+    for step, mag in enumerate((1.0, 1.0, 6.0)):
+        x = torch.randn(tokens, d, device="cuda") * mag
+        dy = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16) * mag
+        outs = []
+        for path, mods in (("fused", fused), ("composed", comp)):
+            xi = x.clone().requires_grad_()
+            for m in mods:
+                m.weight.grad = None
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = (fp8_mlp.fp8_swiglu_mlp(xi, *mods) if path == "fused"
+                     else _composed(xi, *mods))
+            y.backward(dy)
+            outs.append((y.detach(), xi.grad, mods[0].weight.grad, mods[1].weight.grad))
+        for a, b, what in zip(*outs, ("y", "dx", "dW_gate_up", "dW_down")):
+            _same(a, b, f"{what} step {step}")
+        _same_histories(fused, comp)

@@ -24,7 +24,7 @@ from colossal_lab.ops.replay import current_replay
 from colossal_lab.switches import fp8 as fp8_switch
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
-from tests.conftest import count_calls
+from tests.conftest import count_calls, requires_cuda
 
 ROLES = ("x", "w", "grad")
 
@@ -85,18 +85,21 @@ def _same(a, b, what):
 # ------------------------------------------------------------------------------ kernel
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 @pytest.mark.parametrize("n", [1, 3, 16])
-def test_advance_kernel_matches_torch(n):
-    """The one-program kernel (interpreter) and the torch ops: the same history,
-    position and amax after each of 2n+1 filings, with and without the reset."""
+def test_advance_kernel_matches_torch(n, device):
+    """The one-program kernel (the interpreter on CPU, compiled on the GPU) and the
+    torch ops: the same history, position and amax after each of 2n+1 filings, with and
+    without the reset."""
     out = {}
     for use in (True, False):
-        hist, pos = torch.zeros(n), torch.zeros(1, dtype=torch.int64)
-        amax, states = torch.zeros(1), []
+        hist = torch.zeros(n, device=device)
+        pos = torch.zeros(1, dtype=torch.int64, device=device)
+        amax, states = torch.zeros(1, device=device), []
         for k in range(2 * n + 1):
             amax.fill_(float(k + 1))
             fp8_cast.advance_history(hist, amax, pos, reset=k % 2 == 0, use_triton=use)
-            states.append((hist.clone(), pos.clone(), amax.clone()))
+            states.append(tuple(t.to("cpu", copy=True) for t in (hist, pos, amax)))
         out[use] = states
     for k, ((h1, p1, a1), (h0, p0, a0)) in enumerate(zip(out[True], out[False])):
         assert torch.equal(h1, h0) and torch.equal(p1, p0) and torch.equal(a1, a0), k
