@@ -260,7 +260,22 @@ def test_verdict_words_when_the_check_holds():
     assert "“every switch, no fp32 masters”" in words
     assert "did not flag the control “every switch, bf16 moments rounded to nearest”" \
         in words and "5%" in words and "2,000 steps" in words
-    assert "outside it, every switch, fp8 linears, fp32 parameters" in words
+    assert ("every switch, fp8 linears, fp32 parameters: seed 0 +0.0500, seed 0 outside "
+            "the spread, above the naive run's loss") in words
+    assert "bf16 parameters + fp32 masters: seed 0 -0.0010, inside the spread" in words
+
+
+def test_variant_words_group_the_seeds_and_say_the_side():
+    runs = [{"seed": 0, "diff": 0.004, "inside_spread": True},
+            {"seed": 1, "diff": -0.0215, "inside_spread": False},
+            {"seed": 2, "diff": 0.006, "inside_spread": True}]
+    got = lv.variant_words("fp8", runs)
+    assert got == ("fp8: seed 0 +0.0040, seed 1 -0.0215, seed 2 +0.0060 (mean -0.0038), "
+                   "seed 1 outside the spread, below the naive run's loss")
+    both = [{**runs[1], "seed": 1}, {"seed": 2, "diff": 0.03, "inside_spread": False}]
+    assert lv.variant_words("v", both).endswith("seed 1 and seed 2 outside the spread")
+    assert lv.variant_words("v", runs[:1]).endswith(", inside the spread")
+    assert lv.variant_words("v", [runs[0], runs[2]]).endswith("all inside the spread")
 
 
 def test_verdict_words_when_it_does_not_hold_or_is_incomplete():

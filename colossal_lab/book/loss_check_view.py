@@ -208,14 +208,35 @@ def loss_verdict_words(res: results.Results, betas: tuple[float, float] | None =
         out.append(text)
     variants = {k: p for k, p in paired.items() if p["role"] == "variant"}
     if variants:
-        inside = [f"{name[k]} (seed {p['seed']}, {p['diff']:+.4f})"
-                  for k, p in variants.items() if p["inside_spread"]]
-        outside = [f"{name[k]} (seed {p['seed']}, {p['diff']:+.4f})"
-                   for k, p in variants.items() if not p["inside_spread"]]
-        text = "The variants, each against the naive run of its seed:"
-        if inside:
-            text += " inside the spread, " + "; ".join(inside)
-        if outside:
-            text += (";" if inside else "") + " outside it, " + "; ".join(outside)
-        out.append(text + ".")
+        out.append("The variants, each against the naive run of its seed: "
+                   + "; ".join(variant_words(name[ks[0]], [variants[k] for k in ks])
+                               for ks in _group_by_name(variants, name).values()) + ".")
     return out
+
+
+def _group_by_name(paired: dict, name: dict) -> dict[str, list[str]]:
+    """The paired runs' keys grouped by their name for readers, in file order."""
+    groups: dict[str, list[str]] = {}
+    for k in paired:
+        groups.setdefault(name[k], []).append(k)
+    return groups
+
+
+def variant_words(what: str, runs: list[dict]) -> str:
+    """One variant's seeds in a clause: each seed's difference from the naive run of its
+    seed, their mean where there are several, and which land outside the spread and on
+    which side (a lower loss than naive's is no sign of harm, but it is not inside what
+    the seeds explain either)."""
+    diffs = ", ".join(f"seed {p['seed']} {p['diff']:+.4f}" for p in runs)
+    text = f"{what}: {diffs}"
+    if len(runs) > 1:
+        text += f" (mean {sum(p['diff'] for p in runs) / len(runs):+.4f})"
+    out = [p for p in runs if not p["inside_spread"]]
+    if not out:
+        return text + (", inside the spread" if len(runs) == 1 else ", all inside the spread")
+    low = all(p["diff"] < 0 for p in out)
+    high = all(p["diff"] > 0 for p in out)
+    side = (", below the naive run's loss" if low else
+            ", above the naive run's loss" if high else "")
+    seeds = " and ".join(f"seed {p['seed']}" for p in out)
+    return text + f", {seeds} outside the spread{side}"
