@@ -42,6 +42,28 @@ def test_variants_compare_with_the_row_of_their_moments():
     assert cv.same_moments_peer(defer, NEW)["setup"] == "ours-bf16"
 
 
+def test_variant_sentences_follow_each_verdict():
+    """Each variant against the same step without it, with the reading its verdict
+    gives: level, faster and slower; the fp8 graph against ours-fp8; a variant without
+    its row is left out."""
+    rows = [r if r["setup"] != "ours-bf16-compile" else
+            {**r, "step_ms": 320.0, "step_ms_p10": 318.0, "step_ms_p90": 322.0}
+            for r in NEW if r["setup"] != "ours-bf16-defer"]
+    rows += [row("ours-fp8-graph", "fp8-pure", step_ms=240.0, step_ms_p10=238.0,
+                 step_ms_p90=242.0),
+             row("ours-fp8-x", "fp8-pure")]
+    rows = [r if r["setup"] != "ours-fp8" else {**r, "precision": "fp8-pure",
+                                                "step_ms": 250.0, "step_ms_p10": 248.0,
+                                                "step_ms_p90": 252.0} for r in rows]
+    got = cv.variant_sentences(rows)
+    assert len(got) == 3  # compile, graph, fp8 graph; no defer row
+    compile_, graph, fp8 = got
+    assert compile_.startswith("Each layer torch.compiled (ours-bf16-compile")
+    assert "the speed of ours-bf16" in compile_ and cv.READINGS["compile", "slower"] in compile_
+    assert "level with ours-bf16" in graph and cv.READINGS["graph", "level"] in graph
+    assert "faster than ours-fp8" in fp8 and cv.READINGS["graph", "faster"] in fp8
+
+
 def test_failed_rows_are_never_picked():
     rows = [row("ours-bf16-m32", error="OutOfMemoryError: ..."), row("ours-bf16", moments="bf16")]
     assert cv.pick_bf16(rows)["exact"] is None
@@ -380,3 +402,20 @@ def test_targets_judge_fp8_against_each_peer_and_7b_by_mfu():
     assert "×1.50" in line["1.45 × hf-torchao"] and line["1.45 × hf-torchao"].endswith(
         "| yes |")
     assert "56.0%" in line["55%"] and "×1.20" in line["1.13 ×"]
+
+
+def test_fp8_profile_words_read_both_profiles():
+    def prof(setup, **ms):
+        return ([{"kind": "class", "setup": setup, "kernel_class": k.replace("_", "/"),
+                  "ms": v} for k, v in ms.items()]
+                + [{"kind": "step", "setup": setup, "profiled_step_ms": sum(ms.values())}])
+    rows = (prof("best", GEMM=250.0, attention=38.0, optimizer=13.0, copies_casts=2.0,
+                 norm=4.0)
+            + prof("best-fp8", GEMM=142.0, attention=39.0, optimizer=13.0,
+                   copies_casts=12.0, norm=4.0))
+    got = cv.fp8_profile_words(rows)
+    assert "GEMMs take 142 ms against 250 in bf16 (×1.76 faster)" in got
+    assert "copies and casts 12 ms against 2" in got
+    assert "the fp8 step spends 16 ms and the bf16 step 6" in got
+    assert "take 210 and 307 ms" in got
+    assert cv.fp8_profile_words(prof("best", GEMM=1.0)) is None

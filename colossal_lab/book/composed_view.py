@@ -224,6 +224,66 @@ def level_words(a: dict, b: dict) -> str:
         f"×{c.speedup:.2f} the speed of"
 
 
+STEP_VARIANTS = (
+    ("ours-bf16-compile", "compile", "each layer torch.compiled"),
+    ("ours-bf16-graph", "graph", "the whole step replayed as one CUDA graph"),
+    ("ours-bf16-defer", "defer", "AdamW's update run on a side stream during the next "
+                                 "step's forward"),
+    ("ours-fp8-graph", "graph", "the fp8 step replayed as one CUDA graph"),
+)
+"""The variants of the full step that section 6 judges: (setup, kind, what it does)."""
+
+READINGS = {
+    ("compile", "faster"): "the compiler still finds element-wise glue to fuse between "
+                           "our kernels",
+    ("compile", "level"): "the compiler finds little left to fuse between our kernels",
+    ("compile", "slower"): "the compiler finds nothing left to fuse, and the kernels it "
+                           "generates run slower than ours",
+    ("graph", "faster"): "replaying the step closes gaps between kernel launches that the "
+                         "host left open",
+    ("graph", "level"): "the GPU already runs ahead of the host for nearly the whole step, "
+                        "so a graph has few launch gaps to close",
+    ("graph", "slower"): "the replay costs more than the launch gaps it closes",
+    ("defer", "faster"): "part of the optimizer's memory traffic hides under the next "
+                         "forward",
+    ("defer", "level"): "the optimizer's memory traffic does not hide under the forward "
+                        "measurably",
+    ("defer", "slower"): "the optimizer beside the forward slows the forward more than it "
+                         "hides",
+}
+"""What a variant's verdict means, by kind and verdict (`compare.Comparison.verdict`)."""
+
+
+def variant_peer(row: dict, rows: list[dict]) -> dict | None:
+    """The step a variant is judged against: the same step without it. For the fp8 graph,
+    the plain fp8 row ("ours-fp8"); for a bf16 variant, the plain bf16 row with the same
+    AdamW moments (`same_moments_peer`)."""
+    if str(row.get("setup")).startswith("ours-fp8"):
+        return by_setup(rows).get("ours-fp8")
+    return same_moments_peer(row, rows)
+
+
+def variant_sentences(rows: list[dict]) -> list[str]:
+    """One sentence per variant of `STEP_VARIANTS` on record: what it does, its verdict
+    against the same step without it by the p10-p90 rule, and what that verdict means
+    (`READINGS`). A variant without a peer, or that failed, is left out."""
+    by = by_setup(rows)
+    out = []
+    for name, kind, what in STEP_VARIANTS:
+        r = by.get(name)
+        peer = variant_peer(r, rows) if r is not None else None
+        if r is None or peer is None:
+            continue
+        c = compare.versus(r, peer)
+        verdict = "level" if c.level else ("faster" if c.speedup > 1 else "slower")
+        moments = (f", AdamW moments in {r['optimizer_moments']}"
+                   if r.get("optimizer_moments") else "")
+        out.append(f"{what[0].upper()}{what[1:]} ({name}{moments}): "
+                   f"{level_words(r, peer)} {peer['setup']}, the same step without it: "
+                   f"{READINGS[kind, verdict]}.")
+    return out
+
+
 def headline_rows(rows: list[dict]) -> list[dict]:
     """The bf16 rows of the headline figure, each with a `name` for the chart: the
     peer, ours before and after this chapter's kernels, and the two optimizers."""
@@ -363,6 +423,34 @@ def profile_table(rows: list[dict], ours: str = "best", theirs: str = "hf-liger"
                        "diff": "+.1f"},
                  headers={"kernel_class": "kernel class", "ours": f"{ours} (ms/step)",
                           "theirs": f"{theirs} (ms/step)", "diff": f"{ours} − {theirs}"})
+
+
+def profile_classes(rows: list[dict], setup: str) -> dict[str, float]:
+    """{kernel class: ms a step} of `setup` in a `profile_breakdown` run's rows."""
+    return {r["kernel_class"]: r["ms"] for r in rows
+            if r.get("kind") == "class" and r.get("setup") == setup}
+
+
+def fp8_profile_words(rows: list[dict], fp8: str = "best-fp8", bf16: str = "best"
+                      ) -> str | None:
+    """What fp8 changes in our step, from the profiles of both (ms a step by class): the
+    GEMMs, the copies and casts, and what is left outside the GEMMs, the attention and
+    the optimizer (the step's floor's parts); None unless both were profiled."""
+    a, b = profile_classes(rows, fp8), profile_classes(rows, bf16)
+    step = {r["setup"]: r for r in rows if r.get("kind") == "step"}
+    if not a or not b or fp8 not in step or bf16 not in step:
+        return None
+    floor_parts = ("GEMM", "attention", "optimizer")
+    rest_a = sum(v for k, v in a.items() if k not in floor_parts)
+    rest_b = sum(v for k, v in b.items() if k not in floor_parts)
+    ga, gb = a.get("GEMM", 0.0), b.get("GEMM", 0.0)
+    return (f"In fp8 our step's GEMMs take {ga:.0f} ms against {gb:.0f} in bf16 "
+            f"(×{gb / ga:.2f} faster), and the copies and casts {a.get('copies/casts', 0):.0f} "
+            f"ms against {b.get('copies/casts', 0):.0f}: each fp8 linear casts its input, "
+            f"its weight and its output's gradient, with their scales. Outside the GEMMs, "
+            f"the attention and the optimizer, the fp8 step spends {rest_a:.0f} ms and the "
+            f"bf16 step {rest_b:.0f}; under the profiler the steps take "
+            f"{step[fp8]['profiled_step_ms']:.0f} and {step[bf16]['profiled_step_ms']:.0f} ms.")
 
 
 GOALS = (("exact", "tokens/s ≥ 1.13 × hf-liger's", 1.13, "ratio", "hf-liger"),
