@@ -419,3 +419,19 @@ def test_fp8_profile_words_read_both_profiles():
     assert "the fp8 step spends 16 ms and the bf16 step 6" in got
     assert "take 210 and 307 ms" in got
     assert cv.fp8_profile_words(prof("best", GEMM=1.0)) is None
+
+
+def test_optimizer_share_words_scale_by_parameters_and_tokens():
+    opt = [{"provider": "ours-master", "bytes_per_param": 28, "gbps": 4000.0},
+           {"provider": "ours-master-m16", "bytes_per_param": 20, "gbps": 4000.0}]
+    big = row("ours-7b-bf16", preset="llama-7b", n_params=6.0e9, batch=2, step_ms=600.0,
+              mfu=0.54)
+    small = row("ours-bf16", n_params=2.0e9, step_ms=300.0, mfu=0.60)
+    assert cv.optimizer_ms(big, opt) == pytest.approx(42.0)
+    assert cv.optimizer_ms({**big, "optimizer_moments": "bf16"}, opt) == pytest.approx(30.0)
+    words = cv.optimizer_share_words(big, small, opt)
+    assert "about 42 ms of the full model's 600 ms step (7%)" in words
+    assert "against 14 ms of the 8-layer model's 300 (5%)" in words
+    assert "3.0× the parameters after 0.5× the tokens" in words
+    assert "(54.0% against 60.0%)" in words
+    assert cv.optimizer_share_words(big, small, opt[1:]) is None

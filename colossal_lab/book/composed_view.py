@@ -453,6 +453,38 @@ def fp8_profile_words(rows: list[dict], fp8: str = "best-fp8", bf16: str = "best
             f"{step[fp8]['profiled_step_ms']:.0f} and {step[bf16]['profiled_step_ms']:.0f} ms.")
 
 
+OPTIMIZER_PROVIDER = {EXACT: "ours-master", ROUNDED: "ours-master-m16"}
+"""The `bench optimizer` row of our AdamW with fp32 masters, by the moments it keeps."""
+
+
+def optimizer_ms(row: dict, opt_rows: list[dict]) -> float | None:
+    """AdamW's time in a step of `row`, estimated from `bench optimizer`: the bytes a
+    parameter our AdamW moves with `row`'s moments, times `row`'s parameters, at the
+    rate that benchmark measured for it (GB/s); None without that row."""
+    provider = OPTIMIZER_PROVIDER.get(row.get("optimizer_moments"))
+    o = next((r for r in opt_rows if r.get("provider") == provider and "gbps" in r), None)
+    if o is None or not row.get("n_params"):
+        return None
+    return row["n_params"] * o["bytes_per_param"] / (o["gbps"] * 1e9) * 1e3
+
+
+def optimizer_share_words(big: dict, small: dict, opt_rows: list[dict]) -> str | None:
+    """Why the full model's MFU sits below the 8-layer model's, in part: AdamW's share of
+    each step (`optimizer_ms`), which grows with parameters per token."""
+    a, b = optimizer_ms(big, opt_rows), optimizer_ms(small, opt_rows)
+    if a is None or b is None:
+        return None
+    tok_a, tok_b = big["batch"] * big["seq_len"], small["batch"] * small["seq_len"]
+    return (f"AdamW's update alone, at the rate `bench optimizer` measured for it, takes "
+            f"about {a:.0f} ms of the full model's {big['step_ms']:.0f} ms step "
+            f"({a / big['step_ms']:.0%}), against {b:.0f} ms of the 8-layer model's "
+            f"{small['step_ms']:.0f} ({b / small['step_ms']:.0%}): the full model updates "
+            f"{big['n_params'] / small['n_params']:.1f}× the parameters after "
+            f"{tok_a / tok_b:.2g}× the tokens. That share is time without model FLOPs, "
+            f"and a part of the gap between the two MFUs "
+            f"({big['mfu']:.1%} against {small['mfu']:.1%}).")
+
+
 GOALS = (("exact", "tokens/s ≥ 1.13 × hf-liger's", 1.13, "ratio", "hf-liger"),
          ("ours-fp8", "tokens/s ≥ 1.70 × hf-liger's", 1.70, "ratio", "hf-liger"),
          ("ours-fp8", "tokens/s ≥ 1.45 × hf-torchao-fp8's", 1.45, "ratio",
