@@ -197,6 +197,12 @@ def main() -> None:
     out["check"] = [check_paths(t, d, i, s) for s in ("delayed", "dynamic")]
     out["time_mlp"] = {s: time_paths(t, d, i, s, a.reps) for s in ("delayed", "dynamic")}
     out["time_kernels"] = time_kernels(t, i, a.reps)
+    from colossal_lab.kernels import swiglu_fp8
+
+    out["tiles_chosen"] = {  # the autotuner's pick for the last shape each kernel ran
+        k: str(getattr(getattr(swiglu_fp8, k), "best_config", None))
+        for k in ("_swiglu_fp8_forward_kernel", "_swiglu_fp8_backward_kernel")}
+    print("tiles", out["tiles_chosen"], flush=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
 

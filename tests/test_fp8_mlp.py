@@ -402,3 +402,53 @@ def test_fused_equals_composed_on_the_gpu(scaling, tokens):
         for a, b, what in zip(*outs, ("y", "dx", "dW_gate_up", "dW_down")):
             _same(a, b, f"{what} step {step}")
         _same_histories(fused, comp)
+
+
+@requires_cuda  # compiled tiles: `make test-gpu`
+@pytest.mark.parametrize("shape", [(1000, 1376), (37, 80), (4096, 2752)])
+def test_every_tile_writes_the_same_bits_on_the_gpu(shape):
+    """Whatever tile the autotuner picks, the fused kernels write the same fp8 bytes
+    (both layouts), inverse scale and amax: each tile of `TILES` against the first, in
+    the forward and the backward, with a history smaller than the values (saturation)."""
+    t, i = shape
+    gu = (torch.randn(t, 2 * i, device="cuda") * 3).bfloat16()
+    dh = (torch.randn(t, i, device="cuda") * 3).bfloat16()
+    src = torch.tensor([0.25, 2.0, 1.0], device="cuda")
+    runs = {}
+    for tile in swiglu_fp8.TILES:
+        fa, ba = (torch.zeros(1, device="cuda") for _ in range(2))
+        fwd = swiglu_fp8.swiglu_fp8_forward(gu, E4, src, amax_out=fa, tile=tile)
+        bwd = swiglu_fp8.swiglu_fp8_backward(dh, gu, E5, src, amax_out=ba, tile=tile)
+        runs[tile] = (*fwd, fa, *bwd, ba)
+    auto_fa, auto_ba = (torch.zeros(1, device="cuda") for _ in range(2))
+    runs["autotuned"] = (*swiglu_fp8.swiglu_fp8_forward(gu, E4, src, amax_out=auto_fa),
+                         auto_fa,
+                         *swiglu_fp8.swiglu_fp8_backward(dh, gu, E5, src, amax_out=auto_ba),
+                         auto_ba)
+    ref = runs.pop(swiglu_fp8.TILES[0])
+    names = ("h", "hT", "h inv", "h amax", "d", "dT", "d inv", "d amax")
+    for tile, out in runs.items():
+        for a, b, what in zip(out, ref, names):
+            assert torch.equal(a.view(torch.uint8) if a.dtype in (E4, E5) else a,
+                               b.view(torch.uint8) if b.dtype in (E4, E5) else b), \
+                (tile, what)
+
+
+@pytest.mark.parametrize("tile", [(64, 128, 4), (128, 64, 4), (64, 256, 8)])
+def test_a_chosen_tile_writes_what_the_default_writes(tile):
+    """The tile bypass (`tile=`) with a tile other than the interpreter's: the same fp8
+    bytes, inverse scale and amax as the default tile, forward and backward, on a shape
+    that leaves partial tiles both ways."""
+    torch.manual_seed(3)
+    gu, dh = torch.randn(70, 2 * 90) * 3, torch.randn(70, 90) * 3
+    src = torch.tensor([0.25, 2.0, 1.0])
+    outs = []
+    for t in (None, tile):
+        fa, ba = torch.zeros(1), torch.zeros(1)
+        f = swiglu_fp8.swiglu_fp8_forward(gu, E4, src, amax_out=fa, use_triton=True, tile=t)
+        b = swiglu_fp8.swiglu_fp8_backward(dh, gu, E5, src, amax_out=ba, use_triton=True,
+                                           tile=t)
+        outs.append((*f, fa, *b, ba))
+    for a, b, what in zip(*outs, ("h", "hT", "h inv", "h amax", "d", "dT", "d inv",
+                                  "d amax")):
+        _same(a, b, what)

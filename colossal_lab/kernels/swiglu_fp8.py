@@ -40,8 +40,13 @@ max(amax source) by IEEE division, program (0, 0) writes its inverse, values cla
 and under the interpreter the value is first rounded to the fp8 grid in fp32
 (`_round_to_fp8_grid`) so the CPU conversion is exact.
 
-Tiles are (BLOCK_R, BLOCK_C) = (64, 64) of h with 4 warps, the cast kernel's: square,
-so the transposed store is as wide as the load.
+Tiles are (BLOCK_R, BLOCK_C) of h, chosen on the GPU by Triton's autotuner among
+`TILES` for each (tokens, width, outputs written): the first call of a shape times each
+tile and keeps the fastest. The kernels stream (forward) 4 bytes of [gate | up] in and
+2 bytes of fp8 out per element of h, (backward) 6 bytes in and 4 out, so they should run
+near the copy rate; which tile gets there depends on the card and the width. The outputs
+do not depend on the tile, bit for bit: every element is computed on its own, and the
+amax is a max. Under the interpreter only the first tile is used.
 """
 
 from __future__ import annotations
@@ -63,8 +68,14 @@ from colossal_lab.kernels.fp8_cast import (
     padded,
 )
 
-BLOCK_R, BLOCK_C, NUM_WARPS = 64, 64, 4
-"""Tile of h (tokens x columns of one half) and warps per program."""
+TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8),
+         (64, 256, 8))
+"""(BLOCK_R, BLOCK_C, num_warps) the autotuner chooses among: a tile of h (tokens x
+columns of one half) and the warps per program. The first is the square tile of the cast
+kernel (`fp8_cast`), whose transposed store is as wide as its load."""
+_CONFIGS = [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
+            for r, c, w in (TILES[:1] if INTERPRET else TILES)]
+_TUNE_KEY = ["n_rows", "n_cols", "WRITE_Q", "WRITE_QT", "WRITE_AMAX"]
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -79,6 +90,7 @@ def _gate_up(GU, rows, cols, mask, stride_gu, n_cols):
     return g, u
 
 
+@triton.autotune(configs=_CONFIGS, key=_TUNE_KEY)
 @triton.jit
 def _swiglu_fp8_forward_kernel(
     GU,  # (n_rows, 2·n_cols) input [gate | up], row stride stride_gu, unit column stride
@@ -123,6 +135,7 @@ def _swiglu_fp8_forward_kernel(
         _store_both(Q, QT, q, rows, cols, mask, n_cols, n_cols, ld_qt, WRITE_Q, WRITE_QT)
 
 
+@triton.autotune(configs=_CONFIGS, key=_TUNE_KEY)
 @triton.jit
 def _swiglu_fp8_backward_kernel(
     DH,  # (n_rows, n_cols) gradient of h, row stride stride_dh, unit column stride
@@ -199,9 +212,10 @@ def _unit_cols(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(kernel, tensors: tuple, strides: tuple, gu, n_out_cols: int, dtype, amax_src,
-            amax_out, write_q: bool, write_qt: bool, ld: int):
+            amax_out, write_q: bool, write_qt: bool, ld: int, tile=None):
     """Run `kernel` over h's tiles; returns (q, qt, inv_scale). Without writes (the
-    amax pass) the grid covers the tokens only; with the transposed copy, its padding."""
+    amax pass) the grid covers the tokens only; with the transposed copy, its padding.
+    `tile` (BLOCK_R, BLOCK_C, num_warps) bypasses the autotuner (tests, probes)."""
     rows, i = gu.shape[0], gu.shape[1] // 2
     fp8_max, mant, min_exp = _format(dtype)
     dev = gu.device
@@ -216,33 +230,40 @@ def _launch(kernel, tensors: tuple, strides: tuple, gu, n_out_cols: int, dtype, 
     passes = ((write_q, False), (False, True)) \
         if gu.dtype == torch.float32 and write_q and write_qt and gu.is_cuda \
         else ((write_q, write_qt),)
+    fixed = {} if tile is None else {"BLOCK_R": tile[0], "BLOCK_C": tile[1],
+                                     "num_warps": tile[2]}
+    run = kernel if tile is None else kernel.fn  # the autotuner, or its kernel as is
     for n, (wq, wqt) in enumerate(passes):
         with_amax = amax_out is not None and n == 0
-        grid = (triton.cdiv(ld if wqt else rows, BLOCK_R), triton.cdiv(i, BLOCK_C))
-        if grid[0] == 0 or grid[1] == 0:
+        n_tiled = ld if wqt else rows
+        if n_tiled == 0 or i == 0:
             continue
-        kernel[grid](
+
+        def grid(meta, n_tiled=n_tiled):
+            return triton.cdiv(n_tiled, meta["BLOCK_R"]), triton.cdiv(i, meta["BLOCK_C"])
+
+        run[grid](
             *tensors, dummy if q is None else q, dummy if qt is None else qt, src, inv,
             amax_out if with_amax else inv, *strides, rows, i, ld, src.numel(),
             FP8_MAX=fp8_max, MANT_BITS=mant, MIN_EXP=min_exp, EPS=EPS,
             WRITE_Q=wq, WRITE_QT=wqt, WRITE_AMAX=with_amax,
             ROUND_IN_FP32=INTERPRET or not gu.is_cuda,
-            BLOCK_SRC=triton.next_power_of_2(max(src.numel(), 2)),
-            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
+            BLOCK_SRC=triton.next_power_of_2(max(src.numel(), 2)), **fixed)
     return q, qt, inv
 
 
 def swiglu_fp8_forward(gu: torch.Tensor, dtype: torch.dtype, amax_src: torch.Tensor, *,
                        write_q: bool = True, write_qt: bool = True, pad_to: int = 16,
                        amax_out: torch.Tensor | None = None,
-                       use_triton: bool | None = None):
+                       use_triton: bool | None = None, tile=None):
     """h = silu(gate) · up of gu (T, 2i), cast to fp8 `dtype` with scale = fp8_max /
     max(amax_src), without writing h.
 
     Returns `(q, qt, inv_scale)` as `fp8_cast_transpose(h)` does: q (T, i) or None, qt
     (i, T_pad) (rows T..T_pad-1 of hᵀ zero) or None, inv_scale (1,) fp32. With
     `amax_out` (a zeroed (1,) fp32 tensor), max |h| is reduced into it in the same pass.
-    Kernel on CUDA (`use_triton=None`), torch ops elsewhere; True forces the kernel."""
+    Kernel on CUDA (`use_triton=None`), torch ops elsewhere; True forces the kernel.
+    `tile` (one of `TILES`) runs that tile instead of the autotuner's choice."""
     i = _check(gu)
     ld = padded(gu.shape[0], pad_to)
     if not _use_triton(gu, use_triton):
@@ -250,7 +271,7 @@ def swiglu_fp8_forward(gu: torch.Tensor, dtype: torch.dtype, amax_src: torch.Ten
                            write_qt, ld, amax_out)
     gu = _unit_cols(gu)
     return _launch(_swiglu_fp8_forward_kernel, (gu,), (gu.stride(0),), gu, i, dtype,
-                   amax_src, amax_out, write_q, write_qt, ld)
+                   amax_src, amax_out, write_q, write_qt, ld, tile)
 
 
 def swiglu_fp8_forward_amax(gu: torch.Tensor, *, use_triton: bool | None = None):
@@ -270,11 +291,12 @@ def swiglu_fp8_backward(dh: torch.Tensor, gu: torch.Tensor, dtype: torch.dtype,
                         amax_src: torch.Tensor, *, write_q: bool = True,
                         write_qt: bool = True, pad_to: int = 16,
                         amax_out: torch.Tensor | None = None,
-                        use_triton: bool | None = None):
+                        use_triton: bool | None = None, tile=None):
     """The SwiGLU's input gradient d(gu) = [dg | du] (T, 2i) from dh (T, i) and the
     forward's gu, cast to fp8 `dtype` with scale = fp8_max / max(amax_src), without
     writing d(gu). Returns `(q, qt, inv_scale)`: q (T, 2i), qt (2i, T_pad), as
-    `fp8_cast_transpose(d(gu))` does; `amax_out` receives max |d(gu)|."""
+    `fp8_cast_transpose(d(gu))` does; `amax_out` receives max |d(gu)|; `tile` as in
+    `swiglu_fp8_forward`."""
     _check(gu, dh)
     ld = padded(gu.shape[0], pad_to)
     if not _use_triton(gu, use_triton):
@@ -282,7 +304,7 @@ def swiglu_fp8_backward(dh: torch.Tensor, gu: torch.Tensor, dtype: torch.dtype,
                            amax_src, write_q, write_qt, ld, amax_out)
     dh, gu = _unit_cols(dh), _unit_cols(gu)
     return _launch(_swiglu_fp8_backward_kernel, (dh, gu), (dh.stride(0), gu.stride(0)), gu,
-                   gu.shape[1], dtype, amax_src, amax_out, write_q, write_qt, ld)
+                   gu.shape[1], dtype, amax_src, amax_out, write_q, write_qt, ld, tile)
 
 
 def swiglu_fp8_backward_amax(dh: torch.Tensor, gu: torch.Tensor, *,
