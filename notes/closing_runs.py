@@ -7,9 +7,9 @@ the library.
 
 Between calls, keep the files it brought back in the working tree WITHOUT committing them
 (HEAD must stay the commit they were measured at, or the next call would measure them
-again); copy `<slug>/*.json` to results/<slug>/ and `<slug>-partial/*.json` to
-results/<slug>/partial/ (a partial `composed` continues with `--resume`). Commit them all
-once every step is done.
+again): `python notes/closing_runs.py --copy-back <files_at>` copies `<slug>/*.json` to
+results/<slug>/ and `<slug>-partial/*.json` to results/<slug>/partial/ (a partial
+`composed` continues with `--resume`). Commit them all once every step is done.
 
 A step is done when results/<slug>/<name>.json records this commit (`provenance.git_sha`).
 A step starts only if its estimate fits the time left, except a resumable one, which
@@ -58,6 +58,24 @@ def copy_out(out: Path, slug: str, name: str) -> None:
             shutil.copy2(src, dst / src.name)
 
 
+def copy_back(files_at: Path) -> list[Path]:
+    """Here, after a call: every `<slug>/*.json` and `<slug>-partial/*.json` under
+    `files_at` into results/<slug>/ and results/<slug>/partial/, for the slugs that
+    results/ already has (a probe's folder is left alone); the paths written."""
+    written = []
+    for folder in sorted(p for p in files_at.iterdir() if p.is_dir()):
+        slug, partial = (folder.name[:-len("-partial")], True) \
+            if folder.name.endswith("-partial") else (folder.name, False)
+        if not (ROOT / "results" / slug).is_dir():
+            continue
+        dst = ROOT / "results" / slug / ("partial" if partial else "")
+        for src in sorted(folder.glob("*.json")):
+            dst.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst / src.name)
+            written.append(dst / src.name)
+    return written
+
+
 def run_step(argv: list[str], timeout_s: float) -> int:
     """Run `python -m colossal_lab bench ...` in its own process group; past
     `timeout_s`, stop the whole group (the benchmark's per-setup children too)."""
@@ -76,11 +94,19 @@ def run_step(argv: list[str], timeout_s: float) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="where the files are copied")
+    p.add_argument("--out", type=Path, help="where the files are copied")
+    p.add_argument("--copy-back", type=Path, metavar="FILES_AT",
+                   help="here, after a call: copy the files it brought back into results/")
     p.add_argument("--budget-s", type=float, default=560, help="seconds this call may use")
     p.add_argument("--slug", default=None, help="results folder (default: this GPU's)")
     p.add_argument("--dry-run", action="store_true", help="say what would run")
     a = p.parse_args()
+    if a.copy_back is not None:
+        for path in copy_back(a.copy_back):
+            print(f"[closing] {path.relative_to(ROOT)}")
+        return
+    if a.out is None:
+        p.error("--out is required (or --copy-back FILES_AT)")
     start = time.monotonic()
     sha = os.environ.get("COLOSSAL_LAB_GIT_SHA")
     if not sha:
