@@ -435,3 +435,15 @@ def test_optimizer_share_words_scale_by_parameters_and_tokens():
     assert "3.0× the parameters after 0.5× the tokens" in words
     assert "(54.0% against 60.0%)" in words
     assert cv.optimizer_share_words(big, small, opt[1:]) is None
+
+
+def test_comparison_verdict_follows_the_p10_p90_rule():
+    from colossal_lab.measure import compare
+
+    base = row("b", step_ms=300.0, step_ms_p10=295.0, step_ms_p90=305.0)
+    assert compare.versus(row("a", step_ms=302.0), base).verdict == "level"
+    fast = row("f", step_ms=250.0, step_ms_p10=248.0, step_ms_p90=252.0)
+    slow = row("s", step_ms=350.0, step_ms_p10=348.0, step_ms_p90=352.0)
+    assert compare.versus(fast, base).verdict == "faster"
+    assert compare.versus(slow, base).verdict == "slower"
+    assert "x0.857 (slower" in str(compare.versus(slow, base))

@@ -94,7 +94,7 @@ def spot_row(check: str, recorded: dict, provenance: dict, now: dict) -> dict:
     c = compare.versus(now, recorded)
     out["speedup_vs_recorded"] = c.speedup
     out["level"] = c.level
-    out["verdict"] = "level" if c.level else ("faster" if c.speedup > 1 else "slower")
+    out["verdict"] = c.verdict
     return out
 
 
@@ -193,7 +193,7 @@ def pair_row(check: str, round_: int, old_commit: str | None, old: dict,
     c = compare.versus(new, old)  # old / new
     out["speedup_new_vs_old"] = c.speedup
     out["level"] = c.level
-    out["verdict"] = "level" if c.level else ("faster" if c.speedup > 1 else "slower")
+    out["verdict"] = c.verdict
     return out
 
 

@@ -274,8 +274,7 @@ def variant_sentences(rows: list[dict]) -> list[str]:
         peer = variant_peer(r, rows) if r is not None else None
         if r is None or peer is None:
             continue
-        c = compare.versus(r, peer)
-        verdict = "level" if c.level else ("faster" if c.speedup > 1 else "slower")
+        verdict = compare.versus(r, peer).verdict
         moments = (f", AdamW moments in {r['optimizer_moments']}"
                    if r.get("optimizer_moments") else "")
         out.append(f"{what[0].upper()}{what[1:]} ({name}{moments}): "

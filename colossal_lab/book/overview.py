@@ -168,7 +168,7 @@ class Entry:
         if c is None:
             return "–"
         few = f", under {compare.MIN_STEPS} steps timed" if c.few_steps else ""
-        return f"×{c.speedup:.2f} {_word(c)}{few}"
+        return f"×{c.speedup:.2f} {c.verdict}{few}"
 
     @property
     def memory(self) -> str:
@@ -176,11 +176,6 @@ class Entry:
         if not self.ok or self.off.peak_mem_gib is None or self.on.peak_mem_gib is None:
             return "–"
         return f"{self.off.peak_mem_gib:.1f} → {self.on.peak_mem_gib:.1f} GiB"
-
-
-def _word(c: compare.Comparison) -> str:
-    """"level" inside the p10-p90 noise, else "faster" or "slower"."""
-    return "level" if c.level else ("faster" if c.speedup > 1 else "slower")
 
 
 def entry(chapter: Chapter, res: results.Results | None, missing: str | None = None) -> Entry:
@@ -344,7 +339,7 @@ def _annotation(e: Entry, role: str, p: Point) -> str:
     if role == "off":
         return f"{p.mfu:.1%}"
     c = e.comparison
-    text = f"{p.mfu:.1%}  ×{c.speedup:.2f} {_word(c)}"
+    text = f"{p.mfu:.1%}  ×{c.speedup:.2f} {c.verdict}"
     if c.few_steps:
         text += " (few steps)"
     if e.chapter.trades_memory and e.off.peak_mem_gib and p.peak_mem_gib:

@@ -26,10 +26,14 @@ class Comparison:
     few_steps: bool
     """One side timed fewer than `MIN_STEPS` steps: its spread is not trustworthy."""
 
+    @property
+    def verdict(self) -> str:
+        """"level", "faster" or "slower": `a` against `b` by the p10-p90 rule."""
+        return "level" if self.level else ("faster" if self.speedup > 1 else "slower")
+
     def __str__(self) -> str:
-        verdict = "level" if self.level else ("faster" if self.speedup > 1 else "slower")
         note = f", fewer than {MIN_STEPS} steps timed" if self.few_steps else ""
-        return f"{self.a} vs {self.b}: x{self.speedup:.3f} ({verdict}{note})"
+        return f"{self.a} vs {self.b}: x{self.speedup:.3f} ({self.verdict}{note})"
 
 
 def _range(row: dict) -> tuple[float, float]:
