@@ -1,0 +1,40 @@
+"""Full LLaMA-7B (`ours-7b-bf16` of `benchmarks.composed`: every switch, AdamW exact)
+at batch 2 and batch 3, each in its own process, in one run: does batch 3 fit the H200
+with the fewest checkpointed layers `auto_ratio` picks, what peak does it reach against
+the memory model's prediction, and what MFU does it buy? A working tool for
+notes/finale.md (the 7B row's 0.55 MFU target), not a results file.
+
+    python notes/probe_7b_batch.py OUT.json [--batches 2 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from colossal_lab.benchmarks import composed, steps
+
+KEYS = ("batch", "step_ms", "step_ms_p10", "step_ms_p90", "tokens_per_s", "mfu",
+        "peak_mem_gib", "predicted_peak_gib", "auto_ratio_ckpt_layers", "ckpt_layers",
+        "activation_mem_gib", "mem_before_gib", "mem_fixed_gib", "mem_per_sample_none_gib",
+        "mem_per_sample_full_gib", "mem_capacity_gib", "sm_clock_mhz", "power_w", "error")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--batches", type=int, nargs="+", default=[2, 3])
+    args = ap.parse_args()
+    base = next(s for s in composed.SETUPS if s.name == "ours-7b-bf16")
+    rows = []
+    for b in args.batches:
+        row = steps.measure_isolated(dataclasses.replace(base, batch=b), "llama-7b", 4096, b)
+        rows.append(row)
+        print({k: row.get(k) for k in KEYS if k in row}, flush=True)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
