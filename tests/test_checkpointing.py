@@ -387,29 +387,35 @@ def test_setup_json_round_trip():
 
 
 class FakeProber:
-    """Stands in for the GPU allocator: peak = fixed + batch · per-sample memory of the
-    model's current checkpoint config; out of memory above `real_gib`."""
+    """Stands in for the GPU allocator. A step allocates `fixed` before the forward,
+    activations of `none` (`full`) a sequence with no (every) layer checkpointed, and
+    `grads` of gradients by the end of the backward: the peak is the larger of the
+    backward's start (fixed + batch · activations) and its end (fixed + grads + batch ·
+    full). Out of memory above `real_gib`."""
 
     available = True
 
-    def __init__(self, model, cfg, seq_len, *, fixed=10.0, none=2.0, full=0.5, real_gib=30.0):
+    def __init__(self, model, cfg, seq_len, *, fixed=10.0, none=2.0, full=0.5, grads=0.0,
+                 real_gib=30.0):
         self.model, self.cfg, self.seq_len = model, cfg, seq_len
         self.device = torch.device("cpu")
         self.setup = steps.Setup("fake", "fake", switches=Switches.naive("fp32"))
         self.loss_fn = train.our_loss
         self.fixed, self.none, self.full, self.real = fixed, none, full, real_gib
+        self.grads = grads
         self.results = {}
         self.calls = []
 
     def __call__(self, batch):
         flags = ck.checkpointed(self.model)
         k, n = sum(flags), len(flags)
-        peak = self.fixed + batch * (self.none - k / n * (self.none - self.full))
+        act = batch * (self.none - k / n * (self.none - self.full))
+        peak = max(self.fixed + act, self.fixed + self.grads + batch * self.full)
         self.calls.append((batch, k))
         if peak > self.real:
             raise torch.cuda.OutOfMemoryError("fake: out of memory")
-        r = {"before": self.fixed - 1, "peak": peak, "activation": peak - self.fixed + 1,
-             "saved": peak - self.fixed, "per_layer": [0.1 * batch] * (n - 1)}
+        r = {"before": self.fixed, "peak": peak, "activation": peak - self.fixed,
+             "saved": act, "per_layer": [0.1 * batch] * (n - 1)}
         self.results[batch] = r
         return r
 
@@ -444,6 +450,40 @@ def test_auto_ratio_picks_fewest_layers(tiny_model, monkeypatch):
     assert out["mem_per_sample_none_gib"] == pytest.approx(2.0)
     assert out["mem_per_sample_full_gib"] == pytest.approx(0.5)
     assert probe.results == {}  # other configurations' probes are forgotten
+
+
+def test_auto_ratio_two_peaks(tiny_model, monkeypatch):
+    """Full LLaMA-7B with the exact optimizer on an H200, as measured: 75.4 GiB before
+    the forward, 12.0 GiB of gradients, 18.7 GiB of activations a sequence with no layer
+    checkpointed (0.76 with all). Without checkpointing the peak comes as the backward
+    starts (112.8 GiB at batch 2, 131.5 at batch 3): the model predicts it, where one
+    line from the all-checkpointed probes' intercept said 101 and 107."""
+    cfg, model, opt = tiny_model
+    monkeypatch.setattr(memory, "capacity_gib", lambda: 134.9)
+    kw = dict(fixed=75.4, none=18.7, full=0.76, grads=12.0, real_gib=300.0)
+    for batch, want_k, want_peak in ((2, 0, 75.4 + 2 * 18.7), (3, 0, 75.4 + 3 * 18.7)):
+        probe = FakeProber(model, cfg, 16, **kw)
+        out = memory.auto_ratio(probe, model, opt, batch=batch)
+        assert out["auto_ratio_ckpt_layers"] == want_k
+        assert out["predicted_peak_gib"] == pytest.approx(want_peak)
+        assert out["mem_base_gib"] == pytest.approx(75.4)
+        assert out["mem_fixed_gib"] == pytest.approx(75.4 + 12.0)
+    probe = FakeProber(model, cfg, 16, **kw)  # batch 4: 150.2 GiB unless a layer recomputes
+    out = memory.auto_ratio(probe, model, opt, batch=4)
+    assert out["auto_ratio_ckpt_layers"] == 1  # of tiny's 2: 75.4 + 4 · 9.73 = 114.3
+    assert out["predicted_peak_gib"] == pytest.approx(75.4 + 4 * (18.7 - (18.7 - 0.76) / 2))
+
+
+def test_memory_model_two_peaks():
+    """With `base`, the larger of the backward's start and its end; without, one line."""
+    one = memory.MemoryModel(87.4, 18.7, 0.76, 32, 134.9)
+    two = memory.MemoryModel(87.4, 18.7, 0.76, 32, 134.9, base_gib=75.4)
+    assert one.peak(2, 0) == pytest.approx(87.4 + 37.4)
+    assert two.peak(2, 0) == pytest.approx(75.4 + 37.4)  # the start: no gradients yet
+    assert two.peak(2, 32) == pytest.approx(87.4 + 1.52)  # the end: every gradient
+    assert two.min_ckpt_layers(3) == 0 and one.min_ckpt_layers(3) > 0
+    assert [two.peak(4, k) for k in range(33)] == sorted(
+        (two.peak(4, k) for k in range(33)), reverse=True)
 
 
 def test_largest_batch_predicted_and_verified(tiny_model, monkeypatch):

@@ -437,6 +437,23 @@ def test_optimizer_share_words_scale_by_parameters_and_tokens():
     assert cv.optimizer_share_words(big, small, opt[1:]) is None
 
 
+def test_full_model_memory_words_with_and_without_both_peaks():
+    b7 = row("ours-7b-bf16", preset="llama-7b", batch=3, auto_ratio_ckpt_layers=0,
+             predicted_peak_gib=131.5, peak_mem_gib=130.8, mem_fixed_gib=87.4,
+             mem_base_gib=75.4, mem_per_sample_none_gib=18.7, mem_per_sample_full_gib=0.76,
+             mem_capacity_gib=134.9, ckpt_layers=0)
+    words = cv.full_model_memory_words(b7, 32)
+    assert "starts from (weights, fp32 masters, moments) at 75.4 GiB" in words
+    assert "18.7 GiB a sequence with no layer checkpointed" in words
+    assert "the gradients make 87.4 GiB" in words
+    assert "fit 135 GiB: 0 of 32, predicted peak 131.5 GiB" in words
+    assert "peaked at 130.8 GiB (-0.5% against the prediction)" in words
+    old = cv.full_model_memory_words({**b7, "mem_base_gib": None, "predicted_peak_gib": 100.7,
+                                      "peak_mem_gib": 112.5}, 32)
+    assert "fixed memory (weights, gradients, fp32 masters, moments) at 87.4 GiB" in old
+    assert "(+11.7% against the prediction)" in old
+
+
 def test_comparison_verdict_follows_the_p10_p90_rule():
     from colossal_lab.measure import compare
 

@@ -484,6 +484,31 @@ def optimizer_share_words(big: dict, small: dict, opt_rows: list[dict]) -> str |
             f"({big['mfu']:.1%} against {small['mfu']:.1%}).")
 
 
+def full_model_memory_words(row: dict, n_layers: int) -> str:
+    """What the memory probes of a full-model row (`Setup.auto_ratio`) said, what they
+    chose and how the timed run's peak compares. A row with `mem_base_gib` was fitted
+    with both of the step's peaks (`memory.MemoryModel`): what the step starts from plus
+    its activations as the backward starts, and the gradients at its end."""
+    k, pred, peak = row["auto_ratio_ckpt_layers"], row["predicted_peak_gib"], row["peak_mem_gib"]
+    if row.get("mem_base_gib") is not None:
+        probes = (f"The probes put what the step starts from (weights, fp32 masters, "
+                  f"moments) at {row['mem_base_gib']:.1f} GiB and the activations at "
+                  f"{row['mem_per_sample_none_gib']:.1f} GiB a sequence with no layer "
+                  f"checkpointed, which peak as the backward starts; at its end the "
+                  f"gradients make {row['mem_fixed_gib']:.1f} GiB, plus "
+                  f"{row['mem_per_sample_full_gib']:.2f} GiB a sequence with every layer "
+                  f"checkpointed.")
+    else:
+        probes = (f"The probes put the fixed memory (weights, gradients, fp32 masters, "
+                  f"moments) at {row['mem_fixed_gib']:.1f} GiB and "
+                  f"{row['mem_per_sample_full_gib']:.2f} GiB a sequence with every layer "
+                  f"checkpointed.")
+    return (f"{probes} The fewest checkpointed layers that fit "
+            f"{row['mem_capacity_gib']:.0f} GiB: {k} of {n_layers}, predicted peak "
+            f"{pred:.1f} GiB. The timed run checkpointed {row['ckpt_layers']} and peaked "
+            f"at {peak:.1f} GiB ({(peak - pred) / pred:+.1%} against the prediction).")
+
+
 GOALS = (("exact", "tokens/s ≥ 1.13 × hf-liger's", 1.13, "ratio", "hf-liger"),
          ("ours-fp8", "tokens/s ≥ 1.70 × hf-liger's", 1.70, "ratio", "hf-liger"),
          ("ours-fp8", "tokens/s ≥ 1.45 × hf-torchao-fp8's", 1.45, "ratio",

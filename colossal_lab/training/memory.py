@@ -3,7 +3,7 @@
 What the forward keeps, what one more sequence costs, the largest batch that fits and
 the fewest checkpointed layers that fit a batch.
 
-`MemoryModel` is the model: peak memory as a straight line in the batch.
+`MemoryModel` is the model: peak memory as straight lines in the batch.
 `benchmarks.steps.measure_one` uses the probes on a GPU (chapter 04): one extra forward +
 backward (`memory_probe`) records the activation memory (peak during forward+backward
 minus what was allocated just before the forward: parameters and optimizer states) and
@@ -45,7 +45,23 @@ class MemoryModel:
     states, workspaces); `none` / `full` the memory one more sequence costs with no / all
     L layers checkpointed. Fitted from a few measured passes (`auto_ratio`,
     `benchmarks.checkpointing`), it answers the two questions of chapter 04: how large a
-    batch fits, and the smallest number of checkpointed layers that fits a batch."""
+    batch fits, and the smallest number of checkpointed layers that fits a batch.
+
+    **Two peaks.** The step's peak comes at one of two moments. When the backward starts,
+    every activation the forward kept is alive and no gradient exists yet; when it
+    ends, every gradient exists and the activations are gone. With few layers
+    checkpointed the first is higher, with many the second. Given `base` (what is
+    allocated before the forward: weights, fp32 masters and optimizer states, no
+    gradients), the model takes the larger of two lines:
+
+        peak(batch, k) = max(base + batch · per_sample(k),  fixed + batch · full)
+
+    with `none` measured from `base`, and `fixed` and `full` from probes with every layer
+    checkpointed, whose peak is the second. One line from `fixed` with the first line's
+    slope, fitted through both probes, mixes the two moments: for full LLaMA-7B with the
+    exact optimizer (75 GiB before the forward, 12.5 GiB of bf16 gradients, 18 GiB of
+    activations a sequence without checkpointing) it predicted 101 GiB at batch 2 where
+    the step reached 112."""
 
     fixed_gib: float
     per_sample_none_gib: float
@@ -54,13 +70,19 @@ class MemoryModel:
     capacity_gib: float
     """What the allocator can hand out (device memory less the CUDA context), less a
     safety margin for fragmentation."""
+    base_gib: float | None = None
+    """Allocated before the forward (no gradients yet), where the first peak's line
+    starts. None: one line from `fixed_gib`."""
 
     def per_sample(self, ckpt_layers: int) -> float:
         saved = self.per_sample_none_gib - self.per_sample_full_gib
         return self.per_sample_none_gib - ckpt_layers / self.num_layers * saved
 
     def peak(self, batch: int, ckpt_layers: int) -> float:
-        return self.fixed_gib + batch * self.per_sample(ckpt_layers)
+        if self.base_gib is None:
+            return self.fixed_gib + batch * self.per_sample(ckpt_layers)
+        return max(self.base_gib + batch * self.per_sample(ckpt_layers),
+                   self.fixed_gib + batch * self.per_sample_full_gib)
 
     def largest_batch(self, ckpt_layers: int) -> int:
         """The largest batch whose peak fits (0 when not even one sequence does)."""
@@ -204,7 +226,8 @@ def _slope(a: dict, b: dict, ba: int, bb: int, key: str = "peak") -> float:
 def auto_ratio(probe: Prober, model, opt, batch: int) -> dict:
     """Set the fewest checkpointed layers (first of each stage, full recomputation)
     that fit `batch`, from probes at batch 1 and 2 with every layer checkpointed and at
-    batch 1 with none (`MemoryModel`). The checkpoint configs are applied through
+    batch 1 with none (`MemoryModel` with two peaks: the last probe gives `base` and
+    one sequence's activations). The checkpoint configs are applied through
     `apply_switches`, so `model.switches` says what was timed."""
     if not probe.available:
         return {}
@@ -226,13 +249,15 @@ def auto_ratio(probe: Prober, model, opt, batch: int) -> dict:
     set_ratio(0.0)
     none, _ = guarded(probe, 1, model=model)
     n_layers = len(inner.layers)
-    mm = MemoryModel(fixed, none["peak"] - fixed if none else float("inf"), full,
-                     n_layers, capacity_gib())
+    # none checkpointed peaks as the backward starts: a line from what the forward
+    # starts with, one sequence's activations a sequence (`MemoryModel`, two peaks)
+    mm = MemoryModel(fixed, none["activation"] if none else float("inf"), full,
+                     n_layers, capacity_gib(), base_gib=none["before"] if none else None)
     k = mm.min_ckpt_layers(batch) if none else n_layers
     k = n_layers if k is None else k
     set_ratio(k / n_layers)
     probe.results.clear()  # those were other configurations
-    return {"auto_ratio_ckpt_layers": k, "mem_fixed_gib": fixed,
+    return {"auto_ratio_ckpt_layers": k, "mem_fixed_gib": fixed, "mem_base_gib": mm.base_gib,
             "mem_per_sample_none_gib": mm.per_sample_none_gib if none else None,
             "mem_per_sample_full_gib": full, "mem_capacity_gib": mm.capacity_gib,
             "predicted_peak_gib": mm.peak(batch, k)}
