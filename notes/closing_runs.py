@@ -100,6 +100,9 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=560, help="seconds this call may use")
     p.add_argument("--slug", default=None, help="results folder (default: this GPU's)")
     p.add_argument("--dry-run", action="store_true", help="say what would run")
+    p.add_argument("--steps", nargs="+", choices=[st[0] for st in STEPS],
+                   default=[st[0] for st in STEPS],
+                   help="which steps this closing needs (default: all, in order)")
     a = p.parse_args()
     if a.copy_back is not None:
         for path in copy_back(a.copy_back):
@@ -115,7 +118,7 @@ def main() -> None:
         sys.path.insert(0, str(ROOT))
         from colossal_lab.measure import hardware
         a.slug = hardware.detect().slug
-    for name, args, estimate, resumable in STEPS:
+    for name, args, estimate, resumable in (st for st in STEPS if st[0] in a.steps):
         left = a.budget_s - (time.monotonic() - start)
         final = ROOT / "results" / a.slug / f"{name}.json"
         if recorded_sha(final) == sha:
