@@ -6,6 +6,7 @@ import pytest
 from colossal_lab.book import composed_view as cv
 from colossal_lab.book import floor_view as fv
 from colossal_lab.book import loss_check_view as lv
+from colossal_lab.book import paired_rows
 
 
 def row(setup, precision="bf16-pure", moments="fp32", preset="llama-7b-8l", **kw):
@@ -127,7 +128,7 @@ def test_pairs_of_a_bf16_moments_ours_do_not_make_the_headline():
 
 def test_one_row_a_setup_untagged_first_else_the_median_pair():
     rows = paired([1.20, 1.10, 1.15])
-    one = cv.one_per_setup(rows)
+    one = paired_rows.one_per_setup(rows)
     assert [r["setup"] for r in one].count("ours-bf16") == 1
     assert cv.by_setup(rows)["hf-liger"]["pair"] == 2
     # an untagged row of the same setup wins over the pairs
@@ -138,7 +139,7 @@ def test_one_row_a_setup_untagged_first_else_the_median_pair():
 
 def test_even_count_of_pairs_takes_the_lower_middle():
     rows = paired([1.30, 1.10, 1.20, 1.40])
-    assert cv.median_pair(rows)["hf-liger"]["pair"] == 2  # 1.20
+    assert paired_rows.median_pair(rows)["hf-liger"]["pair"] == 2  # 1.20
     assert cv.headline(rows).ratio == pytest.approx(1.25)
 
 

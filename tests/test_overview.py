@@ -36,7 +36,17 @@ def recorded(entry) -> dict:
 
 
 def row_of(doc: dict, setup: str) -> dict:
-    (row,) = [r for r in doc["rows"] if r.get("setup") == setup]
+    """The setup's row; of a setup timed in pairs (hf-liger and ours-bf16 in turns,
+    tagged `pair`), the row of the pair whose ratio of step times is the median."""
+    rows = [r for r in doc["rows"] if r.get("setup") == setup]
+    if len(rows) == 1:
+        return rows[0]
+    assert all(r.get("pair") is not None for r in rows), setup
+    step = {(r["setup"], r["pair"]): r["step_ms"] for r in doc["rows"] if "pair" in r}
+    ratios = sorted((step["hf-liger", r["pair"]] / step["ours-bf16", r["pair"]], r["pair"])
+                    for r in rows)
+    mid = ratios[(len(ratios) - 1) // 2][1]
+    (row,) = [r for r in rows if r["pair"] == mid]
     return row
 
 

@@ -11,10 +11,10 @@ and tables the chapter draws itself live here too, so a visible cell stays one l
 intent.
 
 A setup may have several rows: `bench composed --pairs N` times hf-liger and ours-bf16 N
-times in turns (rows tagged `pair`). The rule, in one place (`one_per_setup`): tables and
-every lookup by setup see one row a setup, an untagged row where there is one, else the
-row of the median pair; the headline's ratio (`headline`) is the median of the pairs'
-ratios (`composed.pair_ratios`), the smallest stated beside it.
+times in turns (rows tagged `pair`). Tables and every lookup by setup see one row a setup
+(`paired_rows.one_per_setup`, the rule the landing page follows too); the headline's
+ratio (`headline`) is the median of the pairs' ratios (`composed.pair_ratios`), the
+smallest stated beside it.
 
 A section whose file may sit on another card's folder (the floor of `floor_view`, the
 loss check of `loss_check_view`) finds it by content (`find_on_record`): the first file
@@ -33,6 +33,7 @@ import matplotlib.ticker
 from colossal_lab.benchmarks import composed
 from colossal_lab.book import plot
 from colossal_lab.book.notebook import table
+from colossal_lab.book.paired_rows import by_setup, one_per_setup, pairs
 from colossal_lab.measure import compare, hardware, results
 
 EXACT = "fp32"
@@ -67,58 +68,6 @@ def is_plain_bf16(row: dict, preset: str | None = None) -> bool:
         return False
     sw = _setup_switches(str(row.get("setup")))
     return sw is None or (not sw.enable_compile and not sw.extra.get("adamw_defer"))
-
-
-def is_pair(row: dict) -> bool:
-    """Whether `row` is one of the turns `bench composed --pairs N` times (tagged `pair`)."""
-    return row.get("pair") is not None
-
-
-def pairs(rows: list[dict]) -> list[tuple[int, dict[str, dict], float]]:
-    """(pair, {setup: row}, ratio) of every complete pair of `--pairs` (both setups of
-    `composed.PAIRED` ran without error), in pair order; the ratio is
-    `composed.pair_ratios`'s: hf-liger's step time over ours-bf16's."""
-    by: dict[int, dict[str, dict]] = {}
-    for r in rows:
-        if is_pair(r) and "error" not in r:
-            by.setdefault(r["pair"], {})[r["setup"]] = r
-    done = [(k, p) for k, p in sorted(by.items()) if set(composed.PAIRED) <= set(p)]
-    ratios = composed.pair_ratios(rows)
-    assert len(ratios) == len(done), "pair_ratios and the complete pairs disagree"
-    return [(k, p, q) for (k, p), q in zip(done, ratios)]
-
-
-def median_pair(rows: list[dict]) -> dict[str, dict] | None:
-    """{setup: row} of the pair whose ratio is the median of the pairs' (the lower of
-    the two middle ones for an even count), or None without a complete pair."""
-    done = sorted(pairs(rows), key=lambda t: t[2])
-    return done[(len(done) - 1) // 2][1] if done else None
-
-
-def one_per_setup(rows: list[dict]) -> list[dict]:
-    """One row per setup name, where each setup first appears: the rule every table and
-    every lookup by name in this chapter follows. A setup's untagged row when it has one
-    (the first); else, for the setups `--pairs` timed in turns, the row of the median
-    pair (`median_pair`), so both headline rows come from the same turn; else its first
-    row that did not fail, else its first row."""
-    mid = median_pair(rows) or {}
-    untagged = {r.get("setup") for r in rows if not is_pair(r)}
-    out, seen = [], set()
-    for r in rows:
-        name = r.get("setup")
-        if name in seen or (is_pair(r) and name in untagged):
-            continue
-        if is_pair(r):
-            same = [x for x in rows if x.get("setup") == name]
-            r = mid.get(name) or next((x for x in same if "error" not in x), same[0])
-        out.append(r)
-        seen.add(name)
-    return out
-
-
-def by_setup(rows: list[dict]) -> dict[str, dict]:
-    """{setup: row} of the rows that did not fail, one a setup (`one_per_setup`)."""
-    return {r["setup"]: r for r in one_per_setup(rows) if "error" not in r}
 
 
 def pick_bf16(rows: list[dict], preset: str | None = None) -> dict[str, dict | None]:

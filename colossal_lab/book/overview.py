@@ -23,6 +23,7 @@ import matplotlib.ticker
 from matplotlib.patches import Patch
 
 from colossal_lab.book import notebook, plot
+from colossal_lab.book.paired_rows import one_per_setup
 from colossal_lab.measure import compare, results
 
 # ---------------------------------------------------------------- what each chapter compares
@@ -113,8 +114,10 @@ def point(row: dict) -> Point:
 
 
 def _find(res: results.Results, setup: str) -> tuple[Point | None, str | None]:
-    """The setup's `Point` in `res`, or why there is none (absent, or it failed)."""
-    rows = res.where(setup=setup)
+    """The setup's `Point` in `res`, or why there is none (absent, or it failed). A
+    setup timed several times in turns gives the row its chapter shows
+    (`paired_rows.one_per_setup`)."""
+    rows = [r for r in one_per_setup(res.rows) if r.get("setup") == setup]
     if not rows:
         return None, f"no row {setup!r} in {res.name}"
     if "error" in rows[0]:

@@ -35,7 +35,7 @@ from colossal_lab.benchmarks import grad_overlap as go
 from colossal_lab.benchmarks import pipeline_sim
 from colossal_lab.benchmarks import sequence_parallel_gemm as spg
 from colossal_lab.book import plot
-from colossal_lab.book.composed_view import one_per_setup
+from colossal_lab.book.paired_rows import one_per_setup
 from colossal_lab.config import preset
 from colossal_lab.measure import mfu as mfu_lib
 from colossal_lab.measure import results
@@ -378,7 +378,7 @@ def exact_optimizer(rows: list[dict]) -> tuple[dict, dict]:
     whose AdamW keeps fp32 moments (the exact optimizer), on the peer's preset, sequence
     and batch, preferring the plain step (no CUDA graph, no deferred optimizer, not
     compiled); the peer is Hugging Face with Liger (norm backend "liger", bf16). One row
-    a setup, by chapter 10's rule (`composed_view.one_per_setup`): a run that timed the
+    a setup, by chapter 10's rule (`paired_rows.one_per_setup`): a run that timed the
     two in pairs gives the median pair's rows, whose ratio `composed_view.headline`
     takes for the headline."""
     ok = [r for r in one_per_setup(rows) if "error" not in r or r.get("error") is None]
