@@ -57,11 +57,11 @@ class MemoryModel:
         peak(batch, k) = max(base + batch · per_sample(k),  fixed + batch · full)
 
     with `none` measured from `base`, and `fixed` and `full` from probes with every layer
-    checkpointed, whose peak is the second. One line from `fixed` with the first line's
-    slope, fitted through both probes, mixes the two moments: for full LLaMA-7B with the
-    exact optimizer (75 GiB before the forward, 12.5 GiB of bf16 gradients, 18 GiB of
-    activations a sequence without checkpointing) it predicted 101 GiB at batch 2 where
-    the step reached 112."""
+    checkpointed, whose peak is the second. A single line through the two kinds of probe
+    mixes the two moments and undercounts: for full LLaMA-7B with the exact optimizer
+    (75 GiB before the forward, 12.5 GiB of bf16 gradients, 18.7 GiB of activations a
+    sequence without checkpointing) it gives 101 GiB at batch 2, where the step reaches
+    112 and the two lines say 113."""
 
     fixed_gib: float
     per_sample_none_gib: float
