@@ -4,7 +4,7 @@ with the fewest checkpointed layers `auto_ratio` picks, what peak does it reach 
 the memory model's prediction, and what MFU does it buy? A working tool for
 notes/finale.md (the 7B row's 0.55 MFU target), not a results file.
 
-    python notes/probe_7b_batch.py OUT.json [--batches 2 3]
+    python notes/probe_7b_batch.py OUT.json [--batches 2 3] [--setups ours-7b-bf16 ...]
 """
 
 from __future__ import annotations
@@ -25,16 +25,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--batches", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--setups", nargs="+", default=["ours-7b-bf16"],
+                    choices=[s.name for s in composed.SETUPS if s.preset == "llama-7b"])
     args = ap.parse_args()
-    base = next(s for s in composed.SETUPS if s.name == "ours-7b-bf16")
     rows = []
-    for b in args.batches:
+    runs = [(name, b) for name in args.setups for b in args.batches]
+    for name, b in runs:
+        base = next(s for s in composed.SETUPS if s.name == name)
         row = steps.measure_isolated(dataclasses.replace(base, batch=b), "llama-7b", 4096, b)
+        row["setup"] = name
         rows.append(row)
-        print({k: row.get(k) for k in KEYS if k in row}, flush=True)
+        print(name, {k: row.get(k) for k in KEYS if k in row}, flush=True)
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-
 
 if __name__ == "__main__":
     main()

@@ -80,3 +80,25 @@ def test_an_option_of_our_adamw_and_its_refusals():
             deferred_adamw.check(SW.replace(extra={"adamw_defer": True}, **change))
     with pytest.raises(ValueError, match="adamw_defer'\\]='yes'"):
         deferred_adamw.requested(SW.replace(extra={"adamw_defer": "yes"}))
+
+
+def test_states_exist_when_the_update_is_deferred_and_close_removes_the_hooks():
+    """The first deferred step allocates the optimizer's states at once, on the stream
+    that ran the backward (`FusedAdamW.init_state`), not later inside the next forward on
+    the side stream; `close` applies the pending update and takes the hooks off."""
+    d_model, d_opt, d_step, _ = _run(SW.replace(extra={**SW.extra, "adamw_defer": True}),
+                                     n_steps=1, flush=False)
+    assert d_step.deferred.pending
+    with_grad = [p for p in d_model.parameters() if p.grad is not None]
+    assert with_grad and all(set(d_opt.state[p]) >= {"exp_avg", "exp_avg_sq", "step"}
+                             for p in with_grad)
+    assert all(float(d_opt.state[p]["step"]) == 0 for p in with_grad)  # not yet applied
+    gates, _ = deferred_adamw.parts(d_model)
+    hooked = [len(g._forward_pre_hooks) for g in gates]
+    before = [p.detach().clone() for p in d_model.parameters()]
+    d_step.close()
+    assert d_step.deferred is None
+    assert [len(g._forward_pre_hooks) for g in gates] == [n - 1 for n in hooked]
+    assert all(float(d_opt.state[p]["step"]) == 1 for p in with_grad)
+    assert any(not torch.equal(a, b) for a, b in zip(before, d_model.parameters()))
+    d_step.close()  # a second close is a no-op

@@ -390,6 +390,16 @@ class FusedAdamW(torch.optim.Optimizer):
             st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         return st
 
+    @torch.no_grad()
+    def init_state(self, params=None) -> None:
+        """Allocate the states of `params` (default: every parameter with a gradient) now,
+        on the current stream, where the first `step` would: the low halves of the fp32
+        masters (bf16 parameters) or an fp32 copy, and the two moments (10 or 12 bytes a
+        parameter). An update run on another stream (`switches.deferred_adamw`) would
+        otherwise allocate them there, from a pool that only that stream reuses."""
+        for p in self._with_grads() if params is None else params:
+            self._state(p)
+
     def master(self, p: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master weights of parameter `p` (a new tensor for a split master),
         or None (an fp32 parameter, or no step taken yet)."""

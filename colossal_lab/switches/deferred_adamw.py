@@ -16,7 +16,11 @@ i+1's, so each layer's update runs while the layer before it computes; the final
 hook waits for the rest (final norm, output head). Each part's gradients are released
 as its update is issued (`record_stream`: their memory is not reused before the side
 stream is done with it), so the backward of step k+1 starts from none, as after
-`zero_grad`. The updates are the same kernels on the same tensors in the same order as
+`zero_grad`. The optimizer's states are allocated when the first update is deferred, on
+the stream that ran the backward, as a plain step would: allocated by the side stream
+inside a forward, they would come from a pool that only that stream reuses, next to the
+forward's activations (at full LLaMA-7B, 63 GiB of moments and master halves). The
+updates are the same kernels on the same tensors in the same order as
 `FusedAdamW.step`: the trajectory is the eager one, bit for bit.
 
 `flush()` applies whatever is still pending and waits for it: before a checkpoint, an
@@ -112,6 +116,7 @@ class DeferredUpdate:
         """End of a step: keep the gradients and the clipping coefficient for the next
         forward (a pending update is applied first: one step's update at a time)."""
         self.flush()
+        self.optimizer.init_state()  # on this stream, not the side one (`init_state`)
         self.coef = self.optimizer.take_coefficient()
         self.pending, self.issued = True, 0
         if self.cuda:  # the side stream starts after the backward and the norm

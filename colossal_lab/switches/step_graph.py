@@ -81,6 +81,7 @@ class GraphedStep:
         self.step, self.optimizer, self.device = step, optimizer, torch.device(device)
         self.scaler, self.precision = step.scaler, step.precision
         self.flush = step.flush  # (a deferred update is refused with a graph)
+        self.close = step.close
         self.graph: torch.cuda.CUDAGraph | None = None
         self.key = None
         self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None

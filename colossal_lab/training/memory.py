@@ -242,7 +242,8 @@ def auto_ratio(probe: Prober, model, opt, batch: int) -> dict:
     set_ratio(1.0)
     warm = make_step(model, opt, probe.loss_fn)
     warm(*next(data.random_batches(probe.cfg.vocab_size, 1, probe.seq_len, seed=3,
-                                   device=probe.device)))  # optimizer states exist now
+                                   device=probe.device)))
+    warm.close()  # a deferred update applied: the optimizer's states exist now
     one, two = probe(1), probe(2)
     full = _slope(one, two, 1, 2)
     fixed = one["peak"] - full

@@ -98,6 +98,13 @@ class Step:
         if self.deferred is not None:
             self.deferred.flush()
 
+    def close(self) -> None:
+        """Apply a deferred update and take its hooks off the model, for a step that is
+        done with (another `make_step` on the same model adds hooks of its own)."""
+        if self.deferred is not None:
+            self.deferred.remove()
+            self.deferred = None
+
 
 def make_step(model, optimizer, loss_fn: LossFn = our_loss, micro_batches: int = 1,
               clip: float | None = 1.0) -> Step | GraphedStep:
