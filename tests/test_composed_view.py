@@ -465,3 +465,28 @@ def test_comparison_verdict_follows_the_p10_p90_rule():
     assert compare.versus(fast, base).verdict == "faster"
     assert compare.versus(slow, base).verdict == "slower"
     assert "x0.857 (slower" in str(compare.versus(slow, base))
+
+
+def test_full_model_floor_scales_the_8_layer_rates():
+    rows = floor_rows()
+    for r in rows:
+        if r.get("part") == "attention":
+            r["flops"] = 7e12  # 35 ms: 2e14 FLOP/s
+        if r.get("part") == "optimizer":
+            r.update(bytes_per_param=28, copy_gbps=4000.0)
+    big = {"batch": 2, "seq_len": 1000, "n_params": 1.1e9, "step_ms": 60.0, "mfu": 0.5,
+           "mfu_attn": 0.6, "peak_tflops": 1000.0, "power_w": 690.0, "power_limit_w": 700.0,
+           "sm_clock_mhz": 1470.0, "recompute_tflop": 0.0}
+    f = fv.full_model_floor(big, rows, embed_params=int(1e8))
+    assert f["gemm_ms"] == pytest.approx(6 * 1e9 * 2000 / 700e12 * 1e3)  # 17.14
+    assert f["attention_ms"] == pytest.approx(30.0)  # 0.1 · 1e15 · 0.06 s / 2e14
+    assert f["optimizer_ms"] == pytest.approx(1.1e9 * 28 / 4e12 * 1e3)  # 7.7
+    assert f["floor_ms"] == pytest.approx(17.142857 + 30 + 7.7)
+    assert f["mfu_at_floor"] == pytest.approx(0.5 * 60 / 54.842857)
+    words = fv.full_model_floor_words(big, rows, int(1e8),
+                                      small={"step_ms": 315.0})
+    assert "about 55 ms" in words and "at most 54.7%" in words and "×1.09 its floor" in words
+    assert "×1.02 its own" in words and "690 W of its 700 W limit" in words
+    assert fv.full_model_floor({**big, "recompute_tflop": 3.0}, rows, 0) is None
+    no_opt = [r for r in rows if r.get("part") != "optimizer"]
+    assert fv.full_model_floor_words(big, no_opt, 0) is None

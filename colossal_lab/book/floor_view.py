@@ -211,3 +211,51 @@ def floor_sentences(rows: list[dict], command: str) -> list[str]:
                          f"scales, the norms and the element-wise kernels")
             out.append(text + ".")
     return out
+
+
+def full_model_floor(row: dict, rows: list[dict], embed_params: int) -> dict | None:
+    """The floor of a full-model bf16 step `row` (no layer recomputed), scaled from the
+    8-layer floor's rates on the same card: its GEMMs' FLOPs (6 per parameter and token,
+    the embedding's lookup excepted: `embed_params`) at the floor's sustained GEMM rate,
+    its attention's FLOPs (`mfu_attn` − `mfu` of the row) at the floor's attention rate,
+    and AdamW's bytes a parameter at the floor's copy rate. Returns the parts (ms), their
+    sum, the MFU (6N) a step at the floor would reach and the row's step over it; None
+    without a bf16 floor of all three parts, or for a row that recomputes layers."""
+    parts = {r["part"]: r for r in floor_parts(rows, "bf16")}
+    if set(parts) != set(PART_NAMES) or row.get("recompute_tflop") or "error" in row:
+        return None
+    g, a, o = parts["gemm"], parts["attention"], parts["optimizer"]
+    tokens = row["batch"] * row["seq_len"]
+    gemm = 6 * (row["n_params"] - embed_params) * tokens / (g["tflops"] * 1e12) * 1e3
+    attn_flops = (row["mfu_attn"] - row["mfu"]) * row["peak_tflops"] * 1e12 \
+        * row["step_ms"] / 1e3
+    attn = attn_flops / (a["flops"] / a["ms"] * 1e3) * 1e3
+    opt = row["n_params"] * o["bytes_per_param"] / (o["copy_gbps"] * 1e9) * 1e3
+    floor = gemm + attn + opt
+    return {"gemm_ms": gemm, "attention_ms": attn, "optimizer_ms": opt, "floor_ms": floor,
+            "mfu_at_floor": row["mfu"] * row["step_ms"] / floor,
+            "over": row["step_ms"] / floor, "gemm_tflops": g["tflops"]}
+
+
+def full_model_floor_words(row: dict, rows: list[dict], embed_params: int,
+                           small: dict | None = None) -> str | None:
+    """`full_model_floor` in a sentence, with the card's power and SM clock during the
+    row's steps; `small`, the 8-layer step measured against the floor itself, for
+    comparison."""
+    f = full_model_floor(row, rows, embed_params)
+    if f is None:
+        return None
+    text = (f"Scaled from the 8-layer floor's rates on this card, the full model's floor "
+            f"at batch {row['batch']} is about {f['floor_ms']:.0f} ms: its GEMMs "
+            f"{f['gemm_ms']:.0f} ms at {f['gemm_tflops']:,.0f} TFLOP/s, attention "
+            f"{f['attention_ms']:.0f} and the optimizer {f['optimizer_ms']:.0f} at the "
+            f"copy rate, an MFU of at most {f['mfu_at_floor']:.1%}. The step runs "
+            f"×{f['over']:.2f} its floor")
+    if small is not None:
+        floor = step_floor.floor_ms(rows, "bf16")
+        text += f", as the 8-layer step runs ×{small['step_ms'] / floor:.2f} its own"
+    if row.get("power_w") and row.get("power_limit_w"):
+        text += (f", the card drawing {row['power_w']:.0f} W of its "
+                 f"{row['power_limit_w']:.0f} W limit at a median SM clock of "
+                 f"{row['sm_clock_mhz']:,.0f} MHz")
+    return text + "."
