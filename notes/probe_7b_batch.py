@@ -5,6 +5,7 @@ the memory model's prediction, and what MFU does it buy? A working tool for
 notes/finale.md (the 7B row's 0.55 MFU target), not a results file.
 
     python notes/probe_7b_batch.py OUT.json [--batches 2 3] [--setups ours-7b-bf16 ...]
+        [--preset llama-7b-8l]   # the same setups on another model (a smaller card)
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--setups", nargs="+", default=["ours-7b-bf16"],
                     choices=[s.name for s in composed.SETUPS if s.preset == "llama-7b"])
+    ap.add_argument("--preset", default="llama-7b")
     args = ap.parse_args()
     rows = []
     runs = [(name, b) for name in args.setups for b in args.batches]
     for name, b in runs:
         base = next(s for s in composed.SETUPS if s.name == name)
-        row = steps.measure_isolated(dataclasses.replace(base, batch=b), "llama-7b", 4096, b)
+        setup = dataclasses.replace(base, batch=b, preset=args.preset)
+        row = steps.measure_isolated(setup, args.preset, 4096, b)
         row["setup"] = name
         rows.append(row)
         print(name, {k: row.get(k) for k in KEYS if k in row}, flush=True)
