@@ -4,6 +4,8 @@ the same order, so the trajectory must be the plain step's bit for bit."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -102,3 +104,41 @@ def test_states_exist_when_the_update_is_deferred_and_close_removes_the_hooks():
     assert all(float(d_opt.state[p]["step"]) == 1 for p in with_grad)
     assert any(not torch.equal(a, b) for a, b in zip(before, d_model.parameters()))
     d_step.close()  # a second close is a no-op
+
+
+def test_a_deferred_setup_runs_with_expandable_segments(monkeypatch):
+    """The deferred update frees gradients during the forward: its benchmark process gets
+    expandable segments (module docstring, **Memory**), any other setup the default
+    allocator; on a GPU without them the update warns."""
+    from colossal_lab.benchmarks import composed, steps
+
+    seen = {}
+
+    def fake_child(module, args, cwd=None, env=None):
+        seen[args[args.index("--setup-json") + 1]] = env
+        return {"setup": "x"}, None
+
+    monkeypatch.setattr(steps, "in_child", fake_child)
+    by = {s.name: s for s in composed.SETUPS}
+    for name in ("ours-bf16-defer", "ours-7b-bf16-defer", "ours-bf16", "ours-7b-bf16"):
+        steps.measure_isolated(by[name], "tiny", 16, 2)
+    deferred = [e for j, e in seen.items() if '"adamw_defer": true' in j]
+    plain = [e for j, e in seen.items() if '"adamw_defer": true' not in j]
+    assert len(deferred) == 2 and len(plain) == 2
+    assert all(e == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+               for e in deferred)
+    assert all(e is None for e in plain)
+
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    assert not deferred_adamw.allocator_ok()
+    with pytest.warns(UserWarning, match="expandable_segments:True"):
+        deferred_adamw.check_allocator("cuda")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, "
+                                                  "expandable_segments:True")
+    assert deferred_adamw.allocator_ok()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        deferred_adamw.check_allocator("cuda")
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+        deferred_adamw.check_allocator("cpu")  # a CPU has no caching allocator

@@ -35,7 +35,7 @@ from colossal_lab.measure import results, telemetry
 from colossal_lab.measure.results import error_line, exception_tail
 from colossal_lab.model import build_model
 from colossal_lab.ops.attention import resolve_backend
-from colossal_lab.switches import checkpointing
+from colossal_lab.switches import checkpointing, deferred_adamw
 from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import colossalai_flops, resolve
 from colossal_lab.switches.resolved import backends_in_use
@@ -324,16 +324,18 @@ def colossalai_fields(row: dict, cfg, recompute: dict) -> dict:
             **{k: recompute[k] for k in ("ckpt_mode", "ckpt_layers", "ckpt_ratio")}}
 
 
-def in_child(module: str, args: list[str], cwd: str | None = None):
+def in_child(module: str, args: list[str], cwd: str | None = None,
+             env: dict[str, str] | None = None):
     """Run ``python -m <module> <args> --json-out FILE`` in a fresh process (an
     out-of-memory or a crash stays there, compile caches do not leak) and return
     (what it wrote to FILE, None), or (None, why it failed) in one line. `cwd`: the
-    source tree the child imports `colossal_lab` from (another checkout's, say)."""
+    source tree the child imports `colossal_lab` from (another checkout's, say); `env`:
+    variables set for the child on top of this process's."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         proc = subprocess.run([sys.executable, "-m", module, *args, "--json-out", out],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              cwd=cwd)
+                              cwd=cwd, env=None if env is None else {**os.environ, **env})
         if proc.returncode == 0 and os.path.exists(out):
             with open(out) as f:
                 return json.load(f), None
@@ -342,11 +344,20 @@ def in_child(module: str, args: list[str], cwd: str | None = None):
     return None, error_line(exception_tail(proc.stdout))[:500]
 
 
+def child_env(setup: Setup) -> dict[str, str] | None:
+    """What a setup's process needs set before CUDA starts: expandable segments for a
+    deferred AdamW update (`switches.deferred_adamw`, **Memory**), else nothing."""
+    if deferred_adamw.requested(setup.switches):
+        return {"PYTORCH_CUDA_ALLOC_CONF": deferred_adamw.ALLOC_CONF}
+    return None
+
+
 def measure_isolated(setup: Setup, preset_name: str, seq_len: int, batch: int) -> dict:
-    """`measure_one` in a child process; a failure becomes a row with an `error`."""
+    """`measure_one` in a child process (`child_env`); a failure becomes a row with an
+    `error`."""
     row, why = in_child("colossal_lab.benchmarks.steps", [
         "--setup-json", setup.to_json(), "--preset", preset_name, "--seq-len",
-        str(seq_len), "--batch", str(batch)])
+        str(seq_len), "--batch", str(batch)], env=child_env(setup))
     return row if why is None else {"setup": setup.name, "label": setup.label,
                                     "preset": setup.preset or preset_name,
                                     "seq_len": seq_len, "batch": setup.batch or batch,

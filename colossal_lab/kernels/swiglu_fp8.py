@@ -69,10 +69,13 @@ from colossal_lab.kernels.fp8_cast import (
 )
 
 TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8),
-         (64, 256, 8))
+         (64, 256, 8), (64, 64, 8), (32, 64, 4), (32, 128, 4), (32, 128, 8))
 """(BLOCK_R, BLOCK_C, num_warps) the autotuner chooses among: a tile of h (tokens x
 columns of one half) and the warps per program. The first is the square tile of the cast
-kernel (`fp8_cast`), whose transposed store is as wide as its load."""
+kernel (`fp8_cast`), whose transposed store is as wide as its load. The backward keeps
+eight fp32 tiles live (g, u, dh, σ, silu, its derivative, dg, du): at 64 x 64 with 4
+warps that is up to 256 values a thread, past its 255 registers, so the short tiles and
+the 8-warp ones, which hold fewer values a thread, let it stream nearer the copy rate."""
 _CONFIGS = [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
             for r, c, w in (TILES[:1] if INTERPRET else TILES)]
 _TUNE_KEY = ["n_rows", "n_cols", "WRITE_Q", "WRITE_QT", "WRITE_AMAX"]

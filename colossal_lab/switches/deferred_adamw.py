@@ -23,6 +23,16 @@ forward's activations (at full LLaMA-7B, 63 GiB of moments and master halves). T
 updates are the same kernels on the same tensors in the same order as
 `FusedAdamW.step`: the trajectory is the eager one, bit for bit.
 
+**Memory.** Freeing each part's gradients during the forward interleaves frees of
+parameter-sized blocks with the forward's allocations of other sizes. The caching
+allocator splits those blocks, and near the card's capacity the backward can fail with
+gigabytes reserved but free, where the plain step, which frees every gradient at once
+before the forward, fits at the same peak. With expandable segments
+(`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`) the allocator maps memory in pages
+that serve any size, and the deferred step peaks where the plain one does. The
+benchmarks run a deferred setup's process with it; `DeferredUpdate` warns without it
+(`check_allocator`).
+
 `flush()` applies whatever is still pending and waits for it: before a checkpoint, an
 evaluation, an export or reading the weights, and at the end of training
 (`train.train` calls it; `step.flush` of `train.make_step`).
@@ -38,6 +48,8 @@ scaler). Pipeline stages build their own step, which does not defer.
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
 
 import torch
 
@@ -68,6 +80,28 @@ def check(switches, device=None) -> None:
     }
     if named := [k for k, v in refused.items() if v]:
         raise ValueError(f"extra['adamw_defer']=True does not compose with {named[0]}")
+
+
+ALLOC_CONF = "expandable_segments:True"
+"""The CUDA allocator setting a deferred update wants (module docstring, **Memory**)."""
+
+
+def allocator_ok() -> bool:
+    """Does this process's allocator configuration (`PYTORCH_CUDA_ALLOC_CONF` or
+    `PYTORCH_ALLOC_CONF`, read when CUDA starts) use expandable segments?"""
+    conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF",
+                                                     "PYTORCH_ALLOC_CONF"))
+    return ALLOC_CONF.lower() in conf.replace(" ", "").lower()
+
+
+def check_allocator(device) -> None:
+    """Warn, once a process, when a deferred update on a GPU runs without expandable
+    segments (module docstring, **Memory**)."""
+    if torch.device(device).type == "cuda" and not allocator_ok():
+        warnings.warn(f"extra['adamw_defer']=True frees gradients during the forward; "
+                      f"without PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF} the allocator can "
+                      f"fragment and run out of memory where the plain step fits",
+                      stacklevel=3)
 
 
 def parts(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[list]]:
@@ -103,6 +137,7 @@ class DeferredUpdate:
             raise ValueError(f"extra['adamw_defer']=True needs our FusedAdamW, not "
                              f"{type(optimizer).__name__}")
         self.optimizer, self.device = optimizer, torch.device(device)
+        check_allocator(self.device)
         gates, self.groups = parts(model)
         self.cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
