@@ -393,10 +393,11 @@ class FusedAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def init_state(self, params=None) -> None:
         """Allocate the states of `params` (default: every parameter with a gradient) now,
-        on the current stream, where the first `step` would: the low halves of the fp32
-        masters (bf16 parameters) or an fp32 copy, and the two moments (10 or 12 bytes a
-        parameter). An update run on another stream (`switches.deferred_adamw`) would
-        otherwise allocate them there, from a pool that only that stream reuses."""
+        on the current stream, where the first `step` would: the fp32 master's low half
+        (a bf16 parameter: 2 bytes) or an fp32 copy (fp16: 4 bytes), and the two moments
+        (4 + 4 bytes, or 2 + 2 in bf16). An update run on another stream
+        (`switches.deferred_adamw`) would otherwise allocate them there, from a pool that
+        only that stream reuses."""
         for p in self._with_grads() if params is None else params:
             self._state(p)
 
