@@ -22,7 +22,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from colossal_lab.config import ModelConfig
-from colossal_lab.ops import cross_entropy, embedding, fp8_mlp, projections, rope, swiglu
+from colossal_lab.ops import (
+    cross_entropy,
+    embedding,
+    fp8_mlp,
+    fp8_qkv,
+    projections,
+    rope,
+    swiglu,
+)
 from colossal_lab.ops.attention import attention
 from colossal_lab.ops.norm import RMSNorm
 from colossal_lab.ops.rope import apply_rotary, rotate_half  # noqa: F401 (public)
@@ -87,9 +95,12 @@ class Attention(nn.Module):
         D = self.cfg.head_dim
         if self.fused and self.rope_backend:  # the split and RoPE as one autograd node:
             # its backward writes one qkv gradient instead of concatenating three
-            q, k, v = rope.split_rotary(self.qkv_proj(x), self.cfg.num_attention_heads,
-                                        self.cfg.num_key_value_heads, cos, sin,
-                                        self.rope_backend)
+            n_q, n_kv = self.cfg.num_attention_heads, self.cfg.num_key_value_heads
+            if fp8_qkv.fusable(self.qkv_proj, self.rope_backend, x.device):
+                q, k, v = fp8_qkv.fp8_qkv_rope(x, self.qkv_proj, n_q, n_kv, cos, sin)
+            else:
+                q, k, v = rope.split_rotary(self.qkv_proj(x), n_q, n_kv, cos, sin,
+                                            self.rope_backend)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, S, D)
         else:
             q, k, v = self.project_qkv(x)

@@ -94,6 +94,9 @@ class Fp8Config:
     fuse_mlp: bool = True
     """A fused-projection MLP with the Triton SwiGLU casts h and d(gate_up) to fp8
     inside the SwiGLU kernels (`ops.fp8_mlp`) [fp8_fuse_mlp]."""
+    fuse_rope: bool = True
+    """A fused qkv projection followed by the Triton RoPE casts its output gradient to
+    fp8 inside RoPE's backward kernel (`ops.fp8_qkv`) [fp8_fuse_rope]."""
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -106,11 +109,12 @@ class Fp8Config:
     @classmethod
     def from_extra(cls, extra: dict) -> Fp8Config:
         """The config named by `Switches.extra` (keys fp8_scaling, fp8_history,
-        fp8_fast_accum_backward, fp8_backend, fp8_fuse_mlp)."""
+        fp8_fast_accum_backward, fp8_backend, fp8_fuse_mlp, fp8_fuse_rope)."""
         kw = {}
         for key, name in (("fp8_scaling", "scaling"), ("fp8_history", "history_len"),
                           ("fp8_fast_accum_backward", "fast_accum_backward"),
-                          ("fp8_backend", "backend"), ("fp8_fuse_mlp", "fuse_mlp")):
+                          ("fp8_backend", "backend"), ("fp8_fuse_mlp", "fuse_mlp"),
+                          ("fp8_fuse_rope", "fuse_rope")):
             if key in extra:
                 kw[name] = extra[key]
         return cls(**kw)
