@@ -8,9 +8,10 @@ A working tool for notes/finale.md (the fp8 step), not a results file.
 (a) Bits: one step of each path, delayed scaling: q, k, v, dx, dW and the histories,
 counted as differing elements (0 expected).
 (b) Time, CUDA events, the reps alternating between the paths: the projection + RoPE
-forward and backward; then the kernels alone: `rope_fp8_backward` per (BLOCK_T, warps)
-against RoPE's backward kernel followed by `fp8_cast_transpose`, with the bytes each moves
-(fused: 2 read + 1 + 1 written per element of dqkv; composed: 2 + 2, then 2 + 1 + 1).
+forward and backward; then the kernels alone: `rope_fp8_backward` per tile of
+`rope_fp8.TILES` and as autotuned, against RoPE's backward kernel followed by
+`fp8_cast_transpose`, with the bytes each moves (fused: 2 read + 1 + 1 written per
+element of dqkv; composed: 2 + 2, then 2 + 1 + 1).
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from colossal_lab.kernels import rope as rope_k
 from colossal_lab.kernels.rope import half_tables, rope_qkv_triton
 from colossal_lab.measure import hardware, timing
 from colossal_lab.ops import fp8, fp8_qkv
-
-TILES = [(32, 4), (64, 4), (64, 8), (16, 4), (32, 8)]
 
 
 def _pct(v, q):
@@ -113,14 +112,14 @@ def main() -> None:
                      p10_ms=t.p10_ms, p90_ms=t.p90_ms, gb_per_s=n * 8 / t.median_ms / 1e6,
                      how=how))
     ld = fp8_cast.padded(B * S)
-    for bt, w in TILES:
-        def fused_kernel(bt=bt, w=w):
+    for tile in [*rope_fp8.TILES, None]:  # None: the autotuner's choice
+        def fused_kernel(tile=tile):
             rope_fp8._launch(dq, dk, dv, cos_h, sin_h, torch.float8_e5m2, src, None, True,
-                             True, ld, block_t=bt, num_warps=w)
+                             True, ld, tile)
         t, how = timing.time_kernels(fused_kernel, reps=30)
-        rows.append(dict(kernel=f"fused {bt} tokens, {w} warps", block_t=bt, num_warps=w,
-                         median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms,
-                         gb_per_s=n * 4 / t.median_ms / 1e6, how=how))
+        name = "fused, autotuned" if tile is None else f"fused {tile[0]} tokens, {tile[1]} warps"
+        rows.append(dict(kernel=name, tile=tile, median_ms=t.median_ms, p10_ms=t.p10_ms,
+                         p90_ms=t.p90_ms, gb_per_s=n * 4 / t.median_ms / 1e6, how=how))
     for r in rows:
         r["of_copy"] = r["gb_per_s"] / copy_gbps
         print(f"{r['kernel']:<34} {r['median_ms']:6.3f} ms ({r['p10_ms']:.3f}-"

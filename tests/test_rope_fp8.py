@@ -9,6 +9,7 @@ import torch
 from colossal_lab.kernels import fp8_cast
 from colossal_lab.kernels.rope import half_tables, rope_qkv_triton
 from colossal_lab.kernels.rope_fp8 import rope_fp8_backward, rope_fp8_backward_amax
+from tests.conftest import requires_cuda
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 # (B, S, Hq, Hkv, D): GQA and ragged token counts (T = 14, 33: padding), D/2 not a power of 2
@@ -110,3 +111,46 @@ def test_bad_inputs_are_refused():
         rope_fp8_backward(dq, dk, dv, cos_h[:2], sin_h, E5, src)
     with pytest.raises(ValueError, match="fp8 dtype"):
         rope_fp8_backward(dq, dk, dv, cos_h, sin_h, torch.bfloat16, src, use_triton=True)
+
+
+@pytest.mark.parametrize("tile", [(64, 4), (16, 4)])
+def test_a_chosen_tile_writes_what_the_default_writes(tile):
+    """The tile bypass (`tile=`) with a tile other than the interpreter's: the same fp8
+    bytes, inverse scale and amax, on a shape of several token blocks (T = 70)."""
+    B, S, Hq, Hkv, D = 2, 35, 2, 1, 16
+    cos, sin = _tables(S, D)
+    cos_h, sin_h = half_tables(cos, sin, S, D)
+    dq, dk, dv = _grads(B, S, Hq, Hkv, D, torch.bfloat16, seed=3)
+    src = torch.tensor([2.0])
+    runs = []
+    for t in (None, tile):
+        amax = torch.zeros(1)
+        runs.append((*rope_fp8_backward(dq, dk, dv, cos_h, sin_h, E5, src, amax_out=amax,
+                                        use_triton=True, tile=t), amax))
+    for a, b, what in zip(*runs, ("q", "qt", "inv", "amax")):
+        _same(a, b, what)
+
+
+@requires_cuda  # compiled tiles: `make test-gpu`
+@pytest.mark.parametrize("shape", [(1, 1000, 8, 4, 128), (2, 2048, 32, 32, 128)])
+def test_every_tile_writes_the_same_bits_on_the_gpu(shape):
+    """Whatever tile the autotuner picks, the kernel writes the same fp8 bytes (both
+    layouts), inverse scale and amax: each tile of `TILES`, and the autotuned one,
+    against the first, with a history smaller than the values (saturation)."""
+    from colossal_lab.kernels import rope_fp8
+
+    B, S, Hq, Hkv, D = shape
+    cos, sin = (t.cuda() for t in _tables(S, D))
+    cos_h, sin_h = half_tables(cos, sin, S, D)
+    dq, dk, dv = (t.cuda() for t in _grads(B, S, Hq, Hkv, D, torch.bfloat16, seed=4))
+    src = torch.tensor([0.5, 2.0], device="cuda")
+    runs = {}
+    for tile in (*rope_fp8.TILES, None):
+        amax = torch.zeros(1, device="cuda")
+        runs[tile] = (*rope_fp8_backward(dq, dk, dv, cos_h, sin_h, E5, src, amax_out=amax,
+                                         tile=tile), amax)
+    ref = runs.pop(rope_fp8.TILES[0])
+    for tile, out in runs.items():
+        for a, b, what in zip(out, ref, ("q", "qt", "inv", "amax")):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == E5 else a,
+                               b.view(torch.uint8) if b.dtype == E5 else b), (tile, what)

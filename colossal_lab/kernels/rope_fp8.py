@@ -22,11 +22,11 @@ formula (the forward's with sin θ negated), so both paths quantise the same num
 write the same fp8 bits. Scale, saturation and the zero padding of the transposed copy
 are `kernels.fp8_cast`'s.
 
-**Tiles.** A program takes BLOCK_T tokens of one head: the two halves of its D columns
-(BLOCK_T, D/2) each, whose rows pair up in the rotation, and stores each half as is and
-transposed; a transposed row is BLOCK_T bytes. cos and sin are (BLOCK_T, D/2) tiles,
-one row per token's position. Heads [0, Hq) read dq, [Hq, Hq + Hkv) dk, the rest dv
-(copied, not rotated).
+**Tiles.** A program takes BLOCK_T tokens of one head (`TILES`, autotuned): the two
+halves of its D columns, (BLOCK_T, D/2) each, whose rows pair up in the rotation, each
+stored as is and transposed (a transposed row is BLOCK_T bytes). cos and sin are
+(BLOCK_T, D/2) tiles, one row per token's position. Heads [0, Hq) read dq,
+[Hq, Hq + Hkv) dk, the rest dv (copied, not rotated).
 """
 
 from __future__ import annotations
@@ -49,11 +49,18 @@ from colossal_lab.kernels.fp8_cast import (
 )
 from colossal_lab.kernels.rope import check_qk
 
-BLOCK_T, NUM_WARPS = 32, 4
-"""Tokens per program and warps: a transposed row of 32 bytes, and at D = 128 six fp32
-(32, 64) tiles live (dy1, dy2, cos, sin, dx1, dx2), 96 values a thread."""
+TILES = ((32, 4), (64, 4), (64, 8), (16, 4), (32, 8))
+"""(BLOCK_T, num_warps) the autotuner chooses among, for each (tokens, width, outputs
+written): the first call of a shape times each and keeps the fastest. A transposed row
+is BLOCK_T bytes; at D = 128 six fp32 (BLOCK_T, 64) tiles are live (dy1, dy2, cos, sin,
+dx1, dx2): 96 values a thread at 32 tokens and 4 warps. The outputs do not depend on
+the tile, bit for bit. Under the interpreter only the first is used."""
+_CONFIGS = [triton.Config({"BLOCK_T": t}, num_warps=w)
+            for t, w in (TILES[:1] if INTERPRET else TILES)]
+_TUNE_KEY = ["n_tokens", "width", "WRITE_Q", "WRITE_QT", "WRITE_AMAX"]
 
 
+@triton.autotune(configs=_CONFIGS, key=_TUNE_KEY)
 @triton.jit
 def _rope_fp8_backward_kernel(
     DQ,  # (B, S, Hq, D) gradient of the rotated q, strides stride_q*, unit column stride
@@ -153,7 +160,9 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(dq, dk, dv, cos_half, sin_half, dtype, amax_src, amax_out, write_q, write_qt,
-            ld, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS):
+            ld, tile=None):
+    """Run the kernel over (token blocks, heads); returns (q, qt, inv_scale). `tile`
+    (BLOCK_T, num_warps) bypasses the autotuner (tests, probes)."""
     B, S, n_q, D = dq.shape
     n_kv = dk.shape[2]
     T, W = B * S, (n_q + 2 * n_kv) * D
@@ -169,8 +178,13 @@ def _launch(dq, dk, dv, cos_half, sin_half, dtype, amax_src, amax_out, write_q, 
     if n_tiled == 0 or W == 0:
         return q, qt, inv
     dq, dk, dv = _unit(dq), _unit(dk), _unit(dv)
-    grid = (triton.cdiv(n_tiled, block_t), n_q + 2 * n_kv)
-    _rope_fp8_backward_kernel[grid](
+    fixed = {} if tile is None else {"BLOCK_T": tile[0], "num_warps": tile[1]}
+    run = _rope_fp8_backward_kernel if tile is None else _rope_fp8_backward_kernel.fn
+
+    def grid(meta):
+        return triton.cdiv(n_tiled, meta["BLOCK_T"]), n_q + 2 * n_kv
+
+    run[grid](
         dq, dk, dv, dummy if q is None else q, dummy if qt is None else qt,
         cos_half, sin_half, src, inv, amax_out if amax_out is not None else inv,
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
@@ -180,7 +194,7 @@ def _launch(dq, dk, dv, cos_half, sin_half, dtype, amax_src, amax_out, write_q, 
         WRITE_Q=write_q, WRITE_QT=write_qt, WRITE_AMAX=amax_out is not None,
         ROUND_IN_FP32=INTERPRET or not dq.is_cuda,
         BLOCK_SRC=triton.next_power_of_2(max(src.numel(), 2)), HALF=D // 2,
-        BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(D // 2), num_warps=num_warps)
+        BLOCK_D=triton.next_power_of_2(D // 2), **fixed)
     return q, qt, inv
 
 
@@ -204,7 +218,7 @@ def rope_fp8_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                       amax_src: torch.Tensor, *, write_q: bool = True,
                       write_qt: bool = True, pad_to: int = 16,
                       amax_out: torch.Tensor | None = None,
-                      use_triton: bool | None = None):
+                      use_triton: bool | None = None, tile=None):
     """The qkv gradient of `RotaryQKVFunction` — dq, dk rotated back, dv — cast to fp8
     `dtype` with scale = fp8_max / max(amax_src), without writing it in dq's dtype.
 
@@ -214,14 +228,15 @@ def rope_fp8_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
     Returns `(q, qt, inv_scale)` as `fp8_cast_transpose(dqkv)` does: q (B·S, W) or None,
     qt (W, T_pad) (columns T.. zero) or None, inv_scale (1,) fp32, W = (Hq + 2·Hkv)·D.
     With `amax_out` (a zeroed (1,) fp32 tensor), max |dqkv| is reduced into it. Kernel
-    on CUDA (`use_triton=None`), torch ops elsewhere; True forces the kernel."""
+    on CUDA (`use_triton=None`), torch ops elsewhere; True forces the kernel. `tile`
+    (one of `TILES`) runs that tile instead of the autotuner's choice."""
     _check(dq, dk, dv, cos_half, sin_half)
     ld = padded(dq.shape[0] * dq.shape[1], pad_to)
     if not _use_triton(dq, use_triton):
         return _cast_torch(rope_backward_torch(dq, dk, dv, cos_half, sin_half), dtype,
                            _format(dtype)[0], amax_src, write_q, write_qt, ld, amax_out)
     return _launch(dq, dk, dv, cos_half, sin_half, dtype, amax_src, amax_out, write_q,
-                   write_qt, ld)
+                   write_qt, ld, tile)
 
 
 def rope_fp8_backward_amax(dq, dk, dv, cos_half, sin_half, *,
