@@ -14,16 +14,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from colossal_lab.config import Switches, tiny
 from colossal_lab.kernels import fp8_cast, swiglu_fp8
 from colossal_lab.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_triton
-from colossal_lab.model import build_model
 from colossal_lab.ops import fp8, fp8_mlp
-from colossal_lab.switches import fp8 as fp8_switch
-from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 from colossal_lab.testing.correctness import check_close
 from tests.conftest import count_calls, requires_cuda
+from tests.fp8_models import same_models, sgd_steps, tiny_fp8_models
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 SHAPES = [(37, 48), (64, 64), (5, 16), (130, 80)]  # (tokens, i): ragged, one tile, tiny, 3x2
@@ -279,44 +276,6 @@ def test_evaluation_leaves_histories_alone():
 # ------------------------------------------------------------------- in the model
 
 
-def _models(extra, ckpts):
-    cfg = tiny().replace(intermediate_size=176)  # every linear fp8
-    models = [apply_switches(build_model(cfg, "cpu"),
-                             Switches(precision="fp8", enable_fused_projections="triton",
-                                      extra=dict(extra, fp8_backend="emulate",
-                                                 fp8_history=4, **e),
-                                      gradient_checkpoint_config=c))
-              for e, c in ckpts]
-    for m in models[1:]:
-        m.load_state_dict(models[0].state_dict())
-    return cfg, models
-
-
-def _steps(cfg, models, n=3):
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
-    for step in range(n):
-        ids = torch.randint(0, cfg.vocab_size, (2, 25))  # 48 tokens
-        losses = []
-        for m in models:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = m(ids[:, :-1], ids[:, 1:])
-            loss.backward()
-            losses.append(loss.detach())
-        yield step, losses
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-
-def _same_models(models, step):
-    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-        assert torch.equal(p.grad, q.grad), (step, name)
-    for a, b in zip(fp8_switch.fp8_modules(models[0]), fp8_switch.fp8_modules(models[1])):
-        for role in ("x", "w", "grad"):
-            assert torch.equal(a._scalers[role].history, b._scalers[role].history), role
-            assert a._scalers[role].pos == b._scalers[role].pos, role
-
-
 def _count_fused(monkeypatch):
     return count_calls(monkeypatch, fp8_mlp, "swiglu_fp8_forward")
 
@@ -326,11 +285,11 @@ def test_model_fused_equals_composed(scaling, monkeypatch):
     """A model whose MLPs take the fused path trains bit for bit as one with
     `fp8_fuse_mlp=False` (loss, every gradient, every history, three SGD steps)."""
     calls = _count_fused(monkeypatch)
-    cfg, models = _models({"fp8_scaling": scaling},
-                          [({}, None), ({"fp8_fuse_mlp": False}, None)])
-    for step, losses in _steps(cfg, models):
+    cfg, models = tiny_fp8_models({"fp8_scaling": scaling},
+                                  [({}, None), ({"fp8_fuse_mlp": False}, None)])
+    for step, losses in sgd_steps(cfg, models):
         assert torch.equal(losses[0], losses[1]), step
-        _same_models(models, step)
+        same_models(models, step)
     assert calls["n"] == 3 * cfg.num_hidden_layers  # only the first model fused
 
 
@@ -340,11 +299,11 @@ def test_model_fused_under_full_checkpointing(scaling, monkeypatch):
     loss, gradients and histories equal those without checkpointing, and each history
     advances once a step."""
     calls = _count_fused(monkeypatch)
-    cfg, models = _models({"fp8_scaling": scaling},
-                          [({}, None), ({}, GradientCheckpointConfig(mode="full"))])
-    for step, losses in _steps(cfg, models):
+    cfg, models = tiny_fp8_models({"fp8_scaling": scaling},
+                                  [({}, None), ({}, GradientCheckpointConfig(mode="full"))])
+    for step, losses in sgd_steps(cfg, models):
         assert torch.equal(losses[0], losses[1]), step
-        _same_models(models, step)
+        same_models(models, step)
         if scaling == "delayed":
             mlp = models[1].model.layers[0].mlp
             assert mlp.down_proj._scalers["x"].pos == step + 1

@@ -12,14 +12,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from colossal_lab.config import Switches, tiny
 from colossal_lab.kernels.rope import rope_qkv_triton
-from colossal_lab.model import build_model
 from colossal_lab.ops import fp8, fp8_qkv
-from colossal_lab.switches import fp8 as fp8_switch
-from colossal_lab.switches.apply import apply_switches
 from colossal_lab.switches.checkpointing import GradientCheckpointConfig
 from tests.conftest import count_calls, requires_cuda
+from tests.fp8_models import same_histories, same_models, sgd_steps, tiny_fp8_models
 
 D_MODEL, N_Q, N_KV, HEAD = 64, 4, 2, 16
 WIDTH = (N_Q + 2 * N_KV) * HEAD
@@ -61,12 +58,6 @@ def _same(a, b, what):
     assert diff == 0, f"{what}: {diff} of {a.numel()} elements differ"
 
 
-def _histories_equal(a, b):
-    for role in ("x", "w", "grad"):
-        assert torch.equal(a._scalers[role].history, b._scalers[role].history), role
-        assert a._scalers[role].pos == b._scalers[role].pos, role
-
-
 CASES = [((2, 19), s, a, "emulate") for s in ("dynamic", "delayed") for a in (True, False)]
 CASES += [((1, 32), "delayed", True, "emulate"), ((1, 32), "delayed", True, "scaled_mm")]
 
@@ -89,7 +80,7 @@ def test_fused_equals_composed(tokens, scaling, autocast, backend):
             _same(a, b, f"step {step} {name}")
         _same(xf.grad, xc.grad, f"step {step} dx")
         _same(fused.weight.grad, comp.weight.grad, f"step {step} dW")
-        _histories_equal(fused, comp)
+        same_histories(fused, comp)
         fused.weight.grad = comp.weight.grad = None
 
 
@@ -112,44 +103,7 @@ def test_a_frozen_input_or_weight_and_an_unused_output(needs):
     else:
         _same(fused.weight.grad, comp.weight.grad, "dW")
         assert xf.grad is None
-    _histories_equal(fused, comp)
-
-
-def _models(extra, ckpts):
-    cfg = tiny().replace(intermediate_size=176)  # every linear fp8
-    sw = dict(precision="fp8", enable_fused_projections="triton", enable_fused_rope="triton")
-    models = [apply_switches(build_model(cfg, "cpu"),
-                             Switches(**sw, extra=dict(extra, fp8_backend="emulate",
-                                                       fp8_history=4, **e),
-                                      gradient_checkpoint_config=c))
-              for e, c in ckpts]
-    for m in models[1:]:
-        m.load_state_dict(models[0].state_dict())
-    return cfg, models
-
-
-def _steps(cfg, models, n=3):
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
-    g = torch.Generator().manual_seed(3)
-    for step in range(n):
-        ids = torch.randint(0, cfg.vocab_size, (2, 25), generator=g)  # 48 tokens
-        losses = []
-        for m in models:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = m(ids[:, :-1], ids[:, 1:])
-            loss.backward()
-            losses.append(loss.detach())
-        yield step, losses
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-
-def _same_models(models, step):
-    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-        assert torch.equal(p.grad, q.grad), (step, name)
-    for a, b in zip(fp8_switch.fp8_modules(models[0]), fp8_switch.fp8_modules(models[1])):
-        _histories_equal(a, b)
+    same_histories(fused, comp)
 
 
 def test_model_fused_equals_composed(monkeypatch):
@@ -157,11 +111,12 @@ def test_model_fused_equals_composed(monkeypatch):
     `fp8_fuse_rope=False` (loss, every gradient, every history, three SGD steps; the
     dynamic scaling's amax pass is held to the composed path above)."""
     calls = count_calls(monkeypatch, fp8_qkv, "rope_fp8_backward")
-    cfg, models = _models({"fp8_scaling": "delayed"},
-                          [({}, None), ({"fp8_fuse_rope": False}, None)])
-    for step, losses in _steps(cfg, models):
+    cfg, models = tiny_fp8_models({"fp8_scaling": "delayed"},
+                                  [({}, None), ({"fp8_fuse_rope": False}, None)],
+                                  enable_fused_rope="triton")
+    for step, losses in sgd_steps(cfg, models, generator=torch.Generator().manual_seed(3)):
         assert torch.equal(losses[0], losses[1]), step
-        _same_models(models, step)
+        same_models(models, step)
     assert calls["n"] == 3 * cfg.num_hidden_layers  # only the first model fused
 
 
@@ -169,11 +124,12 @@ def test_model_fused_under_full_checkpointing(monkeypatch):
     """Full checkpointing recomputes the fused node with the original forward's scales:
     loss, gradients and histories equal those without checkpointing."""
     calls = count_calls(monkeypatch, fp8_qkv, "rope_fp8_backward")
-    cfg, models = _models({"fp8_scaling": "delayed"},
-                          [({}, None), ({}, GradientCheckpointConfig(mode="full"))])
-    for step, losses in _steps(cfg, models):
+    cfg, models = tiny_fp8_models({"fp8_scaling": "delayed"},
+                                  [({}, None), ({}, GradientCheckpointConfig(mode="full"))],
+                                  enable_fused_rope="triton")
+    for step, losses in sgd_steps(cfg, models, generator=torch.Generator().manual_seed(3)):
         assert torch.equal(losses[0], losses[1]), step
-        _same_models(models, step)
+        same_models(models, step)
         attn = models[1].model.layers[0].self_attn
         assert attn.qkv_proj._scalers["grad"].pos == step + 1  # once a step
     assert calls["n"] == 2 * 3 * cfg.num_hidden_layers
@@ -232,4 +188,4 @@ def test_fused_equals_composed_on_the_gpu(scaling, shape):
             outs.append((*(t.detach() for t in qkv), xi.grad, m.weight.grad))
         for a, b, what in zip(*outs, ("q", "k", "v", "dx", "dW")):
             _same(a, b, f"{what} step {step}")
-        _histories_equal(fused, comp)
+        same_histories(fused, comp)
