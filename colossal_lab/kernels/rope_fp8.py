@@ -47,7 +47,7 @@ from colossal_lab.kernels.fp8_cast import (
     _use_triton,
     padded,
 )
-from colossal_lab.kernels.rope import check_qk
+from colossal_lab.kernels.rope import _unit_columns, check_qk
 
 TILES = ((32, 4), (64, 4), (64, 8), (16, 4), (32, 8))
 """(BLOCK_T, num_warps) the autotuner chooses among, for each (tokens, width, outputs
@@ -155,10 +155,6 @@ def _check(dq, dk, dv, cos_half, sin_half) -> None:
                              f"column stride on {dq.device} (`rope.half_tables`)")
 
 
-def _unit(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
-
-
 def _launch(dq, dk, dv, cos_half, sin_half, dtype, amax_src, amax_out, write_q, write_qt,
             ld, tile=None):
     """Run the kernel over (token blocks, heads); returns (q, qt, inv_scale). `tile`
@@ -177,7 +173,7 @@ def _launch(dq, dk, dv, cos_half, sin_half, dtype, amax_src, amax_out, write_q, 
     n_tiled = ld if write_qt else T
     if n_tiled == 0 or W == 0:
         return q, qt, inv
-    dq, dk, dv = _unit(dq), _unit(dk), _unit(dv)
+    dq, dk, dv = _unit_columns(dq), _unit_columns(dk), _unit_columns(dv)
     fixed = {} if tile is None else {"BLOCK_T": tile[0], "num_warps": tile[1]}
     run = _rope_fp8_backward_kernel if tile is None else _rope_fp8_backward_kernel.fn
 
