@@ -474,6 +474,23 @@ def test_auto_ratio_two_peaks(tiny_model, monkeypatch):
     assert out["predicted_peak_gib"] == pytest.approx(75.4 + 4 * (18.7 - (18.7 - 0.76) / 2))
 
 
+def test_auto_ratio_counts_the_gradients_a_micro_batch_starts_with(tiny_model, monkeypatch):
+    """Under gradient accumulation a micro-batch after the first starts with every
+    gradient alive: the first peak's line starts at base + the parameters' bytes. A
+    capacity between the two predictions flips the choice from none to one layer."""
+    cfg, model, opt = tiny_model
+    grads = sum(p.numel() * p.element_size() for p in model.parameters()) / memory.GIB
+    kw = dict(fixed=75.4, none=18.7, full=0.76, grads=12.0, real_gib=300.0)
+    monkeypatch.setattr(memory, "capacity_gib", lambda: 75.4 + 3 * 18.7 + grads / 2)
+    out = memory.auto_ratio(FakeProber(model, cfg, 16, **kw), model, opt, batch=3)
+    assert out["auto_ratio_ckpt_layers"] == 0 and "mem_grads_held_gib" not in out
+    out = memory.auto_ratio(FakeProber(model, cfg, 16, **kw), model, opt, batch=3,
+                            accumulating=True)
+    assert out["auto_ratio_ckpt_layers"] == 1
+    assert out["mem_grads_held_gib"] == pytest.approx(grads)
+    assert out["mem_base_gib"] == pytest.approx(75.4 + grads)
+
+
 def test_memory_model_two_peaks():
     """With `base`, the larger of the backward's start and its end; without, one line."""
     one = memory.MemoryModel(87.4, 18.7, 0.76, 32, 134.9)

@@ -447,12 +447,19 @@ def test_full_model_memory_words_with_and_without_both_peaks():
     assert "starts from (weights, fp32 masters, moments) at 75.4 GiB" in words
     assert "18.7 GiB a sequence with no layer checkpointed" in words
     assert "the gradients make 87.4 GiB" in words
-    assert "fit 135 GiB: 0 of 32, predicted peak 131.5 GiB" in words
+    assert "fit the batch in 135 GiB: 0 of 32, predicted peak 131.5 GiB" in words
     assert "peaked at 130.8 GiB (-0.5% against the prediction)" in words
     old = cv.full_model_memory_words({**b7, "mem_base_gib": None, "predicted_peak_gib": 100.7,
                                       "peak_mem_gib": 112.5}, 32)
     assert "fixed memory (weights, gradients, fp32 masters, moments) at 87.4 GiB" in old
     assert "(+11.7% against the prediction)" in old
+    acc = cv.full_model_memory_words({**b7, "batch": 6, "micro_batch": 2,
+                                      "mem_grads_held_gib": 12.5, "mem_base_gib": 87.9,
+                                      "predicted_peak_gib": 125.3, "peak_mem_gib": 125.0},
+                                     32)
+    assert "The batch of 6 runs as micro-batches of 2" in acc
+    assert "12.5 GiB of gradients: 87.9 GiB in all" in acc
+    assert "fit a micro-batch of 2 in 135 GiB: 0 of 32, predicted peak 125.3" in acc
 
 
 def test_comparison_verdict_follows_the_p10_p90_rule():

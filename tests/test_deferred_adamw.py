@@ -20,28 +20,34 @@ SW = Switches(precision="bf16-pure", enable_fused_optimizer="triton",
               extra={"adamw_moments": "bf16"})
 
 
-def _run(switches, n_steps=4, flush=True):
+def _run(switches, n_steps=4, flush=True, micro_batches=1):
     torch.manual_seed(0)
     model = apply_switches(build_model(tiny(), DEVICE), switches)
     opt = make_optimizer(model, 1e-3)
-    step = make_step(model, opt, clip=0.5)  # clipping that bites: the coefficient moves
+    # clipping that bites: the coefficient moves
+    step = make_step(model, opt, clip=0.5, micro_batches=micro_batches)
     g = torch.Generator().manual_seed(5)
     losses = []
     for _ in range(n_steps):
-        ids = torch.randint(0, tiny().vocab_size, (2, 17), generator=g).to(DEVICE)
+        ids = torch.randint(0, tiny().vocab_size, (2 * micro_batches, 17),
+                            generator=g).to(DEVICE)
         losses.append(step(ids[:, :-1], ids[:, 1:]).item())
     if flush:
         step.flush()
     return model, opt, step, losses
 
 
-def test_deferred_update_is_the_plain_step_bit_for_bit():
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_deferred_update_is_the_plain_step_bit_for_bit(micro_batches):
     """Four steps, then `flush`: the same losses, weights, masters and moments as the
     plain step; before `flush` the last update is pending and the weights are those of
-    the step before; after, the gradients are released as `zero_grad` leaves them."""
-    model, opt, _, losses = _run(SW)
+    the step before; after, the gradients are released as `zero_grad` leaves them. With
+    gradient accumulation the pending update is applied in the first micro-batch's
+    forward, before its backward adds to any gradient."""
+    model, opt, _, losses = _run(SW, micro_batches=micro_batches)
     d_model, d_opt, d_step, d_losses = _run(
-        SW.replace(extra={**SW.extra, "adamw_defer": True}), flush=False)
+        SW.replace(extra={**SW.extra, "adamw_defer": True}), flush=False,
+        micro_batches=micro_batches)
     assert d_step.deferred is not None and d_step.deferred.pending
     assert d_losses == losses  # each loss comes from a forward that saw every update
     before = [p.detach().clone() for p in d_model.parameters()]

@@ -205,7 +205,7 @@ def measure_one(setup: Setup, preset_name: str, seq_len: int, batch: int,
              **ran_backends(model, setup)}
     probe = memory.Prober(model, loss_fn, setup, cfg, seq_len, device)
     if setup.auto_ratio:
-        extra.update(memory.auto_ratio(probe, model, opt, batch))
+        extra.update(memory.auto_ratio(probe, model, opt, micro, accumulating=micro < batch))
     timed = functools.partial(time_setup, model, opt, loss_fn, setup, cfg, preset_name,
                               seq_len=seq_len, device=device)
     row = timed(batch, micro=micro, warmup=1 if quick else setup.warmup,

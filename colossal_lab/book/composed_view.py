@@ -439,7 +439,20 @@ def full_model_memory_words(row: dict, n_layers: int) -> str:
     with both of the step's peaks (`memory.MemoryModel`): what the step starts from plus
     its activations as the backward starts, and the gradients at its end."""
     k, pred, peak = row["auto_ratio_ckpt_layers"], row["predicted_peak_gib"], row["peak_mem_gib"]
-    if row.get("mem_base_gib") is not None:
+    held = row.get("mem_grads_held_gib")
+    if row.get("mem_base_gib") is not None and held is not None:
+        micro = row.get("micro_batch") or row["batch"]
+        probes = (f"The batch of {row['batch']} runs as micro-batches of {micro}, "
+                  f"summing their gradients. From the second on, a micro-batch starts "
+                  f"with the weights, fp32 masters and moments and with the "
+                  f"{held:.1f} GiB of gradients: {row['mem_base_gib']:.1f} GiB in all, "
+                  f"by the probes, and the activations add "
+                  f"{row['mem_per_sample_none_gib']:.1f} GiB a sequence with no layer "
+                  f"checkpointed, which peak as the backward starts; at its end the "
+                  f"gradients make {row['mem_fixed_gib']:.1f} GiB, plus "
+                  f"{row['mem_per_sample_full_gib']:.2f} GiB a sequence with every layer "
+                  f"checkpointed.")
+    elif row.get("mem_base_gib") is not None:
         probes = (f"The probes put what the step starts from (weights, fp32 masters, "
                   f"moments) at {row['mem_base_gib']:.1f} GiB and the activations at "
                   f"{row['mem_per_sample_none_gib']:.1f} GiB a sequence with no layer "
@@ -452,7 +465,8 @@ def full_model_memory_words(row: dict, n_layers: int) -> str:
                   f"moments) at {row['mem_fixed_gib']:.1f} GiB and "
                   f"{row['mem_per_sample_full_gib']:.2f} GiB a sequence with every layer "
                   f"checkpointed.")
-    return (f"{probes} The fewest checkpointed layers that fit "
+    fit = f"a micro-batch of {row['micro_batch']}" if held is not None else "the batch"
+    return (f"{probes} The fewest checkpointed layers that fit {fit} in "
             f"{row['mem_capacity_gib']:.0f} GiB: {k} of {n_layers}, predicted peak "
             f"{pred:.1f} GiB. The timed run checkpointed {row['ckpt_layers']} and peaked "
             f"at {peak:.1f} GiB ({(peak - pred) / pred:+.1%} against the prediction).")

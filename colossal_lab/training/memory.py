@@ -61,7 +61,11 @@ class MemoryModel:
     mixes the two moments and undercounts: for full LLaMA-7B with the exact optimizer
     (75 GiB before the forward, 12.5 GiB of bf16 gradients, 18.7 GiB of activations a
     sequence without checkpointing) it gives 101 GiB at batch 2, where the step reaches
-    112 and the two lines say 113."""
+    112 and the two lines say 113.
+
+    **Gradient accumulation.** From the second micro-batch on, every gradient is alive
+    before the forward starts, so the first line starts from base plus the gradients
+    (`auto_ratio(..., accumulating=True)`): 12.5 GiB more for LLaMA-7B in bf16."""
 
     fixed_gib: float
     per_sample_none_gib: float
@@ -223,12 +227,14 @@ def _slope(a: dict, b: dict, ba: int, bb: int, key: str = "peak") -> float:
     return (b[key] - a[key]) / (bb - ba)
 
 
-def auto_ratio(probe: Prober, model, opt, batch: int) -> dict:
+def auto_ratio(probe: Prober, model, opt, batch: int, accumulating: bool = False) -> dict:
     """Set the fewest checkpointed layers (first of each stage, full recomputation)
-    that fit `batch`, from probes at batch 1 and 2 with every layer checkpointed and at
-    batch 1 with none (`MemoryModel` with two peaks: the last probe gives `base` and
-    one sequence's activations). The checkpoint configs are applied through
-    `apply_switches`, so `model.switches` says what was timed."""
+    that fit a (micro-)batch of `batch` sequences, from probes at batch 1 and 2 with
+    every layer checkpointed and at batch 1 with none (`MemoryModel` with two peaks:
+    the last probe gives `base` and one sequence's activations; `accumulating`: a
+    micro-batch after the first, which starts with every gradient alive). The
+    checkpoint configs are applied through `apply_switches`, so `model.switches` says
+    what was timed."""
     if not probe.available:
         return {}
     inner = model.model
@@ -250,10 +256,15 @@ def auto_ratio(probe: Prober, model, opt, batch: int) -> dict:
     set_ratio(0.0)
     none, _ = guarded(probe, 1, model=model)
     n_layers = len(inner.layers)
+    base_gib = none["before"] if none else None
+    grads_gib = sum(p.numel() * p.element_size() for p in model.parameters()
+                    if p.requires_grad) / GIB  # .grad has the parameter's dtype
+    if accumulating and base_gib is not None:
+        base_gib += grads_gib
     # none checkpointed peaks as the backward starts: a line from what the forward
     # starts with, one sequence's activations a sequence (`MemoryModel`, two peaks)
     mm = MemoryModel(fixed, none["activation"] if none else float("inf"), full,
-                     n_layers, capacity_gib(), base_gib=none["before"] if none else None)
+                     n_layers, capacity_gib(), base_gib=base_gib)
     k = mm.min_ckpt_layers(batch) if none else n_layers
     k = n_layers if k is None else k
     set_ratio(k / n_layers)
@@ -261,7 +272,8 @@ def auto_ratio(probe: Prober, model, opt, batch: int) -> dict:
     return {"auto_ratio_ckpt_layers": k, "mem_fixed_gib": fixed, "mem_base_gib": mm.base_gib,
             "mem_per_sample_none_gib": mm.per_sample_none_gib if none else None,
             "mem_per_sample_full_gib": full, "mem_capacity_gib": mm.capacity_gib,
-            "predicted_peak_gib": mm.peak(batch, k)}
+            "predicted_peak_gib": mm.peak(batch, k),
+            **({"mem_grads_held_gib": grads_gib} if accumulating else {})}
 
 
 def verify_largest_batch(probe: Prober, row: dict, time_at) -> dict:
