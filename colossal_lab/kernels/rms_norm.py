@@ -77,18 +77,24 @@ from colossal_lab.kernels.launch import launch, plan_key, runner_for
 @triton.jit
 def _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res, n_cols,
                             OFF: tl.constexpr, P: tl.constexpr,
-                            HAS_RESIDUAL: tl.constexpr):
-    """Columns OFF .. OFF + P - 1 of the tile: x (or h = x + residual, stored), fp32."""
+                            HAS_RESIDUAL: tl.constexpr, STORE_H: tl.constexpr = True,
+                            VEC: tl.constexpr = 0):
+    """Columns OFF .. OFF + P - 1 of the tile: x (or h = x + residual, stored unless
+    STORE_H is False), fp32. VEC > 0 caps the accesses' vector width at VEC elements
+    (`rms_norm_fp8` lays its wider tile out as this kernel's)."""
     cols, _, mask = _piece(rows, row_ok, n_cols, OFF, P)
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    cols = cols[None, :]  # (1, P)
+    if VEC > 0:
+        cols = tl.max_contiguous(cols, [1, VEC])
+    x = tl.load(X + rows[:, None] * stride_x + cols, mask=mask, other=0.0)
     x = x.to(tl.float32)  # (ROWS, P)
     if HAS_RESIDUAL:
-        res = tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask,
-                      other=0.0)
+        res = tl.load(RES + rows[:, None] * stride_res + cols, mask=mask, other=0.0)
         # h is rounded to its dtype, stored, and normalised *as stored*, so that the
         # backward, which re-reads h, differentiates what the forward computed.
         h = _to_dtype(x + res.to(tl.float32), HOUT.dtype.element_ty)
-        tl.store(HOUT + rows[:, None] * n_cols + cols[None, :], h, mask=mask)
+        if STORE_H:
+            tl.store(HOUT + rows[:, None] * n_cols + cols, h, mask=mask)
         x = h.to(tl.float32)
     return x
 

@@ -1,0 +1,367 @@
+"""RMSNorm, with the residual add, writing its output straight to fp8 in both layouts.
+
+In the fp8 step each decoder layer has two RMSNorms whose output y feeds an fp8
+projection (`input_layernorm` -> `qkv_proj`, `post_attention_layernorm` ->
+`gate_up_proj`). Composed from the parts, the norm writes y (T, d) in the activation
+dtype and the projection's cast (`kernels.fp8_cast`) reads it back to write its e4m3
+copies: row-major for the forward GEMM, transposed for dW. y has no other reader (the
+norm's backward reads h and rstd). This kernel normalises and casts in one pass, so y
+is never written::
+
+    h = x + residual          (fused add; rounded to its dtype and stored, as the norm does)
+    r = (mean(h²) + eps)^(-1/2)                stored (fp32) for the norm's backward
+    y = h · r · w                              rounded to the dtype the norm writes y in
+    write q(y · s) (T, d) and its transpose (d, T_pad), zero-padded to T_pad = 16k tokens
+
+Bytes per element of y (bf16, delayed scaling, whose scale is known before the pass)::
+
+                      unfused: norm, then cast                fused (this file)
+    with residual     read 4, write h 2, y 2; cast: read 2,   read 4, write 2 + 1 + 1 = 8
+                      write 1 + 1                    = 12
+    no residual       read 2, write 2; cast: read 2,          read 2, write 1 + 1 = 4
+                      write 1 + 1                    = 8
+
+At llama-7b (16,384 tokens, d = 4096) that is 0.27 GB a norm, two norms a layer.
+Dynamic scaling needs amax(y) before the cast: the kernel's amax-only mode reads x (and
+the residual) once more and writes nothing else (`rms_norm_fp8_amax`); the unfused path
+reads y for it instead, after writing it.
+
+**Tiles.** A program holds BLOCK_T whole rows in registers, as up to three power-of-two
+pieces (`_norm_common.row_pieces`), as the norm kernel (`kernels.rms_norm`) holds its
+row tile (one row at d = 4096). On a GPU the order in which a row's squares are added
+follows how the tile is laid out over a thread's registers, the lanes and the warps. So
+this kernel runs with the norm kernel's warps (`_norm_common.launch_config`) and caps
+its loads and stores at the norm kernel's vector width (`_vectors`; the fp8 store alone
+would widen a thread's share of a row to 16 elements): a row is then laid out as in the
+norm kernel, the extra rows repeating each thread's share, and summed in the same order,
+so r, and y, keep the norm kernel's bits. `sm90_compile.row_reduction_layouts` reads the
+layouts from the two kernels compiled for sm_90 (a CPU test compares them, a GPU test
+the bits). Under the interpreter a row's sum does not depend on the tile.
+
+BLOCK_T (`TILES`, autotuned) trades the transposed store, one run of BLOCK_T bytes per
+row of yᵀ, against registers: a thread holds BLOCK_T · d / (32 · warps) fp32 values of
+h. At d = 4096 in bf16 with the norm kernel's 8 warps, ptxas (Triton 3.7.1) gives a
+thread 64 registers at BLOCK_T = 2, 128 at 4 and 255 at 8, and spills at 16. A tile of
+32 tokens, a 32-byte sector of each row of yᵀ, would hold 0.5 MB of fp32 rows, twice an
+SM's register file.
+
+**Rounding.** y is rounded to the norm's output dtype (that of x + residual) before it
+is scaled, as the unfused path rounds it when it writes y, so both paths quantise the
+same numbers and write the same fp8 bits; scale, saturation and the zero padding of the
+transposed copy are `kernels.fp8_cast`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from colossal_lab.kernels import INTERPRET
+from colossal_lab.kernels._norm_common import (
+    SMALL_ROWS,
+    _piece,
+    _row_tile,
+    _to_dtype,
+    check_input,
+    check_param,
+    launch_config,
+)
+from colossal_lab.kernels.fp8_cast import (
+    EPS,
+    _cast_torch,
+    _format,
+    _quantize,
+    _scale,
+    _store_both,
+    _use_triton,
+    fp8_amax,
+    padded,
+)
+from colossal_lab.kernels.rms_norm import _rms_norm_forward_kernel, _rms_norm_forward_piece
+
+TILES = (8, 4, 2, 16)
+"""Tokens a program holds (BLOCK_T) the autotuner chooses among, for each (tokens,
+hidden, residual, outputs written): the first call of a shape times each and keeps the
+fastest (16 only pays at small hidden sizes; it spills at 4096). The warps are the norm
+kernel's (module docstring), so the outputs do not depend on the tile, bit for bit.
+Under the interpreter only the first is used."""
+_TUNE_KEY = ["n_rows", "n_cols", "HAS_RESIDUAL", "WRITE_Q", "WRITE_QT", "WRITE_AMAX"]
+
+
+# ------------------------------------------------------------------------------ kernel
+
+
+@triton.jit
+def _rms_norm_fp8_piece(Q, QT, W, HOUT, x, rstd, scale, amax, rows, row_ok, n_cols, ld_qt,
+                        FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
+                        MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr,
+                        WRITE_QT: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+                        OFF: tl.constexpr, P: tl.constexpr, VEC: tl.constexpr):
+    """y = x · r · w for columns OFF .. OFF + P - 1 of the tile, rounded to HOUT's dtype
+    (y's), then cast and stored both ways; returns max(amax, max |y|)."""
+    cols, col_ok, mask = _piece(rows, row_ok, n_cols, OFF, P)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (P,)
+    y = x * rstd[:, None] * w[None, :]  # the norm kernel's formula
+    # what the unfused norm writes; rows past the tokens (yᵀ's padding) are +0
+    y = tl.where(row_ok[:, None], _to_dtype(y, HOUT.dtype.element_ty).to(tl.float32), 0.0)
+    amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+    if WRITE_Q or WRITE_QT:
+        q = _quantize(y, scale, QT.dtype.element_ty, FP8_MAX, MANT_BITS, MIN_EXP,
+                      ROUND_IN_FP32)
+        if WRITE_Q:  # no wider than the loads: the tile keeps the norm kernel's layout
+            tl.store(Q + rows[:, None] * n_cols + tl.max_contiguous(cols[None, :], [1, VEC]),
+                     q, mask=mask)
+        _store_both(Q, QT, q, rows, cols, mask, n_cols, n_cols, ld_qt, False, WRITE_QT)
+    return amax
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(
+    X,  # (n_rows, n_cols) input x, row stride stride_x, unit column stride
+    RES,  # (n_rows, n_cols) residual, row stride stride_res (HAS_RESIDUAL only)
+    W,  # (n_cols,) norm weight, any float dtype (upcast)
+    HOUT,  # (n_rows, n_cols) output h = x + residual, contiguous (stored with the cast);
+    #        without a residual, any tensor of y's dtype (its dtype is all that is read)
+    RSTD,  # (n_rows,) fp32 output r, for the norm's backward (stored with the cast)
+    Q,  # (n_rows, n_cols) fp8 output q(y · scale), contiguous (WRITE_Q)
+    QT,  # (n_cols, ld_qt) fp8 output, Q transposed, columns n_rows..ld_qt-1 zero (WRITE_QT)
+    AMAX_SRC,  # (n_src,) fp32: the scale is fp8_max / max(AMAX_SRC) (WRITE_Q or WRITE_QT)
+    INV_SCALE,  # (1,) fp32 output: 1 / scale, written by program 0
+    AMAX_OUT,  # (1,) fp32, zero-initialised: max |y| by atomic max (WRITE_AMAX)
+    stride_x,  # elements between rows of X
+    stride_res,  # elements between rows of RES
+    n_rows,  # T, tokens
+    n_cols,  # d, the normalised length
+    ld_qt,  # row length of QT (n_rows padded to a multiple of 16)
+    n_src,  # entries of AMAX_SRC
+    eps,  # added to mean(h²) before the square root
+    FP8_MAX: tl.constexpr,  # largest finite value of the fp8 format
+    MANT_BITS: tl.constexpr,  # mantissa bits of the format (interpreter rounding only)
+    MIN_EXP: tl.constexpr,  # exponent of its smallest normal (interpreter rounding only)
+    EPS: tl.constexpr,  # floor of the amax the scale is computed from
+    HAS_RESIDUAL: tl.constexpr,  # fuse h = x + residual in front of the norm
+    WRITE_Q: tl.constexpr,  # write the row-major copy
+    WRITE_QT: tl.constexpr,  # write the transposed copy
+    WRITE_AMAX: tl.constexpr,  # reduce max |y| into AMAX_OUT (alone: the amax pass)
+    ROUND_IN_FP32: tl.constexpr,  # pre-round to the fp8 grid (the interpreter's casts)
+    BLOCK_SRC: tl.constexpr,  # next_power_of_2(n_src)
+    P0: tl.constexpr,  # the row's power-of-two pieces (`row_pieces`); P1, P2 may be 0
+    P1: tl.constexpr,
+    P2: tl.constexpr,
+    VEC0: tl.constexpr,  # vector width of each piece's accesses: the norm kernel's
+    VEC1: tl.constexpr,  # (`_vectors`), so that a row is laid out as it lays it out
+    VEC2: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program
+):
+    """BLOCK_T rows: h (stored), r = (mean(h²) + eps)^-1/2 (stored), y = h · r · w rounded
+    to HOUT's dtype, cast to fp8 and stored as is and transposed. Programs past n_rows
+    (up to ld_qt) store the zero padding of QT. Without WRITE_Q and WRITE_QT (the amax
+    pass) nothing is stored but the amax."""
+    rows, row_ok = _row_tile(tl.program_id(0), n_rows, BLOCK_T)
+    x0 = _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res, n_cols,
+                                 0, P0, HAS_RESIDUAL, WRITE_Q or WRITE_QT, VEC0)
+    sum_sq = tl.sum(x0 * x0, axis=1)  # (BLOCK_T,)
+    if P1 > 0:
+        x1 = _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res,
+                                     n_cols, P0, P1, HAS_RESIDUAL, WRITE_Q or WRITE_QT,
+                                     VEC1)
+        sum_sq += tl.sum(x1 * x1, axis=1)
+    if P2 > 0:
+        x2 = _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res,
+                                     n_cols, P0 + P1, P2, HAS_RESIDUAL,
+                                     WRITE_Q or WRITE_QT, VEC2)
+        sum_sq += tl.sum(x2 * x2, axis=1)
+    rstd = tl.rsqrt(sum_sq / n_cols + eps)  # (BLOCK_T,) r
+    scale = 1.0
+    if WRITE_Q or WRITE_QT:  # the cast pass stores h (above) and r; the amax pass does not
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        scale = _scale(AMAX_SRC, INV_SCALE, n_src, FP8_MAX, EPS, BLOCK_SRC)
+    amax = _rms_norm_fp8_piece(Q, QT, W, HOUT, x0, rstd, scale, 0.0, rows, row_ok, n_cols,
+                               ld_qt, FP8_MAX, MANT_BITS, MIN_EXP, WRITE_Q, WRITE_QT,
+                               ROUND_IN_FP32, 0, P0, VEC0)
+    if P1 > 0:
+        amax = _rms_norm_fp8_piece(Q, QT, W, HOUT, x1, rstd, scale, amax, rows, row_ok,
+                                   n_cols, ld_qt, FP8_MAX, MANT_BITS, MIN_EXP, WRITE_Q,
+                                   WRITE_QT, ROUND_IN_FP32, P0, P1, VEC1)
+    if P2 > 0:
+        amax = _rms_norm_fp8_piece(Q, QT, W, HOUT, x2, rstd, scale, amax, rows, row_ok,
+                                   n_cols, ld_qt, FP8_MAX, MANT_BITS, MIN_EXP, WRITE_Q,
+                                   WRITE_QT, ROUND_IN_FP32, P0 + P1, P2, VEC2)
+    if WRITE_AMAX:
+        tl.atomic_max(AMAX_OUT, amax)
+
+
+def _vectors(cfg, dtype: torch.dtype) -> dict[str, int]:
+    """VEC0..2: the vector width (elements) of each piece's loads and stores in the norm
+    kernel launched with `cfg`: 16 bytes, fewer where its (rows, P) tile gives a thread
+    fewer elements. Capping this kernel's accesses at the same width gives its
+    (BLOCK_T, P) tiles the norm kernel's layout along the row."""
+    vec = 16 // dtype.itemsize
+    return {f"VEC{i}": max(1, min(vec, cfg.rows * p // (32 * cfg.num_warps))) if p else 1
+            for i, p in enumerate(cfg.pieces)}
+
+
+@functools.cache
+def _autotuned(num_warps: int):
+    """The kernel autotuned over `TILES` at `num_warps` (the norm kernel's)."""
+    configs = [triton.Config({"BLOCK_T": t}, num_warps=num_warps)
+               for t in (TILES[:1] if INTERPRET else TILES)]
+    return triton.autotune(configs=configs, key=_TUNE_KEY)(_rms_norm_fp8_kernel)
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def _check(x2d, residual2d, w):
+    """Checks as the norm's; returns w contiguous."""
+    check_input(x2d)
+    if x2d.dim() != 2 or x2d.stride(1) != 1:
+        raise ValueError(f"x must be 2-D (T, d) with unit column stride, got shape "
+                         f"{tuple(x2d.shape)}, strides {x2d.stride()}")
+    if residual2d is not None:
+        check_input(residual2d)
+        if residual2d.shape != x2d.shape or residual2d.stride(1) != 1 \
+                or residual2d.device != x2d.device:
+            raise ValueError(f"residual {tuple(residual2d.shape)} must have x's shape "
+                             f"{tuple(x2d.shape)}, unit column stride and x's device")
+    return check_param(w, x2d.shape[1], x2d, "weight")
+
+
+def _launch(x2d, residual2d, w, eps, dtype, amax_src, amax_out, write_q, write_qt, ld,
+            tile=None):
+    """Run the kernel over token tiles; returns (q, qt, inv_scale, h, rstd), h None
+    without a residual. `tile` (BLOCK_T, num_warps) bypasses the autotuner (tests,
+    probes; num_warps None: the norm kernel's)."""
+    T, d = x2d.shape
+    fp8_max, mant, min_exp = _format(dtype)
+    dev = x2d.device
+    cast = write_q or write_qt
+    y_dtype = x2d.dtype if residual2d is None else torch.result_type(x2d, residual2d)
+    q = torch.empty(T, d, dtype=dtype, device=dev) if write_q else None
+    qt = torch.empty(d, ld, dtype=dtype, device=dev) if write_qt else None
+    h = torch.empty(T, d, dtype=y_dtype, device=dev) \
+        if cast and residual2d is not None else None
+    rstd = torch.empty(T, dtype=torch.float32, device=dev) if cast else None
+    inv = torch.empty(1, dtype=torch.float32, device=dev)
+    dummy = q if q is not None else qt if qt is not None else \
+        torch.empty(1, dtype=dtype, device=dev)
+    src = amax_src.reshape(-1) if amax_src is not None else inv
+    n_tiled = ld if write_qt else T
+    if n_tiled == 0:
+        return q, qt, inv, h, rstd
+    res = residual2d if residual2d is not None else x2d
+    hout = h if h is not None else x2d if residual2d is None else \
+        torch.empty(1, dtype=y_dtype, device=dev)  # the amax pass: h's dtype only
+    cfg = launch_config(d, x2d.dtype, small=T <= SMALL_ROWS and residual2d is None)
+    warps = cfg.num_warps if tile is None or tile[1] is None else tile[1]
+    run = _autotuned(warps) if tile is None else _rms_norm_fp8_kernel
+    fixed = {} if tile is None else {"BLOCK_T": tile[0], "num_warps": warps}
+
+    def grid(meta):
+        return (triton.cdiv(n_tiled, meta["BLOCK_T"]),)
+
+    run[grid](
+        x2d, res, w, hout, rstd if rstd is not None else inv,
+        dummy if q is None else q, dummy if qt is None else qt, src, inv,
+        amax_out if amax_out is not None else inv,
+        x2d.stride(0), res.stride(0), T, d, ld, src.numel(), eps,
+        FP8_MAX=fp8_max, MANT_BITS=mant, MIN_EXP=min_exp, EPS=EPS,
+        HAS_RESIDUAL=residual2d is not None, WRITE_Q=write_q, WRITE_QT=write_qt,
+        WRITE_AMAX=amax_out is not None, ROUND_IN_FP32=INTERPRET or not x2d.is_cuda,
+        BLOCK_SRC=triton.next_power_of_2(max(src.numel(), 2)), P0=cfg.pieces[0],
+        P1=cfg.pieces[1], P2=cfg.pieces[2], **_vectors(cfg, x2d.dtype), **fixed)
+    return q, qt, inv, h, rstd
+
+
+def rms_norm_fp8(x2d: torch.Tensor, residual2d: torch.Tensor | None, w: torch.Tensor,
+                 eps: float, dtype: torch.dtype, amax_src: torch.Tensor, *,
+                 write_q: bool = True, write_qt: bool = True, pad_to: int = 16,
+                 amax_out: torch.Tensor | None = None, use_triton: bool | None = None,
+                 tile=None):
+    """y = RMSNorm(x + residual) · w (residual None: of x) cast to fp8 `dtype` with
+    scale = fp8_max / max(amax_src), without writing y.
+
+    Args:
+        x2d, residual2d: (T, d), unit column stride; residual None: no add.
+        w: (d,) norm weight, any float dtype; eps: added to mean(h²).
+    Returns `(q, qt, inv_scale, h, rstd)`: q (T, d) or None, qt (d, T_pad) (columns T..
+    zero) or None and inv_scale (1,) fp32, as `fp8_cast_transpose(y)` returns them; h =
+    x + residual (T, d) in the dtype of x + residual (None without a residual) and rstd
+    (T,) fp32, as `add_rms_norm_forward` / `rms_norm_forward` return them. With
+    `amax_out` (a zeroed (1,) fp32 tensor), max |y| is reduced into it. Kernel on CUDA
+    (`use_triton=None`), torch ops elsewhere; True forces the kernel. `tile`
+    (BLOCK_T, num_warps) runs that tile instead of the autotuner's choice."""
+    w = _check(x2d, residual2d, w)
+    ld = padded(x2d.shape[0], pad_to)
+    if not _use_triton(x2d, use_triton):
+        y, h, rstd = rms_norm_torch(x2d, residual2d, w, eps)
+        return (*_cast_torch(y, dtype, _format(dtype)[0], amax_src, write_q, write_qt, ld,
+                             amax_out), h, rstd)
+    return _launch(x2d, residual2d, w, eps, dtype, amax_src, amax_out, write_q, write_qt,
+                   ld, tile)
+
+
+def rms_norm_fp8_amax(x2d: torch.Tensor, residual2d: torch.Tensor | None, w: torch.Tensor,
+                      eps: float, *, use_triton: bool | None = None) -> torch.Tensor:
+    """max |y| of y = RMSNorm(x + residual) · w (rounded to its dtype) as a (1,) fp32
+    tensor: dynamic scaling's first pass (reads x and the residual, writes nothing
+    else)."""
+    w = _check(x2d, residual2d, w)
+    if not _use_triton(x2d, use_triton):
+        return fp8_amax(rms_norm_torch(x2d, residual2d, w, eps)[0], use_triton=False)
+    amax = torch.zeros(1, dtype=torch.float32, device=x2d.device)
+    _launch(x2d, residual2d, w, eps, torch.float8_e4m3fn, None, amax, False, False,
+            x2d.shape[0])
+    return amax
+
+
+def aot_arguments(hidden: int, dtype: torch.dtype, residual_dtype: torch.dtype | None,
+                  block_t: int, tokens: int = 16384) -> tuple[tuple, tuple]:
+    """(fn, signature, constexprs, num_warps, divisible) of the norm kernel's forward
+    (`kernels.rms_norm`) and of this kernel at BLOCK_T = `block_t`, for `tokens` rows of
+    `hidden` in `dtype` (and a residual), to compile both for sm_90 without a GPU
+    (`sm90_compile.compile_sm90`) and compare how they lay out a row."""
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+    y_dtype = dtype if residual_dtype is None else torch.promote_types(dtype, residual_dtype)
+    cfg = launch_config(hidden, dtype, small=tokens <= SMALL_ROWS and residual_dtype is None)
+    x, res, y = ptr[dtype], ptr[residual_dtype or dtype], ptr[y_dtype]
+    pieces = dict(P0=cfg.pieces[0], P1=cfg.pieces[1], P2=cfg.pieces[2])
+    ints = ("stride_x", "stride_res", "n_rows", "n_cols")
+    norm_sig = dict(X=x, RES=res, W="*bf16", Y=y, HOUT=y, RSTD="*fp32",
+                    **dict.fromkeys(ints, "i32"), eps="fp32")
+    norm = (_rms_norm_forward_kernel, norm_sig,
+            dict(HAS_RESIDUAL=residual_dtype is not None, ALIGN=16, ROWS=cfg.rows, **pieces),
+            cfg.num_warps, (*list(norm_sig)[:6], *ints))  # H, strides: multiples of 256
+    sig = dict(X=x, RES=res, W="*bf16", HOUT=y, RSTD="*fp32", Q="*fp8e4nv", QT="*fp8e4nv",
+               AMAX_SRC="*fp32", INV_SCALE="*fp32", AMAX_OUT="*fp32",
+               **dict.fromkeys((*ints, "ld_qt", "n_src"), "i32"), eps="fp32")
+    fmax, mant, min_exp = _format(torch.float8_e4m3fn)
+    fused = (_rms_norm_fp8_kernel, sig,
+             dict(FP8_MAX=fmax, MANT_BITS=mant, MIN_EXP=min_exp, EPS=EPS,
+                  HAS_RESIDUAL=residual_dtype is not None, WRITE_Q=True, WRITE_QT=True,
+                  WRITE_AMAX=True, ROUND_IN_FP32=False, BLOCK_SRC=16, **pieces,
+                  **_vectors(cfg, dtype), BLOCK_T=block_t),
+             cfg.num_warps, (*list(sig)[:10], *ints, "ld_qt", "n_src"))
+    return norm, fused
+
+
+# ------------------------------------------------------------------- torch reference
+
+
+def rms_norm_torch(x2d: torch.Tensor, residual2d: torch.Tensor | None, w: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(y, h, rstd) by the kernel's formulas in torch ops: h = x + residual rounded to
+    its dtype, r = (mean(h²) + eps)^-1/2 in fp32, y = h · r · w rounded to h's dtype (x's
+    without a residual). torch sums the squares in another order than the kernel, so r
+    may differ in its last bit."""
+    h = None
+    xf = x2d.float()
+    if residual2d is not None:
+        h = (xf + residual2d.float()).to(torch.result_type(x2d, residual2d))
+        xf = h.float()
+    rstd = torch.rsqrt((xf * xf).sum(1) / x2d.shape[1] + eps)
+    y = (xf * rstd[:, None] * w.float()).to(x2d.dtype if h is None else h.dtype)
+    return y, h, rstd

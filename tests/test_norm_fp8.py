@@ -1,0 +1,193 @@
+"""RMSNorm (with the residual add) writing its output in fp8, both layouts
+(`kernels.rms_norm_fp8`): against the unfused path (the Triton norm writing y, then
+`fp8_cast_transpose`) bit for bit — q, qᵀ and its padding, inv_scale, h, rstd, amax — on
+ragged token counts, row pieces, mixed dtypes, delayed and dynamic scaling; one layout
+alone, a chosen tile, the torch reference, the checks. CPU: the kernels run under the
+Triton interpreter."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from colossal_lab.kernels import fp8_cast
+from colossal_lab.kernels.rms_norm import add_rms_norm_forward, rms_norm_forward
+from colossal_lab.kernels.rms_norm_fp8 import rms_norm_fp8, rms_norm_fp8_amax
+from tests.conftest import requires_cuda
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+EPS = 1e-6
+BF, F32 = torch.bfloat16, torch.float32
+# (T, d, x dtype, residual dtype or None): ragged T (yᵀ padded), one piece (64), two
+# pieces (48 = 32 + 16, 80 = 64 + 16), fp32 rows, a bf16 x on an fp32 residual stream
+CASES = [(21, 64, BF, None), (37, 48, BF, BF), (5, 80, F32, None), (33, 64, BF, F32),
+         (16, 80, F32, F32)]
+
+
+def _same(a, b, what):
+    """Equal values (fp8 compared as floats: the interpreter writes -0 as +0)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype)
+    diff = (a.float() != b.float()).sum().item()
+    assert diff == 0, f"{what}: {diff} of {a.numel()} elements differ"
+
+
+def _inputs(T, d, dtype, res_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, d, generator=g) * 3).to(dtype)
+    res = None if res_dtype is None else torch.randn(T, d, generator=g).to(res_dtype)
+    w = torch.rand(d, generator=g) * 2 - 0.5  # some negative weights
+    return x, res, w
+
+
+def _unfused(x, res, w, dtype, src, amax_out):
+    """The Triton norm writes y (and h), then the cast reads it: (q, qt, inv, h, rstd)."""
+    if res is None:
+        y, rstd = rms_norm_forward(x, w, EPS)
+        h = None
+    else:
+        y, h, rstd = add_rms_norm_forward(x, res, w, EPS)
+    return (*fp8_cast.fp8_cast_transpose(y, dtype, src, amax_out=amax_out), h, rstd)
+
+
+@pytest.mark.parametrize("T,d,dtype,res_dtype", CASES, ids=str)
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic"])
+def test_fused_writes_the_unfused_bits(T, d, dtype, res_dtype, scaling):
+    x, res, w = _inputs(T, d, dtype, res_dtype, seed=T + d)
+    if scaling == "dynamic":  # the amax-only pass gives the scale
+        src = rms_norm_fp8_amax(x, res, w, EPS, use_triton=True)
+    else:  # a history below the amax: some elements saturate
+        src = torch.tensor([0.5, 2.0, 1.0])
+    af, ar = torch.zeros(1), torch.zeros(1)
+    q, qt, inv, h, rstd = rms_norm_fp8(x, res, w, EPS, E4, src, amax_out=af,
+                                       use_triton=True)
+    rq, rqt, rinv, rh, rrstd = _unfused(x, res, w, E4, src, ar)
+    _same(q, rq, "row-major")
+    _same(qt, rqt, "transposed")
+    assert qt.shape == (d, fp8_cast.padded(T)) and qt[:, T:].float().abs().sum() == 0
+    _same(rstd, rrstd, "rstd")
+    assert (h is None) == (res is None)
+    if h is not None:
+        _same(h, rh, "h")
+    assert torch.equal(inv, rinv) and torch.equal(af, ar) and af.item() > 0
+    if scaling == "dynamic":
+        assert torch.equal(src, ar)  # the pass found the unfused cast's amax
+    else:
+        assert q.float().abs().max() == 448.0  # saturated, finite
+
+
+def test_one_layout_alone_a_chosen_tile_and_e5m2():
+    """write_q / write_qt alone write what both write; a tile other than the
+    interpreter's default (several programs, a partial one) writes the same bytes."""
+    x, res, w = _inputs(37, 48, BF, BF, seed=1)
+    src = torch.tensor([4.0])
+    both = rms_norm_fp8(x, res, w, EPS, E4, src, use_triton=True)
+    q_only = rms_norm_fp8(x, res, w, EPS, E4, src, write_qt=False, use_triton=True)
+    qt_only = rms_norm_fp8(x, res, w, EPS, E4, src, write_q=False, use_triton=True)
+    assert q_only[1] is None and qt_only[0] is None
+    _same(q_only[0], both[0], "row-major alone")
+    _same(qt_only[1], both[1], "transposed alone")
+    amax = [torch.zeros(1), torch.zeros(1)]
+    tiled = rms_norm_fp8(x, res, w, EPS, E4, src, amax_out=amax[0], use_triton=True,
+                         tile=(4, None))
+    rms_norm_fp8(x, res, w, EPS, E4, src, amax_out=amax[1], use_triton=True)
+    for a, b, what in zip(tiled, both, ("q", "qt", "inv", "h", "rstd")):
+        _same(a, b, f"tile 4: {what}")
+    assert torch.equal(*amax)
+    e5 = rms_norm_fp8(x, res, w, EPS, E5, src, use_triton=True)
+    _same(e5[0], _unfused(x, res, w, E5, src, None)[0], "e5m2")
+
+
+@pytest.mark.parametrize("res_dtype", [None, BF], ids=["plain", "residual"])
+def test_torch_reference_against_the_kernel(res_dtype):
+    """The launchers' torch path (CPU without the interpreter) computes the same
+    formulas; torch sums the squares in another order, so rstd may differ in its last
+    bits, which moves a rare element of y across an fp8 rounding boundary: at most one
+    step, on at most 1% of the elements."""
+    x, res, w = _inputs(40, 80, BF, res_dtype, seed=7)
+    src = torch.tensor([3.0])
+    k = rms_norm_fp8(x, res, w, EPS, E4, src, use_triton=True)
+    t = rms_norm_fp8(x, res, w, EPS, E4, src, use_triton=False)
+    for a, b in zip(k[:2], t[:2]):
+        off = a.float() != b.float()
+        assert off.float().mean() < 0.01
+        assert ((a.float() - b.float()).abs() <= b.float().abs() / 4)[off].all()
+    assert torch.equal(k[2], t[2])
+    if res_dtype is not None:
+        _same(k[3], t[3], "h")
+    assert ((k[4] - t[4]).abs() <= 4e-7 * k[4]).all()  # a few ulp
+    assert torch.allclose(rms_norm_fp8_amax(x, res, w, EPS, use_triton=True),
+                          rms_norm_fp8_amax(x, res, w, EPS, use_triton=False), rtol=1e-2)
+
+
+def test_bad_inputs_are_refused():
+    x, res, w = _inputs(8, 32, BF, BF, seed=2)
+    src = torch.ones(1)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_fp8(x, res[:, :16], w, EPS, E4, src)
+    with pytest.raises(ValueError, match="2-D"):
+        rms_norm_fp8(x[None], None, w, EPS, E4, src)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_fp8(x, res, w[:16], EPS, E4, src)
+    with pytest.raises(ValueError, match="fp8 dtype"):
+        rms_norm_fp8(x, res, w, EPS, torch.bfloat16, src, use_triton=True)
+
+
+def test_rows_are_laid_out_as_the_norm_kernel_lays_them_out():
+    """Compiled for sm_90 without a GPU (in a process without the interpreter), each
+    row sum of squares of the fused kernel, at every tile, spreads a row over a thread's
+    registers, lanes and warps as the norm kernel's does: on a GPU both add a row's
+    squares in the same order, so r (and y) keep the norm kernel's bits. Cases: llama-7b's
+    d = 4096 in bf16 (two tiles), d = 5120 (two row pieces) with an fp32 residual stream,
+    fp32 rows without a residual."""
+    code = r"""
+import json, torch
+from colossal_lab.kernels import rms_norm_fp8
+from colossal_lab.kernels.sm90_compile import compile_sm90, row_reduction_layouts
+bf, f32 = torch.bfloat16, torch.float32
+out = []
+for hidden, dtype, res, tiles in ((4096, bf, bf, (8, 2)), (5120, bf, f32, (8,)),
+                                  (4096, f32, None, (4,))):
+    for tile in tiles:
+        norm, fused = rms_norm_fp8.aot_arguments(hidden, dtype, res, tile)
+        out.append([hidden, tile, *(row_reduction_layouts(compile_sm90(*k)["ttgir"])
+                                    for k in (norm, fused))])
+print(json.dumps(out))
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for hidden, tile, norm, fused in json.loads(out.stdout.strip().splitlines()[-1]):
+        assert norm and len(fused) > len(norm), (hidden, tile)  # the sums, then amax
+        assert fused[:len(norm)] == norm, (hidden, tile, norm, fused)
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+@requires_cuda  # compiled kernels: `make test-gpu`
+@pytest.mark.parametrize("T,d,res_dtype", [(1000, 4096, BF), (4096, 4096, None),
+                                           (2048, 5120, F32), (333, 1024, BF)], ids=str)
+def test_fused_writes_the_unfused_bits_on_the_gpu(T, d, res_dtype):
+    """Compiled, every tile of `TILES` and the autotuned one write the unfused path's
+    bytes: q, qᵀ, inv_scale, amax, h and rstd (the kernel reduces each row over the
+    norm kernel's warps, so r has the norm kernel's bits), with a history smaller than
+    the values (saturation)."""
+    from colossal_lab.kernels import rms_norm_fp8 as k
+
+    x, res, w = (None if t is None else t.cuda() for t in _inputs(T, d, BF, res_dtype, 5))
+    src = torch.tensor([0.5, 2.0], device="cuda")
+    ar = torch.zeros(1, device="cuda")
+    ref = (*_unfused(x, res, w, E4, src, ar), ar)
+    for tile in (*((t, None) for t in k.TILES), None):
+        af = torch.zeros(1, device="cuda")
+        out = (*rms_norm_fp8(x, res, w, EPS, E4, src, amax_out=af, tile=tile), af)
+        for a, b, what in zip(out, ref, ("q", "qt", "inv", "h", "rstd", "amax")):
+            if a is None:
+                assert b is None, (tile, what)
+                continue
+            assert torch.equal(a.view(torch.uint8) if a.dtype == E4 else a,
+                               b.view(torch.uint8) if b.dtype == E4 else b), (tile, what)
