@@ -175,7 +175,8 @@ class Switches:
     "fp8_fuse_mlp" (bool, default True: the SwiGLU kernels write the fp8 casts of the
     MLP's activation and its gradient, `ops.fp8_mlp`), "fp8_fuse_rope" (bool, default
     True: RoPE's backward writes the fp8 casts of the qkv projection's gradient,
-    `ops.fp8_qkv`).
+    `ops.fp8_qkv`), "fp8_fuse_norm" (bool, default True: the RMSNorm in front of the
+    qkv and gate/up projections writes their fp8 input, `ops.fp8_norm`).
     `enable_compile`: "compile_backend" (default "inductor"; "aot_eager" and "eager"
     run without code generation), "compile_mode" (Inductor's, e.g. "max-autotune").
     Our AdamW: "adamw_moments" ("fp32" default, "bf16": stochastically rounded moments,
@@ -292,8 +293,8 @@ class Switches:
 
 
 EXTRA_KEYS = ("fp8_scaling", "fp8_history", "fp8_skip", "fp8_fast_accum_backward",
-              "fp8_backend", "fp8_fuse_mlp", "fp8_fuse_rope", "compile_backend",
-              "compile_mode",
+              "fp8_backend", "fp8_fuse_mlp", "fp8_fuse_rope", "fp8_fuse_norm",
+              "compile_backend", "compile_mode",
               "adamw_moments", "adamw_defer", "adamw_masters", "dp_bucket_elems",
               "dp_reduce_dtype")
 """The keys `Switches.extra` may hold (its docstring says what each does)."""

@@ -110,10 +110,28 @@ class Attention(nn.Module):
                 q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, S, D)
             else:
                 q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        v = v.transpose(1, 2)
-        o = attention(q, k, v, causal=True, backend=self.attention_backend)  # (B, Hq, S, D)
+        return self._attend(q, k, v)
+
+    def _attend(self, q, k, v):
+        """q, k (B, H, S, D), v (B, S, Hkv, D) -> the attention core and o_proj, (B, S, d)."""
+        o = attention(q, k, v.transpose(1, 2), causal=True,
+                      backend=self.attention_backend)  # (B, Hq, S, D)
         # (B, S, Hq*D); S from o, not x: under sequence parallelism x is a shard
         return self.o_proj(o.transpose(1, 2).flatten(2))
+
+    def fuses_norm(self, norm, device) -> bool:
+        """Can `forward_normed` take `norm` in: the fp8 qkv projection with RoPE, its
+        input written by the norm (`fp8_qkv.fusable` with `norm`)?"""
+        return self.fused and bool(self.rope_backend) and fp8_qkv.fusable(
+            self.qkv_proj, self.rope_backend, device, norm)
+
+    def forward_normed(self, norm, x, residual, cos, sin):
+        """`self(norm(x + residual), cos, sin)` and the stream x + residual (residual
+        None: of norm(x), and x), the norm writing qkv_proj's fp8 input (`ops.fp8_norm`)."""
+        n_q, n_kv = self.cfg.num_attention_heads, self.cfg.num_key_value_heads
+        q, k, v, h = fp8_qkv.fp8_qkv_rope(x, self.qkv_proj, n_q, n_kv, cos, sin, norm,
+                                          residual)
+        return self._attend(q.transpose(1, 2), k.transpose(1, 2), v), h
 
 
 class MLP(nn.Module):
@@ -148,6 +166,17 @@ class MLP(nn.Module):
             return self.down_proj(swiglu.swiglu(self.gate_up_proj(x), self.activation))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def fuses_norm(self, norm, device) -> bool:
+        """Can `forward_normed` take `norm` in: the fused fp8 MLP, its input written by
+        the norm (`fp8_mlp.fusable` with `norm`)?"""
+        return self.fused and fp8_mlp.fusable(self.gate_up_proj, self.down_proj,
+                                              self.activation, device, norm)
+
+    def forward_normed(self, norm, x, residual):
+        """`self(norm(x + residual))` and the stream x + residual (residual None: of
+        norm(x), and x), the norm writing gate_up_proj's fp8 input (`ops.fp8_norm`)."""
+        return fp8_mlp.fp8_swiglu_mlp(x, self.gate_up_proj, self.down_proj, norm, residual)
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). The add before the
@@ -155,7 +184,10 @@ class DecoderLayer(nn.Module):
 
     `LlamaModel` may defer the last add too (`defer_residual`): the layer then returns
     (mlp(norm(h)), h) unsummed and the next layer's first norm (or the final norm)
-    adds them, as the second norm adds h; `residual` is that pending stream."""
+    adds them, as the second norm adds h; `residual` is that pending stream.
+
+    With fp8 projections each norm may write its block's fp8 input itself
+    (`_pre_norm`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -166,14 +198,25 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 residual: torch.Tensor | None = None, defer: bool = False):
-        if residual is None:
-            normed = self.input_layernorm(x)
-        else:  # the previous layer's deferred add: x = x + residual, in the norm
-            normed, x = self.input_layernorm(x, residual=residual)
-        a = self.self_attn(normed, cos, sin)
-        normed, h = self.post_attention_layernorm(a, residual=x)  # h = x + a
-        m = self.mlp(normed)
+        # residual: the previous layer's deferred add, x = x + residual in the norm
+        a, x = _pre_norm(self.input_layernorm, self.self_attn, x, residual, cos, sin)
+        m, h = _pre_norm(self.post_attention_layernorm, self.mlp, a, x)  # h = x + a
         return (m, h) if defer else h + m
+
+
+def _pre_norm(norm, block, x, residual, *args):
+    """block(norm(x + residual), *args) and the stream x + residual (residual None:
+    block(norm(x), *args) and x). With fp8 projections the norm may run inside the
+    block's first projection, writing its fp8 input (`block.forward_normed`,
+    `ops.fp8_norm`), when `block.fuses_norm` says so and no hook waits for the block's
+    own call."""
+    if not (block._forward_hooks or block._forward_pre_hooks) \
+            and block.fuses_norm(norm, x.device):
+        return block.forward_normed(norm, x, residual, *args)
+    if residual is None:
+        return block(norm(x), *args), x
+    normed, h = norm(x, residual=residual)
+    return block(normed, *args), h
 
 
 class LlamaModel(nn.Module):

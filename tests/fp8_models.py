@@ -17,12 +17,13 @@ def same_histories(a, b) -> None:
         assert a._scalers[role].pos == b._scalers[role].pos, role
 
 
-def sgd_steps(cfg, models, n: int = 3, generator=None):
-    """`n` steps of every model on the same 48 random tokens a step, under bf16
-    autocast: yields (step, [loss of each model]) after the backward, before SGD."""
+def sgd_steps(cfg, models, n: int = 3, generator=None, ids_shape=(2, 25)):
+    """`n` steps of every model on the same random tokens a step (`ids_shape` ids, one
+    fewer position trained: 48 tokens by default), under bf16 autocast: yields (step,
+    [loss of each model]) after the backward, before SGD."""
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
     for step in range(n):
-        ids = torch.randint(0, cfg.vocab_size, (2, 25), generator=generator)  # 48 tokens
+        ids = torch.randint(0, cfg.vocab_size, ids_shape, generator=generator)
         losses = []
         for m in models:
             with torch.autocast("cpu", dtype=torch.bfloat16):

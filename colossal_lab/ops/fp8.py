@@ -97,6 +97,9 @@ class Fp8Config:
     fuse_rope: bool = True
     """A fused qkv projection followed by the Triton RoPE casts its output gradient to
     fp8 inside RoPE's backward kernel (`ops.fp8_qkv`) [fp8_fuse_rope]."""
+    fuse_norm: bool = True
+    """The Triton RMSNorm in front of a fused qkv (with RoPE) or gate/up projection
+    writes that projection's fp8 input itself (`ops.fp8_norm`) [fp8_fuse_norm]."""
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -109,12 +112,13 @@ class Fp8Config:
     @classmethod
     def from_extra(cls, extra: dict) -> Fp8Config:
         """The config named by `Switches.extra` (keys fp8_scaling, fp8_history,
-        fp8_fast_accum_backward, fp8_backend, fp8_fuse_mlp, fp8_fuse_rope)."""
+        fp8_fast_accum_backward, fp8_backend, fp8_fuse_mlp, fp8_fuse_rope,
+        fp8_fuse_norm)."""
         kw = {}
         for key, name in (("fp8_scaling", "scaling"), ("fp8_history", "history_len"),
                           ("fp8_fast_accum_backward", "fast_accum_backward"),
                           ("fp8_backend", "backend"), ("fp8_fuse_mlp", "fuse_mlp"),
-                          ("fp8_fuse_rope", "fuse_rope")):
+                          ("fp8_fuse_rope", "fuse_rope"), ("fp8_fuse_norm", "fuse_norm")):
             if key in extra:
                 kw[name] = extra[key]
         return cls(**kw)

@@ -33,9 +33,15 @@ as the composed path does when it materialises them, so the two paths quantise t
 values: the same fp8 bits, outputs, gradients and amax histories wherever the SwiGLU's
 fp32 math agrees (on one device, the same kernels' formulas).
 
+**The norm in front.** With `norm=` (the layer's `post_attention_layernorm`,
+`ops.fp8_norm`) the node also takes the RMSNorm: its kernel writes x_q and x_qᵀ of
+norm(x + residual), the node returns the stream h = x + residual beside y, and its
+backward runs the norm's backward on dx.
+
 **When.** `MLP.forward` calls `fusable` first: fused projections, the activation
 resolved to "triton", both projections `Fp8Linear` without bias or module hooks, and
-`Fp8Config.fuse_mlp` (`Switches.extra["fp8_fuse_mlp"]`, default True) on both. Both
+`Fp8Config.fuse_mlp` (`Switches.extra["fp8_fuse_mlp"]`, default True) on both; with
+`norm=` also `fp8_norm.fusable` (`MLP.fuses_norm`, which the decoder layer asks). Both
 GEMM backends (`scaled_mm`, `emulate`) run here, as in `Fp8Linear`.
 """
 
@@ -49,18 +55,21 @@ from colossal_lab.kernels.swiglu_fp8 import (
     swiglu_fp8_forward,
     swiglu_fp8_forward_amax,
 )
-from colossal_lab.ops import autocast_state
+from colossal_lab.ops import autocast_state, fp8_norm
 from colossal_lab.ops.fp8 import Fp8Linear, scaled_mm
 from colossal_lab.ops.swiglu import resolve_activation
 
 
-def fusable(gate_up_proj, down_proj, activation, device) -> bool:
-    """Can `fp8_swiglu_mlp` replace down_proj(swiglu(gate_up_proj(x), activation))?"""
+def fusable(gate_up_proj, down_proj, activation, device, norm=None) -> bool:
+    """Can `fp8_swiglu_mlp` replace down_proj(swiglu(gate_up_proj(x), activation))? With
+    `norm`: ...(gate_up_proj(norm(x))), the norm inside (`fp8_norm.fusable`)."""
     for m in (gate_up_proj, down_proj):
         if not isinstance(m, Fp8Linear) or m.bias is not None or not m.fp8_config.fuse_mlp:
             return False
         if m._forward_hooks or m._forward_pre_hooks:  # they would not run
             return False
+    if norm is not None and not fp8_norm.fusable(norm, gate_up_proj, device):
+        return False
     return resolve_activation(activation, device) == "triton"
 
 
@@ -70,14 +79,17 @@ class Fp8SwiGLUMLPFunction(torch.autograd.Function):
     the scaling state and configs."""
 
     @staticmethod
-    def forward(ctx, x, w_gu, w_down, gate_up, down, out_dtype, update):
+    def forward(ctx, x, residual, norm_weight, w_gu, w_down, gate_up, down, eps, out_dtype,
+                update):
         cfg_gu, cfg_dn = gate_up.fp8_config, down.fp8_config
-        need_x, need_wgu, need_wdn = x.requires_grad, w_gu.requires_grad, \
-            w_down.requires_grad
+        need_x = fp8_norm.requires_grad(x, residual, norm_weight)  # the input's gradient
+        need_wgu, need_wdn = w_gu.requires_grad, w_down.requires_grad
         need_h = need_x or need_wgu  # the gradient reaches h
-        x2 = x.reshape(-1, x.shape[-1])  # (T, d)
         sgu, sdn = gate_up._scalers, down._scalers
-        xq, xq_t, x_inv = sgu["x"].cast(x2, update=update, write_yt=update and need_wgu)
+        # x, or the norm of x (+ residual) cast inside the norm kernel (`fp8_norm`)
+        (xq, xq_t, x_inv), stream, norm_saved = fp8_norm.cast_input(
+            sgu["x"], x, residual, norm_weight, eps, update=update,
+            write_t=update and need_wgu)
         wq, wq_t, w_inv = sgu["w"].cast(w_gu, update=update, write_yt=update and need_x)
         gu = scaled_mm(xq, wq.t(), x_inv, w_inv, out_dtype,
                        use_fast_accum=cfg_gu.fast_accum_forward, backend=cfg_gu.backend)
@@ -94,17 +106,20 @@ class Fp8SwiGLUMLPFunction(torch.autograd.Function):
         y = scaled_mm(hq, vq.t(), h_inv, v_inv, out_dtype,
                       use_fast_accum=cfg_dn.fast_accum_forward, backend=cfg_dn.backend)
         ctx.save_for_backward(xq_t, wq_t, x_inv, w_inv, gu if need_h else None, hq_t,
-                              h_inv, vq_t, v_inv)
+                              h_inv, vq_t, v_inv, *norm_saved)
         ctx.gate_up, ctx.down, ctx.use_triton = gate_up, down, use
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        return y.view(*x.shape[:-1], y.shape[-1])
+        ctx.x_shape = x.shape
+        ctx.x_dtype = fp8_norm.normed_dtype(x, residual)  # the projection input's
+        return y.view(*x.shape[:-1], y.shape[-1]), stream
 
     @staticmethod
-    def backward(ctx, dy):
-        xq_t, wq_t, x_inv, w_inv, gu, hq_t, h_inv, vq_t, v_inv = ctx.saved_tensors
+    def backward(ctx, dy, dstream):
+        xq_t, wq_t, x_inv, w_inv, gu, hq_t, h_inv, vq_t, v_inv, *norm_saved = \
+            ctx.saved_tensors
         gate_up, down, use = ctx.gate_up, ctx.down, ctx.use_triton
         cfg_gu, cfg_dn = gate_up.fp8_config, down.fp8_config
-        need_x, need_wgu, need_wdn = ctx.needs_input_grad[:3]
+        need_x = any(ctx.needs_input_grad[:3])  # x, residual, norm weight: through dx
+        need_wgu, need_wdn = ctx.needs_input_grad[3:5]
         need_h = need_x or need_wgu
         dy2 = dy.reshape(-1, dy.shape[-1])  # (T, d)
         gq, gq_t, g_inv = down._scalers["grad"].cast(dy2, update=True, write_y=need_h,
@@ -128,21 +143,35 @@ class Fp8SwiGLUMLPFunction(torch.autograd.Function):
             if need_x:  # (T, 2i) @ (2i, d)
                 dx = scaled_mm(dq, wq_t.t(), d_inv, w_inv, ctx.x_dtype,
                                use_fast_accum=cfg_gu.fast_accum_backward,
-                               backend=cfg_gu.backend).view(ctx.x_shape)
+                               backend=cfg_gu.backend)
             if need_wgu:  # (2i, T_pad) @ (T_pad, d)
                 dw_gu = scaled_mm(dq_t, xq_t.t(), d_inv, x_inv, gate_up.weight.dtype,
                                   use_fast_accum=cfg_gu.fast_accum_backward,
                                   backend=cfg_gu.backend)
-        return dx, dw_gu, dw_dn, None, None, None, None
+        # through the norm, when there is one: dx, dresidual, dnorm_weight
+        grads_in = fp8_norm.input_grads(dx, dstream, norm_saved, ctx.x_shape,
+                                        ctx.needs_input_grad[:3])
+        return *grads_in, dw_gu, dw_dn, None, None, None, None, None
 
 
-def fp8_swiglu_mlp(x: torch.Tensor, gate_up_proj: Fp8Linear,
-                   down_proj: Fp8Linear) -> torch.Tensor:
+def fp8_swiglu_mlp(x: torch.Tensor, gate_up_proj: Fp8Linear, down_proj: Fp8Linear,
+                   norm=None, residual: torch.Tensor | None = None):
     """down_proj(swiglu(gate_up_proj(x))) for x (..., d) -> (..., d) through
     `Fp8SwiGLUMLPFunction`; the output in the autocast dtype when autocast is on, else
-    in x's dtype (as the composed path)."""
-    out_dtype = autocast_state.current_dtype(x.device.type) or x.dtype
+    in x's dtype (as the composed path).
+
+    With `norm` (an `RMSNorm`; `fusable(..., norm=norm)`) the MLP's input is
+    norm(x + residual) (residual None: norm(x)), written in fp8 by the norm kernel
+    (`ops.fp8_norm`), and the stream x + residual (x without a residual) is returned
+    too: (y, h)."""
+    out_dtype = autocast_state.current_dtype(x.device.type) or \
+        fp8_norm.normed_dtype(x, residual)
     update = torch.is_grad_enabled()  # evaluation does not move the amax histories
+    norm_weight, eps = (None, None) if norm is None else (norm.weight, norm.eps)
     with autocast_state.off(x.device.type):
-        return Fp8SwiGLUMLPFunction.apply(x, gate_up_proj.weight, down_proj.weight,
-                                          gate_up_proj, down_proj, out_dtype, update)
+        y, stream = Fp8SwiGLUMLPFunction.apply(x, residual, norm_weight, gate_up_proj.weight,
+                                               down_proj.weight, gate_up_proj, down_proj,
+                                               eps, out_dtype, update)
+    if norm is None:
+        return y
+    return y, x if stream is None else stream
