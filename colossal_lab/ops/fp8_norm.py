@@ -87,7 +87,7 @@ def cast_input(scaler, x, residual, norm_weight, eps, *, update: bool, write_t: 
                                            use_triton=use),
         lambda: rms_norm_fp8_amax(x2, res2, norm_weight, eps, use_triton=use),
         update=update, device=x.device)
-    saved = (x2 if h is None else h, norm_weight, rstd)
+    saved = (x2 if h is None else h, norm_weight.contiguous(), rstd)
     return (q, qt, inv), None if h is None else h.view(x.shape), saved
 
 
@@ -106,7 +106,7 @@ def input_grads(d_in: torch.Tensor | None, dh: torch.Tensor | None, saved: tuple
         return d_in.view(x_shape), None, None
     xh, w, rstd = saved  # what was normalised (h, or x without a residual), w, r
     dh2 = None if dh is None else as_rows(dh, xh.shape[1])
-    dx, dw = add_rms_norm_backward(d_in, xh, w, rstd, dh2)
+    dx, dw = add_rms_norm_backward(d_in, xh, w, rstd, dh2)  # dh2 None: the plain norm's
     # x and residual get the same tensor, as the norm's own Function returns it
     grads = (dx.view(x_shape), dx.view(x_shape), dw)
     return tuple(g if need else None for g, need in zip(grads, needs))
