@@ -1,10 +1,11 @@
 """RMSNorm (with the residual add) writing its output in fp8, both layouts
 (`kernels.rms_norm_fp8`): against the unfused path (the Triton norm writing y, then
 `fp8_cast_transpose`) bit for bit — q, qᵀ and its padding, inv_scale, h, rstd, amax — on
-ragged token counts, row pieces, mixed dtypes, delayed and dynamic scaling; one layout
-alone, a chosen tile, the torch reference, the checks. CPU: the kernels run under the
-Triton interpreter."""
+ragged token counts, row pieces, mixed dtypes, delayed and dynamic scaling; every tile of
+both families (one pass, two passes) and the amax pass at each; one layout alone, the
+torch reference, the checks. CPU: the kernels run under the Triton interpreter."""
 
+import functools
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from colossal_lab.kernels import fp8_cast
+from colossal_lab.kernels import rms_norm_fp8 as kernel
 from colossal_lab.kernels.rms_norm import add_rms_norm_forward, rms_norm_forward
 from colossal_lab.kernels.rms_norm_fp8 import rms_norm_fp8, rms_norm_fp8_amax
 from tests.conftest import requires_cuda
@@ -78,25 +80,69 @@ def test_fused_writes_the_unfused_bits(T, d, dtype, res_dtype, scaling):
         assert q.float().abs().max() == 448.0  # saturated, finite
 
 
-def test_one_layout_alone_a_chosen_tile_and_e5m2():
-    """write_q / write_qt alone write what both write; a tile other than the
-    interpreter's default (several programs, a partial one) writes the same bytes."""
+# (T, d, x dtype, residual dtype or None) for every tile: ragged T; d = 208 in three
+# pieces (128 + 64 + 16), several column tiles of two passes and a partial one, the norm
+# kernel's row tile (16 rows) shorter than a two-pass program; fp32 rows of 144 = 128 +
+# 16 on an fp32 stream; d = 48, whose row tile (64 rows) is longer than any program
+TILE_CASES = [(37, 208, BF, BF), (19, 144, F32, F32), (21, 48, BF, None)]
+
+
+@functools.cache
+def _unfused_case(T, d, dtype, res_dtype):
+    """Inputs and the unfused outputs (q, qt, inv, h, rstd, amax) of a `TILE_CASES`
+    case, once per worker, under a history below the amax (saturating)."""
+    x, res, w = _inputs(T, d, dtype, res_dtype, seed=T + d)
+    ar = torch.zeros(1)
+    return (x, res, w), (*_unfused(x, res, w, E4, torch.tensor([0.5, 2.0]), ar), ar)
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=str)
+@pytest.mark.parametrize("tile", kernel.TILES, ids=str)
+def test_every_tile_writes_the_unfused_bits(tile, case):
+    """Through the tile bypass, each tile of `TILES` (one pass and two passes) writes
+    the unfused path's q, qᵀ with its zero padding, inv_scale, h, rstd and amax, and its
+    amax pass finds the unfused amax."""
+    (x, res, w), ref = _unfused_case(*case)
+    assert torch.equal(rms_norm_fp8_amax(x, res, w, EPS, use_triton=True, tile=tile),
+                       ref[-1])
+    af = torch.zeros(1)
+    out = (*rms_norm_fp8(x, res, w, EPS, E4, torch.tensor([0.5, 2.0]), amax_out=af,
+                         use_triton=True, tile=tile), af)
+    for a, b, what in zip(out, ref, ("q", "qt", "inv", "h", "rstd", "amax")):
+        assert (a is None) == (b is None), what
+        if a is not None:
+            _same(a, b, f"{tile}: {what}")
+    assert out[1][:, case[0]:].float().abs().sum() == 0
+
+
+def test_the_amax_pass_is_tuned_over_one_pass_tiles():
+    """The autotuner times every tile for a cast, one-pass tiles only for the amax pass
+    (it writes no yᵀ, the two-pass family's gain)."""
+    import triton
+
+    configs = [triton.Config({"BLOCK_T": t, "BLOCK_C": c}) for t, c in kernel.TILES]
+    assert {c for _, c in kernel.TILES} > {0}  # both families
+    for q, qt in ((True, True), (True, False), (False, True)):
+        assert kernel._one_pass_for_amax(configs, {}, WRITE_Q=q, WRITE_QT=qt) == configs
+    kept = kernel._one_pass_for_amax(configs, {}, WRITE_Q=False, WRITE_QT=False)
+    assert kept and [c.kwargs["BLOCK_T"] for c in kept] == [
+        t for t, c in kernel.TILES if c == 0]
+
+
+@pytest.mark.parametrize("tile", [None, (32, 64)], ids=["autotuned", "two-pass"])
+def test_one_layout_alone_and_e5m2(tile):
+    """write_q / write_qt alone write what both write, in one pass and in two."""
     x, res, w = _inputs(37, 48, BF, BF, seed=1)
     src = torch.tensor([4.0])
-    both = rms_norm_fp8(x, res, w, EPS, E4, src, use_triton=True)
-    q_only = rms_norm_fp8(x, res, w, EPS, E4, src, write_qt=False, use_triton=True)
-    qt_only = rms_norm_fp8(x, res, w, EPS, E4, src, write_q=False, use_triton=True)
+    both = rms_norm_fp8(x, res, w, EPS, E4, src, use_triton=True, tile=tile)
+    q_only = rms_norm_fp8(x, res, w, EPS, E4, src, write_qt=False, use_triton=True,
+                          tile=tile)
+    qt_only = rms_norm_fp8(x, res, w, EPS, E4, src, write_q=False, use_triton=True,
+                           tile=tile)
     assert q_only[1] is None and qt_only[0] is None
     _same(q_only[0], both[0], "row-major alone")
     _same(qt_only[1], both[1], "transposed alone")
-    amax = [torch.zeros(1), torch.zeros(1)]
-    tiled = rms_norm_fp8(x, res, w, EPS, E4, src, amax_out=amax[0], use_triton=True,
-                         tile=(4, None))
-    rms_norm_fp8(x, res, w, EPS, E4, src, amax_out=amax[1], use_triton=True)
-    for a, b, what in zip(tiled, both, ("q", "qt", "inv", "h", "rstd")):
-        _same(a, b, f"tile 4: {what}")
-    assert torch.equal(*amax)
-    e5 = rms_norm_fp8(x, res, w, EPS, E5, src, use_triton=True)
+    e5 = rms_norm_fp8(x, res, w, EPS, E5, src, use_triton=True, tile=tile)
     _same(e5[0], _unfused(x, res, w, E5, src, None)[0], "e5m2")
 
 
@@ -137,19 +183,23 @@ def test_bad_inputs_are_refused():
 
 def test_rows_are_laid_out_as_the_norm_kernel_lays_them_out():
     """Compiled for sm_90 without a GPU (in a process without the interpreter), each
-    row sum of squares of the fused kernel, at every tile, spreads a row over a thread's
-    registers, lanes and warps as the norm kernel's does: on a GPU both add a row's
-    squares in the same order, so r (and y) keep the norm kernel's bits. Cases: llama-7b's
-    d = 4096 in bf16 (two tiles), d = 5120 (two row pieces) with an fp32 residual stream,
-    fp32 rows without a residual."""
+    row sum of squares of the fused kernel, one pass and two, spreads a row over a
+    thread's registers, lanes and warps as the norm kernel's does: on a GPU both add a
+    row's squares in the same order, so r (and y) keep the norm kernel's bits. Cases:
+    llama-7b's d = 4096 in bf16, d = 5120 (two row pieces) with an fp32 residual stream,
+    fp32 rows without a residual; and d = 128 and 80, where a two-pass tile has the
+    shape of the norm kernel's row tile (or piece), whose fp8 stores would widen the
+    row's layout but for `_shared_width`."""
     code = r"""
 import json, torch
 from colossal_lab.kernels import rms_norm_fp8
 from colossal_lab.kernels.sm90_compile import compile_sm90, row_reduction_layouts
 bf, f32 = torch.bfloat16, torch.float32
 out = []
-for hidden, dtype, res, tiles in ((4096, bf, bf, (8, 2)), (5120, bf, f32, (8,)),
-                                  (4096, f32, None, (4,))):
+for hidden, dtype, res, tiles in (
+        (4096, bf, bf, ((8, 0), (2, 0), (16, 64), (32, 128))),
+        (5120, bf, f32, ((8, 0), (32, 64))), (4096, f32, None, ((4, 0), (16, 128))),
+        (128, bf, bf, ((32, 128),)), (80, bf, None, ((32, 64),))):
     for tile in tiles:
         norm, fused = rms_norm_fp8.aot_arguments(hidden, dtype, res, tile)
         out.append([hidden, tile, *(row_reduction_layouts(compile_sm90(*k)["ttgir"])
@@ -172,17 +222,16 @@ print(json.dumps(out))
 @pytest.mark.parametrize("T,d,res_dtype", [(1000, 4096, BF), (4096, 4096, None),
                                            (2048, 5120, F32), (333, 1024, BF)], ids=str)
 def test_fused_writes_the_unfused_bits_on_the_gpu(T, d, res_dtype):
-    """Compiled, every tile of `TILES` and the autotuned one write the unfused path's
-    bytes: q, qᵀ, inv_scale, amax, h and rstd (the kernel reduces each row over the
-    norm kernel's warps, so r has the norm kernel's bits), with a history smaller than
-    the values (saturation)."""
-    from colossal_lab.kernels import rms_norm_fp8 as k
-
+    """Compiled, every tile of `TILES` (one pass and two) and the autotuned one write the
+    unfused path's bytes: q, qᵀ, inv_scale, amax, h and rstd (the kernel reduces each row
+    as the norm kernel lays it out, so r has the norm kernel's bits), with a history
+    smaller than the values (saturation); and each tile's amax pass finds the amax."""
     x, res, w = (None if t is None else t.cuda() for t in _inputs(T, d, BF, res_dtype, 5))
     src = torch.tensor([0.5, 2.0], device="cuda")
     ar = torch.zeros(1, device="cuda")
     ref = (*_unfused(x, res, w, E4, src, ar), ar)
-    for tile in (*((t, None) for t in k.TILES), None):
+    for tile in (*kernel.TILES, None):
+        assert torch.equal(rms_norm_fp8_amax(x, res, w, EPS, tile=tile), ar), tile
         af = torch.zeros(1, device="cuda")
         out = (*rms_norm_fp8(x, res, w, EPS, E4, src, amax_out=af, tile=tile), af)
         for a, b, what in zip(out, ref, ("q", "qt", "inv", "h", "rstd", "amax")):

@@ -26,24 +26,48 @@ Dynamic scaling needs amax(y) before the cast: the kernel's amax-only mode reads
 the residual) once more and writes nothing else (`rms_norm_fp8_amax`); the unfused path
 reads y for it instead, after writing it.
 
-**Tiles.** A program holds BLOCK_T whole rows in registers, as up to three power-of-two
-pieces (`_norm_common.row_pieces`), as the norm kernel (`kernels.rms_norm`) holds its
-row tile (one row at d = 4096). On a GPU the order in which a row's squares are added
-follows how the tile is laid out over a thread's registers, the lanes and the warps. So
-this kernel runs with the norm kernel's warps (`_norm_common.launch_config`) and caps
-its loads and stores at the norm kernel's vector width (`_vectors`; the fp8 store alone
-would widen a thread's share of a row to 16 elements): a row is then laid out as in the
-norm kernel, the extra rows repeating each thread's share, and summed in the same order,
-so r, and y, keep the norm kernel's bits. `sm90_compile.row_reduction_layouts` reads the
-layouts from the two kernels compiled for sm_90 (a CPU test compares them, a GPU test
-the bits). Under the interpreter a row's sum does not depend on the tile.
+**Tiles.** A program covers BLOCK_T tokens, in one of two ways (`TILES`, autotuned).
 
-BLOCK_T (`TILES`, autotuned) trades the transposed store, one run of BLOCK_T bytes per
-row of yᵀ, against registers: a thread holds BLOCK_T · d / (32 · warps) fp32 values of
-h. At d = 4096 in bf16 with the norm kernel's 8 warps, ptxas (Triton 3.7.1) gives a
-thread 64 registers at BLOCK_T = 2, 128 at 4 and 255 at 8, and spills at 16. A tile of
-32 tokens, a 32-byte sector of each row of yᵀ, would hold 0.5 MB of fp32 rows, twice an
-SM's register file.
+*One pass* holds the BLOCK_T whole rows in registers, as up to three power-of-two pieces
+(`_norm_common.row_pieces`), as the norm kernel (`kernels.rms_norm`) holds its row tile
+(one row at d = 4096). On a GPU the order in which a row's squares are added follows how
+the tile is laid out over a thread's registers, the lanes and the warps. So this kernel
+runs with the norm kernel's warps (`_norm_common.launch_config`) and caps its loads and
+stores at the norm kernel's vector width (`_vectors`; the fp8 store alone would widen a
+thread's share of a row to 16 elements): a row is then laid out as in the norm kernel,
+the extra rows repeating each thread's share, and summed in the same order, so r, and y,
+keep the norm kernel's bits. The price is the transposed store, one run of BLOCK_T bytes
+per row of yᵀ (a 32-byte sector shared by four programs at BLOCK_T = 8, where the cast
+kernel writes 64-byte runs), against registers: a thread holds BLOCK_T · d / (32 ·
+warps) fp32 values of h. At d = 4096 in bf16 with the norm kernel's 8 warps, ptxas
+(Triton 3.7.1) gives a thread 64 registers at BLOCK_T = 2, 128 at 4 and 255 at 8, and
+spills at 16. A tile of 32 tokens, a 32-byte sector of each row of yᵀ, would hold 0.5 MB
+of fp32 rows, twice an SM's register file.
+
+*Two passes* (BLOCK_T = 16 or 32) free the registers from the rows::
+
+    pass 1, per row tile of the norm kernel (ROWS rows: one for d > 2048):
+        read x (and the residual), store h and r          the norm kernel's own tile
+    pass 2, per (BLOCK_T, BLOCK_C) tile of columns:
+        re-read h (x without a residual), y = h · r · w, store q and qᵀ
+
+Pass 1 is the norm kernel's computation on the norm kernel's tile shape, with its warps
+and vector widths, so a row's sum has its layout by construction; pass 2 is element by
+element (and a max), its bits independent of its tile. yᵀ is written in runs of BLOCK_T
+bytes, half or all of a sector. The re-read costs 2 bytes an element of bf16 h (d ·
+BLOCK_T · 2 bytes a program, 256 KB at d = 4096 and 32 tokens) of L2 traffic, and none
+of DRAM's as long as h stays in L2: 50 MB on an H100 hold the h of about 200 such
+programs, 1.5 per SM, so whether it stays depends on how many programs run at once,
+which the autotuner's timing settles. The amax pass, which writes no yᵀ, is autotuned
+over one-pass tiles only.
+
+`sm90_compile.row_reduction_layouts` reads the layouts from the kernels compiled for
+sm_90 (a CPU test compares them, a GPU test the bits). Both families lay a row out as the
+norm kernel does at the hidden sizes of the LLaMA models (1024 to 8192 checked, in
+several pieces too). Below 1024 Triton may lay out a small tile otherwise: one pass at
+tiles of fewer rows than the norm kernel's, two passes at rows of several small pieces
+(d = 48 or 208 in bf16), where r can differ from the norm kernel's in its last bit.
+Under the interpreter a row's sum does not depend on the tile.
 
 **Rounding.** y is rounded to the norm's output dtype (that of x + residual) before it
 is scaled, as the unfused path rounds it when it writes y, so both paths quantise the
@@ -82,16 +106,63 @@ from colossal_lab.kernels.fp8_cast import (
 )
 from colossal_lab.kernels.rms_norm import _rms_norm_forward_kernel, _rms_norm_forward_piece
 
-TILES = (8, 4, 2, 16)
-"""Tokens a program holds (BLOCK_T) the autotuner chooses among, for each (tokens,
-hidden, residual, outputs written): the first call of a shape times each and keeps the
-fastest (16 only pays at small hidden sizes; it spills at 4096). The warps are the norm
-kernel's (module docstring), so the outputs do not depend on the tile, bit for bit.
-Under the interpreter only the first is used."""
+TILES = ((8, 0), (4, 0), (2, 0), (16, 0), (16, 64), (32, 64), (16, 128), (32, 128))
+"""(BLOCK_T, BLOCK_C) the autotuner chooses among, for each (tokens, hidden, residual,
+outputs written): the first call of a shape times each and keeps the fastest. BLOCK_T
+is the tokens a program covers; BLOCK_C 0 holds them whole in one pass (16 only pays at
+small hidden sizes; it spills at 4096), else two passes, the second in tiles of BLOCK_C
+columns (module docstring). The amax pass, which stores no yᵀ, takes one pass only. The
+warps are the norm kernel's and each row's sum is laid out as in it, so the outputs do
+not depend on the tile, bit for bit. Under the interpreter only the first is used."""
 _TUNE_KEY = ["n_rows", "n_cols", "HAS_RESIDUAL", "WRITE_Q", "WRITE_QT", "WRITE_AMAX"]
 
 
 # ------------------------------------------------------------------------------ kernel
+
+
+@triton.jit
+def _rms_norm_rows(X, RES, HOUT, rows, row_ok, stride_x, stride_res, n_cols, eps,
+                   HAS_RESIDUAL: tl.constexpr, STORE_H: tl.constexpr, P0: tl.constexpr,
+                   P1: tl.constexpr, P2: tl.constexpr, VEC0: tl.constexpr,
+                   VEC1: tl.constexpr, VEC2: tl.constexpr):
+    """r = (mean(h²) + eps)^-1/2 of each row of the tile, read (and h stored) piece by
+    piece as the norm kernel reads them and summed in its order; returns r and the
+    pieces x0, x1, x2 (h with a residual; fp32; an absent piece repeats x0, unused)."""
+    x0 = _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res, n_cols,
+                                 0, P0, HAS_RESIDUAL, STORE_H, VEC0)
+    sum_sq = tl.sum(x0 * x0, axis=1)  # (rows,)
+    x1 = x0
+    x2 = x0
+    if P1 > 0:
+        x1 = _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res,
+                                     n_cols, P0, P1, HAS_RESIDUAL, STORE_H, VEC1)
+        sum_sq += tl.sum(x1 * x1, axis=1)
+    if P2 > 0:
+        x2 = _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res,
+                                     n_cols, P0 + P1, P2, HAS_RESIDUAL, STORE_H, VEC2)
+        sum_sq += tl.sum(x2 * x2, axis=1)
+    return tl.rsqrt(sum_sq / n_cols + eps), x0, x1, x2
+
+
+@triton.jit
+def _normed(x, rstd, w, row_ok, dtype: tl.constexpr):
+    """y = x · r · w (the norm kernel's formula) rounded to `dtype` (what the unfused
+    norm writes), fp32; rows past the tokens (yᵀ's padding) are +0."""
+    y = x * rstd[:, None] * w[None, :]
+    return tl.where(row_ok[:, None], _to_dtype(y, dtype).to(tl.float32), 0.0)
+
+
+@triton.constexpr_function
+def _shared_width(rows, cols, ROWS, P0, P1, P2, VEC0, VEC1, VEC2):
+    """Widest vector (elements along its last axis) a pass-2 access of a (rows, cols)
+    tile may take: the piece's VEC where a pass-1 tile (ROWS, P) has that very shape,
+    else `cols`. Triton's coalescing gives all accesses of one shape in a kernel the
+    widest vector any of them allows; the fp8 stores of an equal-shaped pass-2 tile (at
+    d <= 128) would widen the pass-1 rows past the norm kernel's layout."""
+    for p, vec in ((P0, VEC0), (P1, VEC1), (P2, VEC2)):
+        if p and (rows, cols) == (ROWS, p):
+            return vec
+    return cols
 
 
 @triton.jit
@@ -100,13 +171,11 @@ def _rms_norm_fp8_piece(Q, QT, W, HOUT, x, rstd, scale, amax, rows, row_ok, n_co
                         MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr,
                         WRITE_QT: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
                         OFF: tl.constexpr, P: tl.constexpr, VEC: tl.constexpr):
-    """y = x · r · w for columns OFF .. OFF + P - 1 of the tile, rounded to HOUT's dtype
-    (y's), then cast and stored both ways; returns max(amax, max |y|)."""
+    """One pass: y for columns OFF .. OFF + P - 1 of the tile, cast and stored both
+    ways; returns max(amax, max |y|)."""
     cols, col_ok, mask = _piece(rows, row_ok, n_cols, OFF, P)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (P,)
-    y = x * rstd[:, None] * w[None, :]  # the norm kernel's formula
-    # what the unfused norm writes; rows past the tokens (yᵀ's padding) are +0
-    y = tl.where(row_ok[:, None], _to_dtype(y, HOUT.dtype.element_ty).to(tl.float32), 0.0)
+    y = _normed(x, rstd, w, row_ok, HOUT.dtype.element_ty)
     amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
     if WRITE_Q or WRITE_QT:
         q = _quantize(y, scale, QT.dtype.element_ty, FP8_MAX, MANT_BITS, MIN_EXP,
@@ -125,7 +194,8 @@ def _rms_norm_fp8_kernel(
     W,  # (n_cols,) norm weight, any float dtype (upcast)
     HOUT,  # (n_rows, n_cols) output h = x + residual, contiguous (stored with the cast);
     #        without a residual, any tensor of y's dtype (its dtype is all that is read)
-    RSTD,  # (n_rows,) fp32 output r, for the norm's backward (stored with the cast)
+    RSTD,  # (n_rows,) fp32 output r, for the norm's backward (stored with the cast; two
+    #        passes store it always, in the amax pass to a scratch buffer, and re-read it)
     Q,  # (n_rows, n_cols) fp8 output q(y · scale), contiguous (WRITE_Q)
     QT,  # (n_cols, ld_qt) fp8 output, Q transposed, columns n_rows..ld_qt-1 zero (WRITE_QT)
     AMAX_SRC,  # (n_src,) fp32: the scale is fp8_max / max(AMAX_SRC) (WRITE_Q or WRITE_QT)
@@ -154,42 +224,83 @@ def _rms_norm_fp8_kernel(
     VEC0: tl.constexpr,  # vector width of each piece's accesses: the norm kernel's
     VEC1: tl.constexpr,  # (`_vectors`), so that a row is laid out as it lays it out
     VEC2: tl.constexpr,
+    ROWS: tl.constexpr,  # the norm kernel's rows per tile: the row tile of pass 1
     BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_C: tl.constexpr,  # 0: one pass; else two, pass 2 in tiles of BLOCK_C columns
 ):
     """BLOCK_T rows: h (stored), r = (mean(h²) + eps)^-1/2 (stored), y = h · r · w rounded
     to HOUT's dtype, cast to fp8 and stored as is and transposed. Programs past n_rows
     (up to ld_qt) store the zero padding of QT. Without WRITE_Q and WRITE_QT (the amax
-    pass) nothing is stored but the amax."""
-    rows, row_ok = _row_tile(tl.program_id(0), n_rows, BLOCK_T)
-    x0 = _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res, n_cols,
-                                 0, P0, HAS_RESIDUAL, WRITE_Q or WRITE_QT, VEC0)
-    sum_sq = tl.sum(x0 * x0, axis=1)  # (BLOCK_T,)
-    if P1 > 0:
-        x1 = _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res,
-                                     n_cols, P0, P1, HAS_RESIDUAL, WRITE_Q or WRITE_QT,
-                                     VEC1)
-        sum_sq += tl.sum(x1 * x1, axis=1)
-    if P2 > 0:
-        x2 = _rms_norm_forward_piece(X, RES, HOUT, rows, row_ok, stride_x, stride_res,
-                                     n_cols, P0 + P1, P2, HAS_RESIDUAL,
-                                     WRITE_Q or WRITE_QT, VEC2)
-        sum_sq += tl.sum(x2 * x2, axis=1)
-    rstd = tl.rsqrt(sum_sq / n_cols + eps)  # (BLOCK_T,) r
-    scale = 1.0
-    if WRITE_Q or WRITE_QT:  # the cast pass stores h (above) and r; the amax pass does not
-        tl.store(RSTD + rows, rstd, mask=row_ok)
-        scale = _scale(AMAX_SRC, INV_SCALE, n_src, FP8_MAX, EPS, BLOCK_SRC)
-    amax = _rms_norm_fp8_piece(Q, QT, W, HOUT, x0, rstd, scale, 0.0, rows, row_ok, n_cols,
-                               ld_qt, FP8_MAX, MANT_BITS, MIN_EXP, WRITE_Q, WRITE_QT,
-                               ROUND_IN_FP32, 0, P0, VEC0)
-    if P1 > 0:
-        amax = _rms_norm_fp8_piece(Q, QT, W, HOUT, x1, rstd, scale, amax, rows, row_ok,
+    pass) nothing is stored but the amax (and, in two passes, r)."""
+    CAST: tl.constexpr = WRITE_Q or WRITE_QT
+    if BLOCK_C == 0:  # one pass: the BLOCK_T rows in registers, whole
+        rows, row_ok = _row_tile(tl.program_id(0), n_rows, BLOCK_T)
+        rstd, x0, x1, x2 = _rms_norm_rows(X, RES, HOUT, rows, row_ok, stride_x,
+                                          stride_res, n_cols, eps, HAS_RESIDUAL, CAST,
+                                          P0, P1, P2, VEC0, VEC1, VEC2)  # (BLOCK_T,) r
+        scale = 1.0
+        if CAST:  # the cast pass stores h (above) and r; the amax pass does not
+            tl.store(RSTD + rows, rstd, mask=row_ok)
+            scale = _scale(AMAX_SRC, INV_SCALE, n_src, FP8_MAX, EPS, BLOCK_SRC)
+        amax = _rms_norm_fp8_piece(Q, QT, W, HOUT, x0, rstd, scale, 0.0, rows, row_ok,
                                    n_cols, ld_qt, FP8_MAX, MANT_BITS, MIN_EXP, WRITE_Q,
-                                   WRITE_QT, ROUND_IN_FP32, P0, P1, VEC1)
-    if P2 > 0:
-        amax = _rms_norm_fp8_piece(Q, QT, W, HOUT, x2, rstd, scale, amax, rows, row_ok,
-                                   n_cols, ld_qt, FP8_MAX, MANT_BITS, MIN_EXP, WRITE_Q,
-                                   WRITE_QT, ROUND_IN_FP32, P0 + P1, P2, VEC2)
+                                   WRITE_QT, ROUND_IN_FP32, 0, P0, VEC0)
+        if P1 > 0:
+            amax = _rms_norm_fp8_piece(Q, QT, W, HOUT, x1, rstd, scale, amax, rows, row_ok,
+                                       n_cols, ld_qt, FP8_MAX, MANT_BITS, MIN_EXP, WRITE_Q,
+                                       WRITE_QT, ROUND_IN_FP32, P0, P1, VEC1)
+        if P2 > 0:
+            amax = _rms_norm_fp8_piece(Q, QT, W, HOUT, x2, rstd, scale, amax, rows, row_ok,
+                                       n_cols, ld_qt, FP8_MAX, MANT_BITS, MIN_EXP, WRITE_Q,
+                                       WRITE_QT, ROUND_IN_FP32, P0 + P1, P2, VEC2)
+    else:
+        # pass 1: the norm kernel's own row tiles (ROWS rows, one for d > 2048;
+        # past BLOCK_T masked off), h and r stored
+        first = tl.program_id(0).to(tl.int64) * BLOCK_T
+        for r0 in range(0, BLOCK_T, ROWS):
+            sub = r0 + tl.arange(0, ROWS)
+            rows = first + sub  # (ROWS,) int64
+            row_ok = (rows < n_rows) & (sub < BLOCK_T)
+            rstd, _, _, _ = _rms_norm_rows(X, RES, HOUT, rows, row_ok, stride_x,
+                                           stride_res, n_cols, eps, HAS_RESIDUAL, CAST,
+                                           P0, P1, P2, VEC0, VEC1, VEC2)
+            tl.store(RSTD + rows, rstd, mask=row_ok)
+        tl.debug_barrier()  # pass 2 reads h and r other threads of the program stored
+        # pass 2: (BLOCK_T, BLOCK_C) tiles of h, re-read (from L2), normalised and cast
+        rows, row_ok = _row_tile(tl.program_id(0), n_rows, BLOCK_T)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)  # (BLOCK_T,) r
+        scale = 1.0
+        if CAST:
+            scale = _scale(AMAX_SRC, INV_SCALE, n_src, FP8_MAX, EPS, BLOCK_SRC)
+        VEC_C: tl.constexpr = _shared_width(BLOCK_T, BLOCK_C, ROWS, P0, P1, P2, VEC0,
+                                            VEC1, VEC2)
+        VEC_T: tl.constexpr = _shared_width(BLOCK_C, BLOCK_T, ROWS, P0, P1, P2, VEC0,
+                                            VEC1, VEC2)  # of yᵀ's (BLOCK_C, BLOCK_T)
+        rows_t = tl.max_contiguous(rows, [VEC_T])
+        peak = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)  # running max |y|
+        for c0 in range(0, n_cols, BLOCK_C):
+            cols = tl.max_contiguous(c0 + tl.arange(0, BLOCK_C), [VEC_C])
+            col_ok = cols < n_cols
+            mask = row_ok[:, None] & col_ok[None, :]
+            if HAS_RESIDUAL and CAST:  # h as pass 1 stored it
+                x = tl.load(HOUT + rows[:, None] * n_cols + cols[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
+            else:
+                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:  # the amax pass stores no h: pass 1's sum, again
+                    res = tl.load(RES + rows[:, None] * stride_res + cols[None, :],
+                                  mask=mask, other=0.0).to(tl.float32)
+                    x = _to_dtype(x + res, HOUT.dtype.element_ty).to(tl.float32)
+            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (BLOCK_C,)
+            y = _normed(x, rstd, w, row_ok, HOUT.dtype.element_ty)  # (BLOCK_T, BLOCK_C)
+            peak = tl.maximum(peak, tl.abs(y))
+            if CAST:
+                q = _quantize(y, scale, QT.dtype.element_ty, FP8_MAX, MANT_BITS, MIN_EXP,
+                              ROUND_IN_FP32)
+                _store_both(Q, QT, q, rows_t, cols, mask, n_cols, n_cols, ld_qt, WRITE_Q,
+                            WRITE_QT)
+        amax = tl.max(tl.max(peak, axis=1), axis=0)
     if WRITE_AMAX:
         tl.atomic_max(AMAX_OUT, amax)
 
@@ -204,12 +315,22 @@ def _vectors(cfg, dtype: torch.dtype) -> dict[str, int]:
             for i, p in enumerate(cfg.pieces)}
 
 
+def _one_pass_for_amax(configs, named_args, **kwargs):
+    """The autotuner's prune: the amax pass (no fp8 written) takes one-pass tiles only;
+    two passes buy longer yᵀ runs, which it does not store, with a second read."""
+    if kwargs["WRITE_Q"] or kwargs["WRITE_QT"]:
+        return configs
+    return [c for c in configs if c.kwargs["BLOCK_C"] == 0]
+
+
 @functools.cache
 def _autotuned(num_warps: int):
     """The kernel autotuned over `TILES` at `num_warps` (the norm kernel's)."""
-    configs = [triton.Config({"BLOCK_T": t}, num_warps=num_warps)
-               for t in (TILES[:1] if INTERPRET else TILES)]
-    return triton.autotune(configs=configs, key=_TUNE_KEY)(_rms_norm_fp8_kernel)
+    configs = [triton.Config({"BLOCK_T": t, "BLOCK_C": c}, num_warps=num_warps)
+               for t, c in (TILES[:1] if INTERPRET else TILES)]
+    return triton.autotune(configs=configs, key=_TUNE_KEY,
+                           prune_configs_by={"early_config_prune": _one_pass_for_amax}
+                           )(_rms_norm_fp8_kernel)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -233,8 +354,9 @@ def _check(x2d, residual2d, w):
 def _launch(x2d, residual2d, w, eps, dtype, amax_src, amax_out, write_q, write_qt, ld,
             tile=None):
     """Run the kernel over token tiles; returns (q, qt, inv_scale, h, rstd), h None
-    without a residual. `tile` (BLOCK_T, num_warps) bypasses the autotuner (tests,
-    probes; num_warps None: the norm kernel's)."""
+    without a residual. `tile`, (BLOCK_T, BLOCK_C) of `TILES` or (BLOCK_T, BLOCK_C,
+    num_warps), bypasses the autotuner (tests, probes; num_warps None or absent: the
+    norm kernel's)."""
     T, d = x2d.shape
     fp8_max, mant, min_exp = _format(dtype)
     dev = x2d.device
@@ -246,6 +368,10 @@ def _launch(x2d, residual2d, w, eps, dtype, amax_src, amax_out, write_q, write_q
         if cast and residual2d is not None else None
     rstd = torch.empty(T, dtype=torch.float32, device=dev) if cast else None
     inv = torch.empty(1, dtype=torch.float32, device=dev)
+    block_t, block_c, warps = (*tile, None)[:3] if tile is not None else (0, 0, None)
+    r_out = inv if rstd is None else rstd  # stored only with the cast, one pass
+    if rstd is None and block_c:  # two passes re-read r: the amax pass's goes to scratch
+        r_out = torch.empty(T, dtype=torch.float32, device=dev)
     dummy = q if q is not None else qt if qt is not None else \
         torch.empty(1, dtype=dtype, device=dev)
     src = amax_src.reshape(-1) if amax_src is not None else inv
@@ -256,15 +382,16 @@ def _launch(x2d, residual2d, w, eps, dtype, amax_src, amax_out, write_q, write_q
     hout = h if h is not None else x2d if residual2d is None else \
         torch.empty(1, dtype=y_dtype, device=dev)  # the amax pass: h's dtype only
     cfg = launch_config(d, x2d.dtype, small=T <= SMALL_ROWS and residual2d is None)
-    warps = cfg.num_warps if tile is None or tile[1] is None else tile[1]
+    warps = warps or cfg.num_warps
     run = _autotuned(warps) if tile is None else _rms_norm_fp8_kernel
-    fixed = {} if tile is None else {"BLOCK_T": tile[0], "num_warps": warps}
+    fixed = {} if tile is None else {"BLOCK_T": block_t, "BLOCK_C": block_c,
+                                     "num_warps": warps}
 
     def grid(meta):
         return (triton.cdiv(n_tiled, meta["BLOCK_T"]),)
 
     run[grid](
-        x2d, res, w, hout, rstd if rstd is not None else inv,
+        x2d, res, w, hout, r_out,
         dummy if q is None else q, dummy if qt is None else qt, src, inv,
         amax_out if amax_out is not None else inv,
         x2d.stride(0), res.stride(0), T, d, ld, src.numel(), eps,
@@ -272,7 +399,8 @@ def _launch(x2d, residual2d, w, eps, dtype, amax_src, amax_out, write_q, write_q
         HAS_RESIDUAL=residual2d is not None, WRITE_Q=write_q, WRITE_QT=write_qt,
         WRITE_AMAX=amax_out is not None, ROUND_IN_FP32=INTERPRET or not x2d.is_cuda,
         BLOCK_SRC=triton.next_power_of_2(max(src.numel(), 2)), P0=cfg.pieces[0],
-        P1=cfg.pieces[1], P2=cfg.pieces[2], **_vectors(cfg, x2d.dtype), **fixed)
+        P1=cfg.pieces[1], P2=cfg.pieces[2], **_vectors(cfg, x2d.dtype), ROWS=cfg.rows,
+        **fixed)
     return q, qt, inv, h, rstd
 
 
@@ -292,8 +420,9 @@ def rms_norm_fp8(x2d: torch.Tensor, residual2d: torch.Tensor | None, w: torch.Te
     x + residual (T, d) in the dtype of x + residual (None without a residual) and rstd
     (T,) fp32, as `add_rms_norm_forward` / `rms_norm_forward` return them. With
     `amax_out` (a zeroed (1,) fp32 tensor), max |y| is reduced into it. Kernel on CUDA
-    (`use_triton=None`), torch ops elsewhere; True forces the kernel. `tile`
-    (BLOCK_T, num_warps) runs that tile instead of the autotuner's choice."""
+    (`use_triton=None`), torch ops elsewhere; True forces the kernel. `tile` (one of
+    `TILES`, or with the warps appended: (BLOCK_T, BLOCK_C, num_warps)) runs that tile
+    instead of the autotuner's choice."""
     w = _check(x2d, residual2d, w)
     ld = padded(x2d.shape[0], pad_to)
     if not _use_triton(x2d, use_triton):
@@ -305,25 +434,28 @@ def rms_norm_fp8(x2d: torch.Tensor, residual2d: torch.Tensor | None, w: torch.Te
 
 
 def rms_norm_fp8_amax(x2d: torch.Tensor, residual2d: torch.Tensor | None, w: torch.Tensor,
-                      eps: float, *, use_triton: bool | None = None) -> torch.Tensor:
+                      eps: float, *, use_triton: bool | None = None,
+                      tile=None) -> torch.Tensor:
     """max |y| of y = RMSNorm(x + residual) · w (rounded to its dtype) as a (1,) fp32
     tensor: dynamic scaling's first pass (reads x and the residual, writes nothing
-    else)."""
+    else). `tile` as `rms_norm_fp8`'s (a two-pass tile also writes r to a scratch
+    buffer)."""
     w = _check(x2d, residual2d, w)
     if not _use_triton(x2d, use_triton):
         return fp8_amax(rms_norm_torch(x2d, residual2d, w, eps)[0], use_triton=False)
     amax = torch.zeros(1, dtype=torch.float32, device=x2d.device)
     _launch(x2d, residual2d, w, eps, torch.float8_e4m3fn, None, amax, False, False,
-            x2d.shape[0])
+            x2d.shape[0], tile)
     return amax
 
 
 def aot_arguments(hidden: int, dtype: torch.dtype, residual_dtype: torch.dtype | None,
-                  block_t: int, tokens: int = 16384) -> tuple[tuple, tuple]:
+                  tile: tuple[int, int], tokens: int = 16384) -> tuple[tuple, tuple]:
     """(fn, signature, constexprs, num_warps, divisible) of the norm kernel's forward
-    (`kernels.rms_norm`) and of this kernel at BLOCK_T = `block_t`, for `tokens` rows of
-    `hidden` in `dtype` (and a residual), to compile both for sm_90 without a GPU
-    (`sm90_compile.compile_sm90`) and compare how they lay out a row."""
+    (`kernels.rms_norm`) and of this kernel at `tile` = (BLOCK_T, BLOCK_C) (one of
+    `TILES`), for `tokens` rows of `hidden` in `dtype` (and a residual), to compile both
+    for sm_90 without a GPU (`sm90_compile.compile_sm90`) and compare how they lay out
+    a row."""
     ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
     y_dtype = dtype if residual_dtype is None else torch.promote_types(dtype, residual_dtype)
     cfg = launch_config(hidden, dtype, small=tokens <= SMALL_ROWS and residual_dtype is None)
@@ -343,7 +475,8 @@ def aot_arguments(hidden: int, dtype: torch.dtype, residual_dtype: torch.dtype |
              dict(FP8_MAX=fmax, MANT_BITS=mant, MIN_EXP=min_exp, EPS=EPS,
                   HAS_RESIDUAL=residual_dtype is not None, WRITE_Q=True, WRITE_QT=True,
                   WRITE_AMAX=True, ROUND_IN_FP32=False, BLOCK_SRC=16, **pieces,
-                  **_vectors(cfg, dtype), BLOCK_T=block_t),
+                  **_vectors(cfg, dtype), ROWS=cfg.rows, BLOCK_T=tile[0],
+                  BLOCK_C=tile[1]),
              cfg.num_warps, (*list(sig)[:10], *ints, "ld_qt", "n_src"))
     return norm, fused
 
