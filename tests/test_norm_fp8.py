@@ -115,18 +115,29 @@ def test_every_tile_writes_the_unfused_bits(tile, case):
     assert out[1][:, case[0]:].float().abs().sum() == 0
 
 
-def test_the_amax_pass_is_tuned_over_one_pass_tiles():
-    """The autotuner times every tile for a cast, one-pass tiles only for the amax pass
-    (it writes no yᵀ, the two-pass family's gain)."""
+def test_the_prune_keeps_the_tiles_that_sum_a_row_as_the_norm_kernel(monkeypatch):
+    """On a GPU the autotuner times, for a cast, every two-pass tile and the one-pass
+    tiles of at least the norm kernel's ROWS rows (fewer spread a row differently: the
+    offline layout test); for the amax pass (no yᵀ written) the one-pass tiles among
+    those, or the two-pass ones when none is left. Under the interpreter, all."""
     import triton
 
     configs = [triton.Config({"BLOCK_T": t, "BLOCK_C": c}) for t, c in kernel.TILES]
     assert {c for _, c in kernel.TILES} > {0}  # both families
+    assert kernel._prune(configs, {}, ROWS=64, WRITE_Q=False, WRITE_QT=False) == configs
+    monkeypatch.setattr(kernel, "INTERPRET", False)
+
+    def kept(rows, q, qt):
+        return [(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_C"])
+                for c in kernel._prune(configs, {}, ROWS=rows, WRITE_Q=q, WRITE_QT=qt)]
+
     for q, qt in ((True, True), (True, False), (False, True)):
-        assert kernel._one_pass_for_amax(configs, {}, WRITE_Q=q, WRITE_QT=qt) == configs
-    kept = kernel._one_pass_for_amax(configs, {}, WRITE_Q=False, WRITE_QT=False)
-    assert kept and [c.kwargs["BLOCK_T"] for c in kept] == [
-        t for t, c in kernel.TILES if c == 0]
+        assert kept(1, q, qt) == list(kernel.TILES)  # d = 4096: one row a tile
+        assert kept(64, q, qt) == [t for t in kernel.TILES if t[1]]  # d = 64
+        assert kept(8, q, qt) == [t for t in kernel.TILES if t[1] or t[0] >= 8]
+    assert kept(1, False, False) == [t for t in kernel.TILES if t[1] == 0]
+    assert kept(8, False, False) == [t for t in kernel.TILES if t[1] == 0 and t[0] >= 8]
+    assert kept(64, False, False) == [t for t in kernel.TILES if t[1]]
 
 
 @pytest.mark.parametrize("tile", [None, (32, 64)], ids=["autotuned", "two-pass"])

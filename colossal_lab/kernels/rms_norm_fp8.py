@@ -59,14 +59,15 @@ BLOCK_T · 2 bytes a program, 256 KB at d = 4096 and 32 tokens) of L2 traffic, a
 of DRAM's as long as h stays in L2: 50 MB on an H100 hold the h of about 200 such
 programs, 1.5 per SM, so whether it stays depends on how many programs run at once,
 which the autotuner's timing settles. The amax pass, which writes no yᵀ, is autotuned
-over one-pass tiles only.
+over the one-pass tiles (`_prune`).
 
 `sm90_compile.row_reduction_layouts` reads the layouts from the kernels compiled for
 sm_90 (a CPU test compares them, a GPU test the bits). Both families lay a row out as the
 norm kernel does at the hidden sizes of the LLaMA models (1024 to 8192 checked, in
 several pieces too). Below 1024 Triton may lay out a small tile otherwise: one pass at
-tiles of fewer rows than the norm kernel's, two passes at rows of several small pieces
-(d = 48 or 208 in bf16), where r can differ from the norm kernel's in its last bit.
+tiles of fewer rows than the norm kernel's (the autotuner never picks those: `_prune`),
+two passes at rows of several small pieces (d = 48 or 208 in bf16, where no tile keeps
+the norm kernel's order and r can differ from its in the last bit).
 Under the interpreter a row's sum does not depend on the tile.
 
 **Rounding.** y is rounded to the norm's output dtype (that of x + residual) before it
@@ -315,12 +316,21 @@ def _vectors(cfg, dtype: torch.dtype) -> dict[str, int]:
             for i, p in enumerate(cfg.pieces)}
 
 
-def _one_pass_for_amax(configs, named_args, **kwargs):
-    """The autotuner's prune: the amax pass (no fp8 written) takes one-pass tiles only;
-    two passes buy longer yᵀ runs, which it does not store, with a second read."""
-    if kwargs["WRITE_Q"] or kwargs["WRITE_QT"]:
+def _prune(configs, named_args, **kwargs):
+    """The autotuner's prune. A one-pass tile of fewer rows than the norm kernel's row
+    tile (ROWS) spreads a row over more lanes or warps than the norm kernel does, so on
+    a GPU it adds a row's squares in another order (r may differ in its last bit; the
+    offline layout test shows it at d = 64 to 1,024): those are dropped. The two-pass
+    tiles run pass 1 on the norm kernel's own row tile and stay. The amax pass (no fp8
+    written) takes the one-pass tiles left, if any: two passes buy longer yᵀ runs, which
+    it does not store, with a second read. Under the interpreter a row's sum does not
+    depend on the tile, and only the first is used."""
+    if INTERPRET:
         return configs
-    return [c for c in configs if c.kwargs["BLOCK_C"] == 0]
+    same = [c for c in configs if c.kwargs["BLOCK_C"] or c.kwargs["BLOCK_T"] >= kwargs["ROWS"]]
+    if kwargs["WRITE_Q"] or kwargs["WRITE_QT"]:
+        return same
+    return [c for c in same if c.kwargs["BLOCK_C"] == 0] or same
 
 
 @functools.cache
@@ -329,7 +339,7 @@ def _autotuned(num_warps: int):
     configs = [triton.Config({"BLOCK_T": t, "BLOCK_C": c}, num_warps=num_warps)
                for t, c in (TILES[:1] if INTERPRET else TILES)]
     return triton.autotune(configs=configs, key=_TUNE_KEY,
-                           prune_configs_by={"early_config_prune": _one_pass_for_amax}
+                           prune_configs_by={"early_config_prune": _prune}
                            )(_rms_norm_fp8_kernel)
 
 
