@@ -145,7 +145,7 @@ def _nodes(T, reps):
     inv = 10000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float32, device="cuda") / hd)
     ang = torch.cat((pos * inv, pos * inv), dim=-1)
     cos, sin = ang.cos(), ang.sin()
-    cfg = fp8.Fp8Config(scaling="delayed", backend="scaled_mm")
+    cfg = fp8.Fp8Config(scaling="delayed", backend="scaled_mm", fuse_norm=True)
     out = {}
     for block, widths in (("qkv", [(d, (n_q + 2 * n_kv) * hd)]),
                           ("mlp", [(d, 2 * inter), (inter, d)])):

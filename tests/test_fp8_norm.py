@@ -40,7 +40,7 @@ def _tables(S):
 def _blocks(block, scaling, device="cpu", backend="emulate"):
     """Two identical (norm, fp8 projections) sets with separate state: fused, composed."""
     torch.manual_seed(0)
-    cfg = fp8.Fp8Config(scaling=scaling, backend=backend, history_len=4)
+    cfg = fp8.Fp8Config(scaling=scaling, backend=backend, history_len=4, fuse_norm=True)
     norm = RMSNorm(D, backend="triton").to(device)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -154,7 +154,8 @@ def test_model_fused_equals_composed_and_checkpointed(scaling, monkeypatch):
     calls = count_calls(monkeypatch, fp8_norm, "rms_norm_fp8")
     ckpt = [({}, GradientCheckpointConfig(mode="full"))] if scaling == "delayed" else []
     cfg, models = tiny_fp8_models(
-        {"fp8_scaling": scaling}, [({}, None), ({"fp8_fuse_norm": False}, None), *ckpt],
+        {"fp8_scaling": scaling, "fp8_fuse_norm": True},
+        [({}, None), ({"fp8_fuse_norm": False}, None), *ckpt],
         enable_fused_rope="triton", enable_fused_normalization="triton")
     layer = models[-1].model.layers[1]
     gen = torch.Generator().manual_seed(3)
@@ -199,9 +200,11 @@ def test_dispatch_conditions(monkeypatch):
     handle = norm.register_forward_hook(lambda *a: None)
     assert not fp8_norm.fusable(norm, proj, "cpu")
     handle.remove()
-    assert fp8.Fp8Config.from_extra({"fp8_fuse_norm": False}).fuse_norm is False
+    assert fp8.Fp8Config.from_extra({"fp8_fuse_norm": True}).fuse_norm is True
+    assert fp8.Fp8Config().fuse_norm is False  # opt-in: on a GPU it ran level
     # in the model: a hook on a block or a norm sends that norm the composed way
-    cfg, (model,) = tiny_fp8_models({}, [({}, None)], enable_fused_normalization="triton")
+    cfg, (model,) = tiny_fp8_models({"fp8_fuse_norm": True}, [({}, None)],
+                                    enable_fused_normalization="triton")
     calls = count_calls(monkeypatch, fp8_norm, "rms_norm_fp8")
     ids = torch.randint(0, cfg.vocab_size, (1, 9))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

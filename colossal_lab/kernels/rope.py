@@ -66,6 +66,15 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _rotate_halves(x1, x2, cos, sin):
+    """(x1·cos − x2·sin, x2·cos + x1·sin) in fp32 with the fused multiply-adds written
+    out: left to the compiler, a·b − c·d may become fma(a, b, −c·d) in one kernel and
+    fma(−c, d, a·b) in another, which round differently. Every kernel that rotates
+    (`rope_fp8` too) calls this, so they write the same bits."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
+
+
+@triton.jit
 def _rotate_heads(
     X,  # this token's first head of the input, heads stride_h apart, unit column stride
     OUT,  # this token's first head of the output, contiguous (n_heads, 2·HALF)
@@ -82,8 +91,7 @@ def _rotate_heads(
     x_ptrs = X + heads[:, None] * stride_h + cols[None, :]
     x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    y1 = x1 * cos[None, :] - x2 * sin[None, :]
-    y2 = x2 * cos[None, :] + x1 * sin[None, :]
+    y1, y2 = _rotate_halves(x1, x2, cos[None, :], sin[None, :])
     out_ptrs = OUT + heads[:, None] * (2 * HALF) + cols[None, :]
     tl.store(out_ptrs, _to_dtype(y1, OUT.dtype.element_ty), mask=mask)
     tl.store(out_ptrs + HALF, _to_dtype(y2, OUT.dtype.element_ty), mask=mask)

@@ -47,7 +47,7 @@ from colossal_lab.kernels.fp8_cast import (
     _use_triton,
     padded,
 )
-from colossal_lab.kernels.rope import _unit_columns, check_qk
+from colossal_lab.kernels.rope import _rotate_halves, _unit_columns, check_qk
 
 TILES = ((32, 4), (64, 4), (64, 8), (16, 4), (32, 8))
 """(BLOCK_T, num_warps) the autotuner chooses among, for each (tokens, width, outputs
@@ -119,8 +119,7 @@ def _rope_fp8_backward_kernel(
         t_ptrs = s[:, None] * stride_table + cols[None, :]
         cos = tl.load(COS + t_ptrs, mask=mask, other=0.0).to(tl.float32)
         sin = -tl.load(SIN + t_ptrs, mask=mask, other=0.0).to(tl.float32)
-        y1 = x1 * cos - x2 * sin
-        y2 = x2 * cos + x1 * sin
+        y1, y2 = _rotate_halves(x1, x2, cos, sin)
     else:
         y1 = x1
         y2 = x2

@@ -32,9 +32,10 @@ amaxes and every gradient are the composed path's.
 
 **When.** `fusable`: the norm is an `RMSNorm` whose backend resolves to "triton" (our
 kernel, which also fuses the residual add: `norm.FUSES_ADD`), without module hooks, and
-the projection's `Fp8Config.fuse_norm` (`Switches.extra["fp8_fuse_norm"]`, default
-True); the model asks through `fp8_qkv.fusable` / `fp8_mlp.fusable` with `norm=`, so the
-projection's own path must be fusable too.
+the projection's `Fp8Config.fuse_norm` (`Switches.extra["fp8_fuse_norm"]`, off by
+default: on a GPU it runs level with the composed path); the model asks through
+`fp8_qkv.fusable` / `fp8_mlp.fusable` with `norm=`, so the projection's own path must be
+fusable too.
 """
 
 from __future__ import annotations
