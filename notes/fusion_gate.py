@@ -1,13 +1,14 @@
 """Do the fp8 fusions that have not yet run on a GPU hold there? A gate for the closing.
 
-    python notes/fusion_gate.py QKV.json NORM.json
+    python notes/fusion_gate.py QKV.json [NORM.json]
 
 reads what `notes/probe_fp8_qkv.py` and `notes/probe_fp8_norm.py` wrote and says, for
 each fusion, whether it wrote the composed path's bits (every output, gradient and
 amax history) and whether its node ran no slower than the composed one (medians of the
 alternating reps). Exit 0 when both hold for both; 1 otherwise, naming the
 `Switches.extra` key that turns the failing fusion off (`fp8_fuse_rope`,
-`fp8_fuse_norm`). A missing or unreadable file fails its fusion.
+`fp8_fuse_norm`). A missing or unreadable file fails its fusion; without NORM.json only
+the RoPE fusion is judged (the norm fusion is opt-in).
 """
 
 from __future__ import annotations
@@ -57,12 +58,12 @@ def norm_verdict(out: dict | None) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: fusion_gate.py QKV.json NORM.json", file=sys.stderr)
+    if len(argv) not in (1, 2):
+        print("usage: fusion_gate.py QKV.json [NORM.json]", file=sys.stderr)
         return 2
     failed = False
-    for key, verdict, path in (("fp8_fuse_rope", qkv_verdict, argv[0]),
-                               ("fp8_fuse_norm", norm_verdict, argv[1])):
+    checks = (("fp8_fuse_rope", qkv_verdict), ("fp8_fuse_norm", norm_verdict))
+    for (key, verdict), path in zip(checks, argv):
         bad = verdict(_load(path))
         failed |= bool(bad)
         print(f"{key}: " + ("holds" if not bad else "FAILS (" + "; ".join(bad)
