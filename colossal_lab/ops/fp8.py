@@ -321,6 +321,13 @@ class _Scaler:
         return out
 
 
+def fusable_linear(m, flag: str) -> bool:
+    """Is `m` an `Fp8Linear` a fused node may run in its place: no bias, no module hooks
+    (they would not run), and its config's `flag` ("fuse_mlp", "fuse_rope") on?"""
+    return (isinstance(m, Fp8Linear) and m.bias is None and getattr(m.fp8_config, flag)
+            and not (m._forward_hooks or m._forward_pre_hooks))
+
+
 # ----------------------------------------------------------------- autograd Function
 
 

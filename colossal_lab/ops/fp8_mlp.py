@@ -56,18 +56,15 @@ from colossal_lab.kernels.swiglu_fp8 import (
     swiglu_fp8_forward_amax,
 )
 from colossal_lab.ops import autocast_state, fp8_norm
-from colossal_lab.ops.fp8 import Fp8Linear, scaled_mm
+from colossal_lab.ops.fp8 import Fp8Linear, fusable_linear, scaled_mm
 from colossal_lab.ops.swiglu import resolve_activation
 
 
 def fusable(gate_up_proj, down_proj, activation, device, norm=None) -> bool:
     """Can `fp8_swiglu_mlp` replace down_proj(swiglu(gate_up_proj(x), activation))? With
     `norm`: ...(gate_up_proj(norm(x))), the norm inside (`fp8_norm.fusable`)."""
-    for m in (gate_up_proj, down_proj):
-        if not isinstance(m, Fp8Linear) or m.bias is not None or not m.fp8_config.fuse_mlp:
-            return False
-        if m._forward_hooks or m._forward_pre_hooks:  # they would not run
-            return False
+    if not all(fusable_linear(m, "fuse_mlp") for m in (gate_up_proj, down_proj)):
+        return False
     if norm is not None and not fp8_norm.fusable(norm, gate_up_proj, device):
         return False
     return resolve_activation(activation, device) == "triton"

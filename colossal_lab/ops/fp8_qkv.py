@@ -42,17 +42,14 @@ import torch
 from colossal_lab.kernels.rope import check_qk, half_tables, rope_forward, split_heads
 from colossal_lab.kernels.rope_fp8 import rope_fp8_backward, rope_fp8_backward_amax
 from colossal_lab.ops import autocast_state, fp8_norm
-from colossal_lab.ops.fp8 import Fp8Linear, scaled_mm
+from colossal_lab.ops.fp8 import Fp8Linear, fusable_linear, scaled_mm
 from colossal_lab.ops.rope import resolve_backend as resolve_rope
 
 
 def fusable(qkv_proj, rope_backend, device, norm=None) -> bool:
     """Can `fp8_qkv_rope` replace split_rotary(qkv_proj(x)) with `rope_backend`? With
     `norm`: split_rotary(qkv_proj(norm(x))), the norm inside (`fp8_norm.fusable`)."""
-    if not isinstance(qkv_proj, Fp8Linear) or qkv_proj.bias is not None \
-            or not qkv_proj.fp8_config.fuse_rope:
-        return False
-    if qkv_proj._forward_hooks or qkv_proj._forward_pre_hooks:  # they would not run
+    if not fusable_linear(qkv_proj, "fuse_rope"):
         return False
     if norm is not None and not fp8_norm.fusable(norm, qkv_proj, device):
         return False
