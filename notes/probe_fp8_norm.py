@@ -5,18 +5,20 @@ working tool for notes/finale.md (the fp8 step), not a results file.
 
     python notes/probe_fp8_norm.py OUT.json [--reps 20] [--tokens 16384]
 
-(a) Bits of the kernel, with a residual and without: the fused kernel, per tile of
-`rms_norm_fp8.TILES` (BLOCK_T, BLOCK_C: one pass and two, at the norm kernel's warps) and
-as autotuned (the tile it chose is recorded), against `add_rms_norm_forward` /
-`rms_norm_forward` followed by `fp8_cast_transpose`: q, qᵀ, h, rstd, inv_scale and amax,
-as counts of differing elements (0 expected), and the amax pass's amax. One-pass tiles
-at other warps too, which may reduce a row in another order (their rstd may differ in
-the last bit): whether they are faster says what holding the norm kernel's warps costs.
+(a) Bits of the kernel, with a residual and without, against `add_rms_norm_forward` /
+`rms_norm_forward` followed by `fp8_cast_transpose`: the cast per tile of
+`rms_norm_fp8.CAST_TILES` (BLOCK_T, BLOCK_C: two passes, at the norm kernel's warps)
+and as autotuned, its q, qᵀ, h, rstd, inv_scale and amax as counts of differing
+elements (0 expected); the amax pass of dynamic scaling per tile of `rms_norm_fp8.TILES`
+(one pass and two) and as autotuned, its amax (the tiles the autotuners chose are
+recorded). The amax pass at one-pass tiles of other warps too, which may reduce a row
+in another order (its amax may differ in the last bit): whether they are faster says
+what holding the norm kernel's warps costs.
 (b) Time of the norm + cast pair (`timing.time_kernels`, CUDA-graph replay): composed
-(norm kernel, then cast kernel) against the fused kernel per tile and autotuned, and the
-amax-only pass of dynamic scaling; GB/s from the DRAM bytes each moves (bf16: composed
-12 with a residual, 8 without; fused 8 and 4 bytes an element of y; two passes re-read
-h, or x, from L2 on top) against the copy rate.
+(norm kernel, then cast kernel) against the fused cast per tile and autotuned, and the
+amax pass per tile and autotuned; GB/s from the DRAM bytes each moves (bf16: composed
+12 with a residual, 8 without; fused 8 and 4 bytes an element of y; the amax pass 4 and
+2; two passes re-read h, or x, from L2 on top) against the copy rate.
 (c) The two nodes the norms feed, with the norm inside (`fp8_fuse_norm`) against the
 norm followed by the same node: the qkv projection + RoPE (32 + 2 x 32 heads of 128)
 and the MLP (gate/up 2 x 11008): the forward+backward time (CUDA events, reps
@@ -58,9 +60,15 @@ def _differ(a, b) -> int:
     return int((a != b).sum().item())
 
 
-def _tile_name(block_t, block_c, tile_warps=None, norm_warps=None):
+def _tile_name(what, block_t, block_c, tile_warps=None, norm_warps=None):
     passes = f"2 passes x {block_c} cols" if block_c else "1 pass"
-    return f"fused {block_t} tokens, {passes}, {tile_warps or norm_warps} warps"
+    return f"{what} {block_t} tokens, {passes}, {tile_warps or norm_warps} warps"
+
+
+def _chosen(warps, cast):
+    """The tile the autotuner of the cast (or of the amax pass) chose at `warps`."""
+    best = rms_norm_fp8._autotuned(warps, cast).best_config
+    return [best.kwargs["BLOCK_T"], best.kwargs["BLOCK_C"]]
 
 
 def _kernels(T, d, res_on, reps, copy_gbps):
@@ -76,21 +84,23 @@ def _kernels(T, d, res_on, reps, copy_gbps):
     else:
         y, h, rstd = add_rms_norm_forward(x, res, w, EPS)
     ref = (*fp8_cast.fp8_cast_transpose(y, E4, src, amax_out=ar), h, rstd, ar)
-    tiles = [*rms_norm_fp8.TILES, None]  # None: the autotuner's choice
-    tiles += [(t, 0, wp) for t in (4, 8, 16) for wp in (4, 16) if wp != warps]
-    bits, rows = [], []
-    for tile in tiles:
+    cast_tiles = [*rms_norm_fp8.CAST_TILES, None]  # None: the autotuner's choice
+    amax_tiles = [*rms_norm_fp8.TILES, None]
+    amax_tiles += [(t, 0, wp) for t in (4, 8, 16) for wp in (4, 16) if wp != warps]
+    bits, amax_bits, rows, chosen = [], [], [], {}
+    for tile in cast_tiles:
         af = torch.zeros(1, device="cuda")
         out = (*rms_norm_fp8.rms_norm_fp8(x, res, w, EPS, E4, src, amax_out=af, tile=tile),
                af)
-        if tile is None:  # before the amax pass, which the autotuner keys apart
-            best = rms_norm_fp8._autotuned(warps).best_config
-            chosen = [best.kwargs["BLOCK_T"], best.kwargs["BLOCK_C"]]
         bits.append(dict(tile=tile, **{k: _differ(a, b) for k, a, b in zip(
             ("q", "qt", "inv", "h", "rstd", "amax"), out, ref)}))
-        bits[-1]["amax_pass"] = _differ(rms_norm_fp8.rms_norm_fp8_amax(
-            x, res, w, EPS, tile=tile), ar)
-    print("bits", json.dumps(bits), "autotuned", chosen, flush=True)
+    chosen["cast"] = _chosen(warps, True)
+    for tile in amax_tiles:
+        amax_bits.append(dict(tile=tile, amax_pass=_differ(rms_norm_fp8.rms_norm_fp8_amax(
+            x, res, w, EPS, tile=tile), ar)))
+    chosen["amax"] = _chosen(warps, False)
+    print("bits", json.dumps(bits), "amax pass", json.dumps(amax_bits), "autotuned",
+          chosen, flush=True)
     n = T * d
     moved = {"composed": (12 if res_on else 8) * n, "fused": (8 if res_on else 4) * n,
              "amax pass": (4 if res_on else 2) * n}
@@ -101,21 +111,24 @@ def _kernels(T, d, res_on, reps, copy_gbps):
         fp8_cast.fp8_cast_transpose(yy, E4, src)
 
     cases = [("composed: norm + cast", "composed", composed)]
-    for tile in tiles:
-        name = "fused, autotuned" if tile is None else _tile_name(*tile, warps)
+    for tile in cast_tiles:
+        name = "fused, autotuned" if tile is None else _tile_name("fused", *tile, warps)
         cases.append((name, "fused", lambda tile=tile: rms_norm_fp8.rms_norm_fp8(
             x, res, w, EPS, E4, src, tile=tile)))
-    cases.append(("amax pass", "amax pass",
-                  lambda: rms_norm_fp8.rms_norm_fp8_amax(x, res, w, EPS)))
+    for tile in amax_tiles:
+        name = "amax pass, autotuned" if tile is None else \
+            _tile_name("amax pass", *tile, warps)
+        cases.append((name, "amax pass", lambda tile=tile: rms_norm_fp8.rms_norm_fp8_amax(
+            x, res, w, EPS, tile=tile)))
     for name, kind, fn in cases:
         t, how = timing.time_kernels(fn, reps=reps)
         gbps = moved[kind] / t.median_ms / 1e6
         rows.append(dict(kernel=name, median_ms=t.median_ms, p10_ms=t.p10_ms,
                          p90_ms=t.p90_ms, gb_per_s=gbps, of_copy=gbps / copy_gbps, how=how))
-        print(f"{name:<34} {t.median_ms:6.3f} ms ({t.p10_ms:.3f}-{t.p90_ms:.3f})  "
+        print(f"{name:<40} {t.median_ms:6.3f} ms ({t.p10_ms:.3f}-{t.p90_ms:.3f})  "
               f"{gbps:5.0f} GB/s  {gbps / copy_gbps:4.0%} of copy", flush=True)
     return dict(residual=res_on, norm_warps=warps, autotuned_tile=chosen, bits=bits,
-                kernels=rows)
+                amax_bits=amax_bits, kernels=rows)
 
 
 def _node_step(block, path, mods, x, res, cos, sin, heads):

@@ -1,9 +1,10 @@
 """RMSNorm (with the residual add) writing its output in fp8, both layouts
 (`kernels.rms_norm_fp8`): against the unfused path (the Triton norm writing y, then
 `fp8_cast_transpose`) bit for bit — q, qᵀ and its padding, inv_scale, h, rstd, amax — on
-ragged token counts, row pieces, mixed dtypes, delayed and dynamic scaling; every tile of
-both families (one pass, two passes) and the amax pass at each; one layout alone, the
-torch reference, the checks. CPU: the kernels run under the Triton interpreter."""
+ragged token counts, row pieces, mixed dtypes, delayed and dynamic scaling; the cast at
+every two-pass tile and the amax pass at every tile of both families (one pass, two
+passes), a one-pass tile refused for a cast; one layout alone, the torch reference, the
+checks. CPU: the kernels run under the Triton interpreter."""
 
 import functools
 import json
@@ -97,14 +98,11 @@ def _unfused_case(T, d, dtype, res_dtype):
 
 
 @pytest.mark.parametrize("case", TILE_CASES, ids=str)
-@pytest.mark.parametrize("tile", kernel.TILES, ids=str)
-def test_every_tile_writes_the_unfused_bits(tile, case):
-    """Through the tile bypass, each tile of `TILES` (one pass and two passes) writes
-    the unfused path's q, qᵀ with its zero padding, inv_scale, h, rstd and amax, and its
-    amax pass finds the unfused amax."""
+@pytest.mark.parametrize("tile", kernel.CAST_TILES, ids=str)
+def test_every_cast_tile_writes_the_unfused_bits(tile, case):
+    """Through the tile bypass, each tile of `CAST_TILES` (two passes) writes the
+    unfused path's q, qᵀ with its zero padding, inv_scale, h, rstd and amax."""
     (x, res, w), ref = _unfused_case(*case)
-    assert torch.equal(rms_norm_fp8_amax(x, res, w, EPS, use_triton=True, tile=tile),
-                       ref[-1])
     af = torch.zeros(1)
     out = (*rms_norm_fp8(x, res, w, EPS, E4, torch.tensor([0.5, 2.0]), amax_out=af,
                          use_triton=True, tile=tile), af)
@@ -115,34 +113,71 @@ def test_every_tile_writes_the_unfused_bits(tile, case):
     assert out[1][:, case[0]:].float().abs().sum() == 0
 
 
-def test_the_prune_keeps_the_tiles_that_sum_a_row_as_the_norm_kernel(monkeypatch):
-    """On a GPU the autotuner times, for a cast, every two-pass tile and the one-pass
-    tiles of at least the norm kernel's ROWS rows (fewer spread a row differently: the
-    offline layout test); for the amax pass (no yᵀ written) the one-pass tiles among
-    those, or the two-pass ones when none is left. Under the interpreter, all."""
+@pytest.mark.parametrize("case", TILE_CASES, ids=str)
+@pytest.mark.parametrize("tile", kernel.TILES, ids=str)
+def test_every_tile_finds_the_unfused_amax(tile, case):
+    """Through the tile bypass, the amax pass at each tile of `TILES` (one pass and
+    two) finds the amax the unfused cast reduces from y, bit for bit."""
+    (x, res, w), ref = _unfused_case(*case)
+    amax = rms_norm_fp8_amax(x, res, w, EPS, use_triton=True, tile=tile)
+    assert amax.item() > 0 and torch.equal(amax, ref[-1]), (tile, amax, ref[-1])
+
+
+@pytest.mark.parametrize("tile", [(8, 0), (2, 0, 4)], ids=str)
+def test_a_one_pass_tile_is_refused_for_a_cast(tile):
+    """One pass computes the amax only: asked of a cast (either layout, or both) a
+    one-pass tile raises ValueError, on the torch path too; the amax pass runs it."""
+    x, res, w = _inputs(8, 64, BF, BF, seed=3)
+    src = torch.ones(1)
+    for q, qt, use_triton in ((True, True, True), (True, False, True),
+                              (False, True, True), (True, True, False)):
+        with pytest.raises(ValueError, match=r"one pass, which computes the amax only"):
+            rms_norm_fp8(x, res, w, EPS, E4, src, write_q=q, write_qt=qt,
+                         use_triton=use_triton, tile=tile)
+    ar = torch.zeros(1)
+    _unfused(x, res, w, E4, src, ar)
+    assert torch.equal(rms_norm_fp8_amax(x, res, w, EPS, use_triton=True, tile=tile), ar)
+
+
+def test_the_prune_gives_the_cast_two_passes_and_the_amax_the_norm_kernels_rows(
+        monkeypatch):
+    """On a GPU the autotuner times, for a cast, the two-pass tiles only; for the amax
+    pass the one-pass tiles of at least the norm kernel's ROWS rows (fewer spread a row
+    differently: the offline layout test), or the two-pass ones when none is left.
+    Under the interpreter the rows do not matter, and each autotuner holds the first
+    tile of its own: a cast runs two passes, the amax pass one."""
     import triton
 
+    one = [t for t in kernel.TILES if t[1] == 0]
+    two = [t for t in kernel.TILES if t[1]]
+    assert one and two  # both families
+    assert list(kernel.AMAX_TILES) == one and list(kernel.CAST_TILES) == two
     configs = [triton.Config({"BLOCK_T": t, "BLOCK_C": c}) for t, c in kernel.TILES]
-    assert {c for _, c in kernel.TILES} > {0}  # both families
-    assert kernel._prune(configs, {}, ROWS=64, WRITE_Q=False, WRITE_QT=False) == configs
-    monkeypatch.setattr(kernel, "INTERPRET", False)
 
     def kept(rows, q, qt):
         return [(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_C"])
                 for c in kernel._prune(configs, {}, ROWS=rows, WRITE_Q=q, WRITE_QT=qt)]
 
+    def tiles(autotuned):
+        return [(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_C"]) for c in autotuned.configs]
+
+    assert kernel.INTERPRET
+    assert tiles(kernel._autotuned(8, True)) == two[:1]
+    assert tiles(kernel._autotuned(8, False)) == one[:1]
+    assert kept(64, False, False) == one and kept(64, True, True) == two
+    monkeypatch.setattr(kernel, "INTERPRET", False)
     for q, qt in ((True, True), (True, False), (False, True)):
-        assert kept(1, q, qt) == list(kernel.TILES)  # d = 4096: one row a tile
-        assert kept(64, q, qt) == [t for t in kernel.TILES if t[1]]  # d = 64
-        assert kept(8, q, qt) == [t for t in kernel.TILES if t[1] or t[0] >= 8]
-    assert kept(1, False, False) == [t for t in kernel.TILES if t[1] == 0]
-    assert kept(8, False, False) == [t for t in kernel.TILES if t[1] == 0 and t[0] >= 8]
-    assert kept(64, False, False) == [t for t in kernel.TILES if t[1]]
+        for rows in (1, 8, 64):  # d = 4096: one row a tile; d = 64: 64 rows
+            assert kept(rows, q, qt) == two
+    assert kept(1, False, False) == one
+    assert kept(8, False, False) == [t for t in one if t[0] >= 8]
+    assert kept(64, False, False) == two
 
 
 @pytest.mark.parametrize("tile", [None, (32, 64)], ids=["autotuned", "two-pass"])
 def test_one_layout_alone_and_e5m2(tile):
-    """write_q / write_qt alone write what both write, in one pass and in two."""
+    """write_q / write_qt alone write what both write, at the autotuned tile and at
+    another; e5m2 writes the unfused path's bits."""
     x, res, w = _inputs(37, 48, BF, BF, seed=1)
     src = torch.tensor([4.0])
     both = rms_norm_fp8(x, res, w, EPS, E4, src, use_triton=True, tile=tile)
@@ -194,13 +229,18 @@ def test_bad_inputs_are_refused():
 
 def test_rows_are_laid_out_as_the_norm_kernel_lays_them_out():
     """Compiled for sm_90 without a GPU (in a process without the interpreter), each
-    row sum of squares of the fused kernel, one pass and two, spreads a row over a
-    thread's registers, lanes and warps as the norm kernel's does: on a GPU both add a
-    row's squares in the same order, so r (and y) keep the norm kernel's bits. Cases:
+    row sum of squares of the fused kernel, in one pass (the amax pass) and in two (the
+    cast), spreads a row over a thread's registers, lanes and warps as the norm
+    kernel's does: on a GPU both add a row's squares in the same order, so r (and y)
+    keep the norm kernel's bits. `aot_arguments` compiles the mode each tile runs. Cases:
     llama-7b's d = 4096 in bf16, d = 5120 (two row pieces) with an fp32 residual stream,
     fp32 rows without a residual; and d = 128 and 80, where a two-pass tile has the
     shape of the norm kernel's row tile (or piece), whose fp8 stores would widen the
     row's layout but for `_shared_width`."""
+    for tile in ((8, 0), (32, 128)):
+        consts = kernel.aot_arguments(4096, BF, BF, tile)[1][2]
+        assert consts["WRITE_Q"] == consts["WRITE_QT"] == (tile[1] > 0), tile
+        assert consts["WRITE_AMAX"] and consts["BLOCK_C"] == tile[1]
     code = r"""
 import json, torch
 from colossal_lab.kernels import rms_norm_fp8
@@ -233,16 +273,18 @@ print(json.dumps(out))
 @pytest.mark.parametrize("T,d,res_dtype", [(1000, 4096, BF), (4096, 4096, None),
                                            (2048, 5120, F32), (333, 1024, BF)], ids=str)
 def test_fused_writes_the_unfused_bits_on_the_gpu(T, d, res_dtype):
-    """Compiled, every tile of `TILES` (one pass and two) and the autotuned one write the
-    unfused path's bytes: q, qᵀ, inv_scale, amax, h and rstd (the kernel reduces each row
-    as the norm kernel lays it out, so r has the norm kernel's bits), with a history
-    smaller than the values (saturation); and each tile's amax pass finds the amax."""
+    """Compiled, the cast at every tile of `CAST_TILES` and at the autotuned one writes
+    the unfused path's bytes: q, qᵀ, inv_scale, amax, h and rstd (the kernel reduces each
+    row as the norm kernel lays it out, so r has the norm kernel's bits), with a history
+    smaller than the values (saturation); and the amax pass at every tile of `TILES`
+    (one pass and two) and at the autotuned one finds the amax."""
     x, res, w = (None if t is None else t.cuda() for t in _inputs(T, d, BF, res_dtype, 5))
     src = torch.tensor([0.5, 2.0], device="cuda")
     ar = torch.zeros(1, device="cuda")
     ref = (*_unfused(x, res, w, E4, src, ar), ar)
     for tile in (*kernel.TILES, None):
         assert torch.equal(rms_norm_fp8_amax(x, res, w, EPS, tile=tile), ar), tile
+    for tile in (*kernel.CAST_TILES, None):
         af = torch.zeros(1, device="cuda")
         out = (*rms_norm_fp8(x, res, w, EPS, E4, src, amax_out=af, tile=tile), af)
         for a, b, what in zip(out, ref, ("q", "qt", "inv", "h", "rstd", "amax")):

@@ -5,8 +5,8 @@ projection (`input_layernorm` -> `qkv_proj`, `post_attention_layernorm` ->
 `gate_up_proj`). Composed from the parts, the norm writes y (T, d) in the activation
 dtype and the projection's cast (`kernels.fp8_cast`) reads it back to write its e4m3
 copies: row-major for the forward GEMM, transposed for dW. y has no other reader (the
-norm's backward reads h and rstd). This kernel normalises and casts in one pass, so y
-is never written::
+norm's backward reads h and rstd). This kernel normalises and casts in one kernel, so
+y is never written::
 
     h = x + residual          (fused add; rounded to its dtype and stored, as the norm does)
     r = (mean(h²) + eps)^(-1/2)                stored (fp32) for the norm's backward
@@ -26,25 +26,11 @@ Dynamic scaling needs amax(y) before the cast: the kernel's amax-only mode reads
 the residual) once more and writes nothing else (`rms_norm_fp8_amax`); the unfused path
 reads y for it instead, after writing it.
 
-**Tiles.** A program covers BLOCK_T tokens, in one of two ways (`TILES`, autotuned).
+**Tiles.** A program covers BLOCK_T tokens, in one of two ways: the cast runs two
+passes (`CAST_TILES`), the amax pass, which stores no fp8, one (`AMAX_TILES`); each is
+autotuned over its tiles.
 
-*One pass* holds the BLOCK_T whole rows in registers, as up to three power-of-two pieces
-(`_norm_common.row_pieces`), as the norm kernel (`kernels.rms_norm`) holds its row tile
-(one row at d = 4096). On a GPU the order in which a row's squares are added follows how
-the tile is laid out over a thread's registers, the lanes and the warps. So this kernel
-runs with the norm kernel's warps (`_norm_common.launch_config`) and caps its loads and
-stores at the norm kernel's vector width (`_vectors`; the fp8 store alone would widen a
-thread's share of a row to 16 elements): a row is then laid out as in the norm kernel,
-the extra rows repeating each thread's share, and summed in the same order, so r, and y,
-keep the norm kernel's bits. The price is the transposed store, one run of BLOCK_T bytes
-per row of yᵀ (a 32-byte sector shared by four programs at BLOCK_T = 8, where the cast
-kernel writes 64-byte runs), against registers: a thread holds BLOCK_T · d / (32 ·
-warps) fp32 values of h. At d = 4096 in bf16 with the norm kernel's 8 warps, ptxas
-(Triton 3.7.1) gives a thread 64 registers at BLOCK_T = 2, 128 at 4 and 255 at 8, and
-spills at 16. A tile of 32 tokens, a 32-byte sector of each row of yᵀ, would hold 0.5 MB
-of fp32 rows, twice an SM's register file.
-
-*Two passes* (BLOCK_T = 16 or 32) free the registers from the rows::
+*Two passes* (BLOCK_T = 16 or 32) keep no row in registers::
 
     pass 1, per row tile of the norm kernel (ROWS rows: one for d > 2048):
         read x (and the residual), store h and r          the norm kernel's own tile
@@ -54,12 +40,27 @@ of fp32 rows, twice an SM's register file.
 Pass 1 is the norm kernel's computation on the norm kernel's tile shape, with its warps
 and vector widths, so a row's sum has its layout by construction; pass 2 is element by
 element (and a max), its bits independent of its tile. yᵀ is written in runs of BLOCK_T
-bytes, half or all of a sector. The re-read costs 2 bytes an element of bf16 h (d ·
-BLOCK_T · 2 bytes a program, 256 KB at d = 4096 and 32 tokens) of L2 traffic, and none
-of DRAM's as long as h stays in L2: 50 MB on an H100 hold the h of about 200 such
+bytes, half or all of a 32-byte sector. The re-read costs 2 bytes an element of bf16 h
+(d · BLOCK_T · 2 bytes a program, 256 KB at d = 4096 and 32 tokens) of L2 traffic, and
+none of DRAM's as long as h stays in L2: 50 MB on an H100 hold the h of about 200 such
 programs, 1.5 per SM, so whether it stays depends on how many programs run at once,
-which the autotuner's timing settles. The amax pass, which writes no yᵀ, is autotuned
-over the one-pass tiles (`_prune`).
+which the autotuner's timing settles.
+
+*One pass* holds the BLOCK_T whole rows in registers, as up to three power-of-two pieces
+(`_norm_common.row_pieces`), as the norm kernel (`kernels.rms_norm`) holds its row tile
+(one row at d = 4096), and keeps of y only max |y|: the amax pass reads x (and the
+residual) once and stores nothing else. On a GPU the order in which a row's squares are
+added follows how the tile is laid out over a thread's registers, the lanes and the
+warps. So this kernel runs with the norm kernel's warps (`_norm_common.launch_config`)
+and caps its loads at the norm kernel's vector width (`_vectors`): a row is then laid
+out as in the norm kernel, the extra rows repeating each thread's share, and summed in
+the same order, so r, y and the amax keep the norm kernel's bits. A thread holds
+BLOCK_T · d / (32 · warps) fp32 values of h: at d = 4096 in bf16 with the norm kernel's
+8 warps, ptxas (Triton 3.7.1) gives the amax pass 48 registers a thread at BLOCK_T = 2,
+90 at 4 and 162 at 8, and spills at 16. A cast in one pass would store yᵀ in runs of
+those BLOCK_T bytes, a 32-byte sector shared by 32 / BLOCK_T programs: on an H100 (d =
+4096, bf16) such a cast moves 27–60% of the copy rate, against 71% for two passes at
+(32, 128).
 
 `sm90_compile.row_reduction_layouts` reads the layouts from the kernels compiled for
 sm_90 (a CPU test compares them, a GPU test the bits). Both families lay a row out as the
@@ -87,7 +88,6 @@ import triton.language as tl
 from colossal_lab.kernels import INTERPRET
 from colossal_lab.kernels._norm_common import (
     SMALL_ROWS,
-    _piece,
     _row_tile,
     _to_dtype,
     check_input,
@@ -107,14 +107,21 @@ from colossal_lab.kernels.fp8_cast import (
 )
 from colossal_lab.kernels.rms_norm import _rms_norm_forward_kernel, _rms_norm_forward_piece
 
-TILES = ((8, 0), (4, 0), (2, 0), (16, 0), (16, 64), (32, 64), (16, 128), (32, 128))
-"""(BLOCK_T, BLOCK_C) the autotuner chooses among, for each (tokens, hidden, residual,
-outputs written): the first call of a shape times each and keeps the fastest. BLOCK_T
-is the tokens a program covers; BLOCK_C 0 holds them whole in one pass (16 only pays at
-small hidden sizes; it spills at 4096), else two passes, the second in tiles of BLOCK_C
-columns (module docstring). The amax pass, which stores no yᵀ, takes one pass only. The
-warps are the norm kernel's and each row's sum is laid out as in it, so the outputs do
-not depend on the tile, bit for bit. Under the interpreter only the first is used."""
+CAST_TILES = ((16, 64), (32, 64), (16, 128), (32, 128))
+"""(BLOCK_T, BLOCK_C) the cast (q, qᵀ or both written) is autotuned over, for each
+(tokens, hidden, residual, outputs written): the first call of a shape times each and
+keeps the fastest. All run two passes, the second in tiles of BLOCK_T tokens by BLOCK_C
+columns (module docstring): yᵀ is stored in runs of BLOCK_T bytes."""
+AMAX_TILES = ((8, 0), (4, 0), (2, 0), (16, 0))
+"""(BLOCK_T, 0): the amax pass's tiles, one pass over BLOCK_T whole rows held in
+registers (16 only pays at small hidden sizes; it spills at 4096). It stores no yᵀ, so
+the short runs that keep the cast off one pass cost it nothing, and it reads x once."""
+TILES = AMAX_TILES + CAST_TILES
+"""Every tile: the amax pass is autotuned over all, `_prune` keeping the one-pass tiles
+where it may and the two-pass ones where none is left. The warps are the norm kernel's
+and each row's sum is laid out as in it, so the outputs do not depend on the tile, bit
+for bit. Under the interpreter each autotuner has only its first tile: `CAST_TILES[0]`
+for the cast, `TILES[0]` (one pass) for the amax pass."""
 _TUNE_KEY = ["n_rows", "n_cols", "HAS_RESIDUAL", "WRITE_Q", "WRITE_QT", "WRITE_AMAX"]
 
 
@@ -167,25 +174,14 @@ def _shared_width(rows, cols, ROWS, P0, P1, P2, VEC0, VEC1, VEC2):
 
 
 @triton.jit
-def _rms_norm_fp8_piece(Q, QT, W, HOUT, x, rstd, scale, amax, rows, row_ok, n_cols, ld_qt,
-                        FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
-                        MIN_EXP: tl.constexpr, WRITE_Q: tl.constexpr,
-                        WRITE_QT: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-                        OFF: tl.constexpr, P: tl.constexpr, VEC: tl.constexpr):
-    """One pass: y for columns OFF .. OFF + P - 1 of the tile, cast and stored both
-    ways; returns max(amax, max |y|)."""
-    cols, col_ok, mask = _piece(rows, row_ok, n_cols, OFF, P)
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (P,)
-    y = _normed(x, rstd, w, row_ok, HOUT.dtype.element_ty)
-    amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
-    if WRITE_Q or WRITE_QT:
-        q = _quantize(y, scale, QT.dtype.element_ty, FP8_MAX, MANT_BITS, MIN_EXP,
-                      ROUND_IN_FP32)
-        if WRITE_Q:  # no wider than the loads: the tile keeps the norm kernel's layout
-            tl.store(Q + rows[:, None] * n_cols + tl.max_contiguous(cols[None, :], [1, VEC]),
-                     q, mask=mask)
-        _store_both(Q, QT, q, rows, cols, mask, n_cols, n_cols, ld_qt, False, WRITE_QT)
-    return amax
+def _piece_amax(W, x, rstd, row_ok, n_cols, dtype: tl.constexpr, OFF: tl.constexpr,
+                P: tl.constexpr):
+    """One pass: max |y| over columns OFF .. OFF + P - 1 of the tile, whose h is `x`
+    (fp32, zero past n_cols)."""
+    cols = OFF + tl.arange(0, P)
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)  # (P,)
+    y = _normed(x, rstd, w, row_ok, dtype)
+    return tl.max(tl.max(tl.abs(y), axis=1), axis=0)
 
 
 @triton.jit
@@ -195,8 +191,8 @@ def _rms_norm_fp8_kernel(
     W,  # (n_cols,) norm weight, any float dtype (upcast)
     HOUT,  # (n_rows, n_cols) output h = x + residual, contiguous (stored with the cast);
     #        without a residual, any tensor of y's dtype (its dtype is all that is read)
-    RSTD,  # (n_rows,) fp32 output r, for the norm's backward (stored with the cast; two
-    #        passes store it always, in the amax pass to a scratch buffer, and re-read it)
+    RSTD,  # (n_rows,) fp32 output r, for the norm's backward: stored by pass 1 and re-read
+    #        by pass 2 (the amax pass's to a scratch buffer); one pass leaves it alone
     Q,  # (n_rows, n_cols) fp8 output q(y · scale), contiguous (WRITE_Q)
     QT,  # (n_cols, ld_qt) fp8 output, Q transposed, columns n_rows..ld_qt-1 zero (WRITE_QT)
     AMAX_SRC,  # (n_src,) fp32: the scale is fp8_max / max(AMAX_SRC) (WRITE_Q or WRITE_QT)
@@ -227,33 +223,28 @@ def _rms_norm_fp8_kernel(
     VEC2: tl.constexpr,
     ROWS: tl.constexpr,  # the norm kernel's rows per tile: the row tile of pass 1
     BLOCK_T: tl.constexpr,  # tokens per program
-    BLOCK_C: tl.constexpr,  # 0: one pass; else two, pass 2 in tiles of BLOCK_C columns
+    BLOCK_C: tl.constexpr,  # 0: one pass (the amax pass only); else two, pass 2 in
+    #                         tiles of BLOCK_C columns
 ):
     """BLOCK_T rows: h (stored), r = (mean(h²) + eps)^-1/2 (stored), y = h · r · w rounded
     to HOUT's dtype, cast to fp8 and stored as is and transposed. Programs past n_rows
     (up to ld_qt) store the zero padding of QT. Without WRITE_Q and WRITE_QT (the amax
-    pass) nothing is stored but the amax (and, in two passes, r)."""
+    pass) nothing is stored but the amax (and, in two passes, r); one pass
+    (BLOCK_C = 0) runs only that."""
     CAST: tl.constexpr = WRITE_Q or WRITE_QT
-    if BLOCK_C == 0:  # one pass: the BLOCK_T rows in registers, whole
+    if BLOCK_C == 0:  # one pass, the amax pass: the BLOCK_T rows in registers, whole
+        tl.static_assert(not CAST, "one pass computes the amax only")
         rows, row_ok = _row_tile(tl.program_id(0), n_rows, BLOCK_T)
         rstd, x0, x1, x2 = _rms_norm_rows(X, RES, HOUT, rows, row_ok, stride_x,
-                                          stride_res, n_cols, eps, HAS_RESIDUAL, CAST,
+                                          stride_res, n_cols, eps, HAS_RESIDUAL, False,
                                           P0, P1, P2, VEC0, VEC1, VEC2)  # (BLOCK_T,) r
-        scale = 1.0
-        if CAST:  # the cast pass stores h (above) and r; the amax pass does not
-            tl.store(RSTD + rows, rstd, mask=row_ok)
-            scale = _scale(AMAX_SRC, INV_SCALE, n_src, FP8_MAX, EPS, BLOCK_SRC)
-        amax = _rms_norm_fp8_piece(Q, QT, W, HOUT, x0, rstd, scale, 0.0, rows, row_ok,
-                                   n_cols, ld_qt, FP8_MAX, MANT_BITS, MIN_EXP, WRITE_Q,
-                                   WRITE_QT, ROUND_IN_FP32, 0, P0, VEC0)
+        dtype: tl.constexpr = HOUT.dtype.element_ty
+        amax = _piece_amax(W, x0, rstd, row_ok, n_cols, dtype, 0, P0)
         if P1 > 0:
-            amax = _rms_norm_fp8_piece(Q, QT, W, HOUT, x1, rstd, scale, amax, rows, row_ok,
-                                       n_cols, ld_qt, FP8_MAX, MANT_BITS, MIN_EXP, WRITE_Q,
-                                       WRITE_QT, ROUND_IN_FP32, P0, P1, VEC1)
+            amax = tl.maximum(amax, _piece_amax(W, x1, rstd, row_ok, n_cols, dtype, P0, P1))
         if P2 > 0:
-            amax = _rms_norm_fp8_piece(Q, QT, W, HOUT, x2, rstd, scale, amax, rows, row_ok,
-                                       n_cols, ld_qt, FP8_MAX, MANT_BITS, MIN_EXP, WRITE_Q,
-                                       WRITE_QT, ROUND_IN_FP32, P0 + P1, P2, VEC2)
+            amax = tl.maximum(amax, _piece_amax(W, x2, rstd, row_ok, n_cols, dtype,
+                                                P0 + P1, P2))
     else:
         # pass 1: the norm kernel's own row tiles (ROWS rows, one for d > 2048;
         # past BLOCK_T masked off), h and r stored
@@ -317,27 +308,30 @@ def _vectors(cfg, dtype: torch.dtype) -> dict[str, int]:
 
 
 def _prune(configs, named_args, **kwargs):
-    """The autotuner's prune. A one-pass tile of fewer rows than the norm kernel's row
-    tile (ROWS) spreads a row over more lanes or warps than the norm kernel does, so on
-    a GPU it adds a row's squares in another order (r may differ in its last bit; the
-    offline layout test shows it at d = 64 to 1,024): those are dropped. The two-pass
-    tiles run pass 1 on the norm kernel's own row tile and stay. The amax pass (no fp8
-    written) takes the one-pass tiles left, if any: two passes buy longer yᵀ runs, which
-    it does not store, with a second read. Under the interpreter a row's sum does not
-    depend on the tile, and only the first is used."""
-    if INTERPRET:
-        return configs
-    same = [c for c in configs if c.kwargs["BLOCK_C"] or c.kwargs["BLOCK_T"] >= kwargs["ROWS"]]
+    """The autotuner's prune. A cast takes the two-pass tiles, whose yᵀ runs (BLOCK_T
+    bytes) are longer than the registers let one pass's be (module docstring). The amax
+    pass (no fp8 written) takes the one-pass tiles, which read x once, but not those of
+    fewer rows than the norm kernel's row tile (ROWS): such a tile spreads a row over
+    more lanes or warps than the norm kernel does, so on a GPU it adds a row's squares
+    in another order (r may differ in its last bit, and with it the amax; the offline
+    layout test shows it at d = 64 to 1,024). Where no one-pass tile is left it takes
+    the two-pass ones, whose pass 1 runs on the norm kernel's own row tile. Under the
+    interpreter a row's sum does not depend on the tile."""
+    two = [c for c in configs if c.kwargs["BLOCK_C"]]
     if kwargs["WRITE_Q"] or kwargs["WRITE_QT"]:
-        return same
-    return [c for c in same if c.kwargs["BLOCK_C"] == 0] or same
+        return two
+    return [c for c in configs if c.kwargs["BLOCK_C"] == 0
+            and (INTERPRET or c.kwargs["BLOCK_T"] >= kwargs["ROWS"])] or two
 
 
 @functools.cache
-def _autotuned(num_warps: int):
-    """The kernel autotuned over `TILES` at `num_warps` (the norm kernel's)."""
+def _autotuned(num_warps: int, cast: bool):
+    """The kernel at `num_warps` (the norm kernel's) autotuned for a cast over
+    `CAST_TILES`, for the amax pass over `TILES` (`_prune` picks among them); under the
+    interpreter at the first of those only."""
+    tiles = CAST_TILES if cast else TILES
     configs = [triton.Config({"BLOCK_T": t, "BLOCK_C": c}, num_warps=num_warps)
-               for t, c in (TILES[:1] if INTERPRET else TILES)]
+               for t, c in (tiles[:1] if INTERPRET else tiles)]
     return triton.autotune(configs=configs, key=_TUNE_KEY,
                            prune_configs_by={"early_config_prune": _prune}
                            )(_rms_norm_fp8_kernel)
@@ -361,12 +355,19 @@ def _check(x2d, residual2d, w):
     return check_param(w, x2d.shape[1], x2d, "weight")
 
 
+def _check_tile(tile, cast: bool) -> None:
+    """A cast runs two passes: a one-pass tile (BLOCK_C = 0) is refused for it."""
+    if cast and tile is not None and not tile[1]:
+        raise ValueError(f"tile {tuple(tile)} runs one pass, which computes the amax only: "
+                         f"a cast takes a two-pass tile (BLOCK_C > 0), one of {CAST_TILES}")
+
+
 def _launch(x2d, residual2d, w, eps, dtype, amax_src, amax_out, write_q, write_qt, ld,
             tile=None):
     """Run the kernel over token tiles; returns (q, qt, inv_scale, h, rstd), h None
-    without a residual. `tile`, (BLOCK_T, BLOCK_C) of `TILES` or (BLOCK_T, BLOCK_C,
-    num_warps), bypasses the autotuner (tests, probes; num_warps None or absent: the
-    norm kernel's)."""
+    without a residual. `tile`, (BLOCK_T, BLOCK_C) or (BLOCK_T, BLOCK_C, num_warps),
+    bypasses the autotuner (tests, probes; num_warps None or absent: the norm kernel's):
+    for a cast one of `CAST_TILES` (two passes), for the amax pass one of `TILES`."""
     T, d = x2d.shape
     fp8_max, mant, min_exp = _format(dtype)
     dev = x2d.device
@@ -378,10 +379,11 @@ def _launch(x2d, residual2d, w, eps, dtype, amax_src, amax_out, write_q, write_q
         if cast and residual2d is not None else None
     rstd = torch.empty(T, dtype=torch.float32, device=dev) if cast else None
     inv = torch.empty(1, dtype=torch.float32, device=dev)
-    block_t, block_c, warps = (*tile, None)[:3] if tile is not None else (0, 0, None)
-    r_out = inv if rstd is None else rstd  # stored only with the cast, one pass
-    if rstd is None and block_c:  # two passes re-read r: the amax pass's goes to scratch
-        r_out = torch.empty(T, dtype=torch.float32, device=dev)
+    block_t, block_c, warps = (*tile, None)[:3] if tile is not None else (0, None, None)
+    r_out = rstd  # the cast stores r for the norm's backward
+    if rstd is None:  # the amax pass: two passes store r and re-read it, here to scratch;
+        # one pass stores none (the autotuner may take either)
+        r_out = inv if block_c == 0 else torch.empty(T, dtype=torch.float32, device=dev)
     dummy = q if q is not None else qt if qt is not None else \
         torch.empty(1, dtype=dtype, device=dev)
     src = amax_src.reshape(-1) if amax_src is not None else inv
@@ -393,7 +395,7 @@ def _launch(x2d, residual2d, w, eps, dtype, amax_src, amax_out, write_q, write_q
         torch.empty(1, dtype=y_dtype, device=dev)  # the amax pass: h's dtype only
     cfg = launch_config(d, x2d.dtype, small=T <= SMALL_ROWS and residual2d is None)
     warps = warps or cfg.num_warps
-    run = _autotuned(warps) if tile is None else _rms_norm_fp8_kernel
+    run = _autotuned(warps, cast) if tile is None else _rms_norm_fp8_kernel
     fixed = {} if tile is None else {"BLOCK_T": block_t, "BLOCK_C": block_c,
                                      "num_warps": warps}
 
@@ -431,9 +433,11 @@ def rms_norm_fp8(x2d: torch.Tensor, residual2d: torch.Tensor | None, w: torch.Te
     (T,) fp32, as `add_rms_norm_forward` / `rms_norm_forward` return them. With
     `amax_out` (a zeroed (1,) fp32 tensor), max |y| is reduced into it. Kernel on CUDA
     (`use_triton=None`), torch ops elsewhere; True forces the kernel. `tile` (one of
-    `TILES`, or with the warps appended: (BLOCK_T, BLOCK_C, num_warps)) runs that tile
-    instead of the autotuner's choice."""
+    `CAST_TILES`, or with the warps appended: (BLOCK_T, BLOCK_C, num_warps)) runs that
+    tile instead of the autotuner's choice; a one-pass tile (BLOCK_C = 0) raises
+    ValueError (with write_q or write_qt)."""
     w = _check(x2d, residual2d, w)
+    _check_tile(tile, write_q or write_qt)
     ld = padded(x2d.shape[0], pad_to)
     if not _use_triton(x2d, use_triton):
         y, h, rstd = rms_norm_torch(x2d, residual2d, w, eps)
@@ -448,8 +452,9 @@ def rms_norm_fp8_amax(x2d: torch.Tensor, residual2d: torch.Tensor | None, w: tor
                       tile=None) -> torch.Tensor:
     """max |y| of y = RMSNorm(x + residual) · w (rounded to its dtype) as a (1,) fp32
     tensor: dynamic scaling's first pass (reads x and the residual, writes nothing
-    else). `tile` as `rms_norm_fp8`'s (a two-pass tile also writes r to a scratch
-    buffer)."""
+    else). `tile`, one of `TILES` (one pass or two; two also write r to a scratch
+    buffer) or with the warps appended, runs that tile instead of the autotuner's
+    choice."""
     w = _check(x2d, residual2d, w)
     if not _use_triton(x2d, use_triton):
         return fp8_amax(rms_norm_torch(x2d, residual2d, w, eps)[0], use_triton=False)
@@ -465,7 +470,8 @@ def aot_arguments(hidden: int, dtype: torch.dtype, residual_dtype: torch.dtype |
     (`kernels.rms_norm`) and of this kernel at `tile` = (BLOCK_T, BLOCK_C) (one of
     `TILES`), for `tokens` rows of `hidden` in `dtype` (and a residual), to compile both
     for sm_90 without a GPU (`sm90_compile.compile_sm90`) and compare how they lay out
-    a row."""
+    a row. This kernel is compiled in the mode the tile runs: a two-pass tile writes
+    both fp8 copies and the amax, a one-pass tile the amax alone (the amax pass)."""
     ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
     y_dtype = dtype if residual_dtype is None else torch.promote_types(dtype, residual_dtype)
     cfg = launch_config(hidden, dtype, small=tokens <= SMALL_ROWS and residual_dtype is None)
@@ -481,9 +487,10 @@ def aot_arguments(hidden: int, dtype: torch.dtype, residual_dtype: torch.dtype |
                AMAX_SRC="*fp32", INV_SCALE="*fp32", AMAX_OUT="*fp32",
                **dict.fromkeys((*ints, "ld_qt", "n_src"), "i32"), eps="fp32")
     fmax, mant, min_exp = _format(torch.float8_e4m3fn)
+    cast = tile[1] > 0
     fused = (_rms_norm_fp8_kernel, sig,
              dict(FP8_MAX=fmax, MANT_BITS=mant, MIN_EXP=min_exp, EPS=EPS,
-                  HAS_RESIDUAL=residual_dtype is not None, WRITE_Q=True, WRITE_QT=True,
+                  HAS_RESIDUAL=residual_dtype is not None, WRITE_Q=cast, WRITE_QT=cast,
                   WRITE_AMAX=True, ROUND_IN_FP32=False, BLOCK_SRC=16, **pieces,
                   **_vectors(cfg, dtype), ROWS=cfg.rows, BLOCK_T=tile[0],
                   BLOCK_C=tile[1]),
