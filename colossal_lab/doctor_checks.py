@@ -297,7 +297,7 @@ def check_fp8(ctx: Context):
                    "rate); the linears run in "
                    f"{ctx.plan.switches.precision}", "--switches best-fp8 (fp8 linears, "
                    "delayed scaling); check the loss curve first, chapter 06",
-                   **_gain(ctx, "composed", "ours-bf16", "ours-fp8"))
+                   **_gain(ctx, "composed", "ours-bf16", "ours-fp8-eager"))
 
 
 def check_memory(ctx: Context):

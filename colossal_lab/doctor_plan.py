@@ -170,7 +170,8 @@ NOT_RECORDED = "no recorded result"
 RECORDED_STEPS = {"naive": ("baseline", "ours-fp32-naive"),
                   "bf16": ("baseline", "ours-bf16-naive"),
                   "best": ("composed", "ours-bf16"),
-                  "best-fp8": ("composed", "ours-fp8")}
+                  "best-fp8": ("composed", "ours-fp8-eager"),
+                  "best-fp8-graph": ("composed", "ours-fp8")}
 """Where each `SWITCH_SETS` entry's training step was recorded (file, setup)."""
 
 

@@ -209,7 +209,7 @@ def test_composed_quick_runs_every_setup():
     rows = composed.run(quick=True)
     by = {r["setup"]: r for r in rows}
     # Liger and torchao need a GPU; compiled setups minutes of compilation
-    left = {"hf-liger", "ours-bf16-compile", "ours-bf16-graph", "ours-fp8-graph",
+    left = {"hf-liger", "ours-bf16-compile", "ours-bf16-graph", "ours-fp8",
             "hf-torchao-fp8", "hf-torchao-fp8-rowwise"}
     assert {s.name for s in composed.SETUPS if not runs_quick(s)} == left
     assert set(by) == set(composed.SETUP_NAMES) - left

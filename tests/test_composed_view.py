@@ -45,24 +45,27 @@ def test_variants_compare_with_the_row_of_their_moments():
 
 def test_variant_sentences_follow_each_verdict():
     """Each variant against the same step without it, with the reading its verdict
-    gives: level, faster and slower; the fp8 graph against ours-fp8; a variant without
-    its row is left out."""
+    gives: level, faster and slower; the fp8 headline (replayed as a graph) against the
+    same step launched eagerly; a variant without its row is left out, and so is the fp8
+    headline of a file without the eager fp8 row."""
     rows = [r if r["setup"] != "ours-bf16-compile" else
             {**r, "step_ms": 320.0, "step_ms_p10": 318.0, "step_ms_p90": 322.0}
             for r in NEW if r["setup"] != "ours-bf16-defer"]
-    rows += [row("ours-fp8-graph", "fp8-pure", step_ms=240.0, step_ms_p10=238.0,
-                 step_ms_p90=242.0),
-             row("ours-fp8-x", "fp8-pure")]
     rows = [r if r["setup"] != "ours-fp8" else {**r, "precision": "fp8-pure",
-                                                "step_ms": 250.0, "step_ms_p10": 248.0,
-                                                "step_ms_p90": 252.0} for r in rows]
+                                                "step_ms": 240.0, "step_ms_p10": 238.0,
+                                                "step_ms_p90": 242.0} for r in rows]
+    assert len(cv.variant_sentences(rows)) == 2  # no eager fp8 row: no fp8 sentence
+    rows += [row("ours-fp8-eager", "fp8-pure", step_ms=250.0, step_ms_p10=248.0,
+                 step_ms_p90=252.0),
+             row("ours-fp8-x", "fp8-pure")]
     got = cv.variant_sentences(rows)
     assert len(got) == 3  # compile, graph, fp8 graph; no defer row
     compile_, graph, fp8 = got
     assert compile_.startswith("Each layer torch.compiled (ours-bf16-compile")
     assert "the speed of ours-bf16" in compile_ and cv.READINGS["compile", "slower"] in compile_
     assert "level with ours-bf16" in graph and cv.READINGS["graph", "level"] in graph
-    assert "faster than ours-fp8" in fp8 and cv.READINGS["graph", "faster"] in fp8
+    assert fp8.startswith("The fp8 step replayed as one CUDA graph (ours-fp8")
+    assert "faster than ours-fp8-eager" in fp8 and cv.READINGS["graph", "faster"] in fp8
 
 
 def test_failed_rows_are_never_picked():
