@@ -1,5 +1,6 @@
 """Is the CUDA graph's lead on the fp8 step real? Reads the rounds of
-`bench composed --setups ours-fp8 ours-fp8-graph`, each saved under its own
+`bench composed --setups ours-fp8-eager ours-fp8` (from f54e2f6; before it the pair was
+named ours-fp8 and ours-fp8-graph), each saved under its own
 $COLOSSAL_LAB_RESULTS (`<dir>/<gpu>/composed.json`), and prints each round's ratio
 (eager step over graph step) with both p10–p90 ranges. Exit 0 when the graph was ahead
 in every round, 1 otherwise, 2 on bad input. A working tool for notes/finale.md.
@@ -30,7 +31,9 @@ def main(argv: list[str]) -> int:
     for folder in map(Path, argv):
         try:
             rows = rows_of(folder)
-            eager, graph = rows["ours-fp8"], rows["ours-fp8-graph"]
+            eager, graph = ((rows["ours-fp8-eager"], rows["ours-fp8"])
+                            if "ours-fp8-eager" in rows else
+                            (rows["ours-fp8"], rows["ours-fp8-graph"]))
         except (ValueError, KeyError, OSError) as e:
             print(f"graph_pairs: {folder}: {e}", file=sys.stderr)
             return 2
