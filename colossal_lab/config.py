@@ -335,9 +335,9 @@ ours-bf16: every single-GPU switch, bf16 parameters with fp32 master weights and
 moments, so the optimizer computes what `torch.optim.AdamW` computes. "best-fp8" is its
 fp8 composition: the same storage and optimizer, the linears in fp8.
 "best-fp8-graph" (ours-fp8, chapter 10's fp8 headline) replays that step as one CUDA graph
-(`switches.step_graph`): the same numerics, without the launch gaps that a step of ~200 ms
-leaves the host to fill; it needs a GPU and captures again whenever the batch shape or a
-hyper-parameter changes.
+(`switches.step_graph`): the same numerics, without the launch gaps the host leaves
+between kernels, which weigh more the shorter fp8 makes the step; it needs a GPU and
+captures again whenever the batch shape or a hyper-parameter changes.
 "best-fp8-fp32-params" keeps fp32 parameters instead (fp8's autocast-like regime): every
 fp8 cast reads a 4-byte weight, and the optimizer moves 32 bytes a parameter, not 28.
 "best-bf16-moments" keeps AdamW's moments in bf16, stochastically rounded: 8 bytes a

@@ -85,8 +85,8 @@ def run(quick: bool = False) -> list[dict]:
                             kernels (`enable_compile="layers"`; not in "best" until measured);
                             its row's `first_step_s` is the compile time
         ours-bf16-graph     ours-bf16 with the whole step replayed as one CUDA graph
-                            (`enable_compile="graph"`; "best" launches eagerly: at ~320 ms
-                            a step the host stays ahead of the GPU)
+                            (`enable_compile="graph"`; "best" launches eagerly: with
+                            bf16 GEMMs the host stays ahead of the GPU)
         ours-bf16-defer     ours-bf16 with each step's AdamW update run during the next
                             step's forward, on a side stream (`extra["adamw_defer"]`; not
                             in "best" until measured)
@@ -98,8 +98,8 @@ def run(quick: bool = False) -> list[dict]:
                             from Python (`SWITCH_SETS["best-fp8"]`)
         ours-fp8            the same step replayed as one CUDA graph, the fp8 headline (the
                             amax rings advance on the device; `SWITCH_SETS["best-fp8-graph"]`):
-                            at ~200 ms a step the host's launch gaps are ~1% of it
-        ours-fp8-fp32-params  ours-fp8 over fp32 parameters: each fp8 cast reads a 4-byte
+                            the shorter fp8 step leaves launch gaps a graph can close
+        ours-fp8-fp32-params  ours-fp8-eager over fp32 parameters: each fp8 cast reads a 4-byte
                             weight, AdamW moves 32 bytes a parameter instead of 28
         hf-torchao-fp8      Hugging Face's model, SDPA, torchao's float8 linears (tensorwise
                             dynamic scaling), torch.compile: the peer of ours-fp8
